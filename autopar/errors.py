@@ -1,0 +1,21 @@
+"""The errors autopar raises on bad input.
+
+Every message names what the user wrote (module path, tensor, dimension) and what
+was expected, so no traceback from deep inside torch is needed to act on it.
+"""
+
+
+class AutoparError(Exception):
+    """Base class of every error autopar raises on purpose."""
+
+
+class AnnotationError(AutoparError, ValueError):
+    """An annotation (shard, constrain, pipeline_stage, recompute) is malformed or inconsistent."""
+
+
+class CaptureError(AutoparError, RuntimeError):
+    """The model could not be captured as a graph."""
+
+
+class PlanError(AutoparError, RuntimeError):
+    """No plan satisfies the annotations, or a saved plan cannot be read."""

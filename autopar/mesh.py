@@ -1,0 +1,82 @@
+"""Meshes for planning: axis names and sizes, with or without ranks.
+
+Planning never needs a process group. A :class:`MeshSpec` is built from a mapping
+such as ``{"dp": 8, "tp": 8}``, from a real ``DeviceMesh`` (its ``mesh_dim_names``
+are required), or from another ``MeshSpec``. Axes are ordered as given; devices are
+numbered row-major over them, so the last axis varies fastest (the cost model reads
+this to decide which axes stay inside a node).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A logical device mesh: ``axis_names[i]`` has ``axis_sizes[i]`` devices."""
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
+            raise ValueError(
+                f"mesh needs one size per axis name and at least one axis, got names "
+                f"{self.axis_names} and sizes {self.axis_sizes}"
+            )
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise ValueError(f"mesh axis names must be distinct, got {self.axis_names}")
+        for name, size in zip(self.axis_names, self.axis_sizes):
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"mesh axis name {name!r} must be an identifier such as 'dp'")
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {name!r} must have a positive integer size, got {size!r}")
+
+    @classmethod
+    def of(cls, mesh: MeshSpec | Mapping[str, int] | Any) -> MeshSpec:
+        """Build from a ``MeshSpec``, a ``{name: size}`` mapping or a named ``DeviceMesh``."""
+        if isinstance(mesh, MeshSpec):
+            return mesh
+        if isinstance(mesh, Mapping):
+            return cls(tuple(mesh.keys()), tuple(int(v) for v in mesh.values()))
+        names = getattr(mesh, "mesh_dim_names", None)
+        shape = getattr(mesh, "shape", None)
+        if shape is None:
+            raise TypeError(
+                f"expected a DeviceMesh, a MeshSpec or a mapping like {{'dp': 2, 'tp': 4}}, "
+                f"got {type(mesh).__name__}"
+            )
+        if names is None:
+            raise ValueError(
+                "the DeviceMesh has no axis names: create it with "
+                "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+            )
+        return cls(tuple(names), tuple(int(s) for s in shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.axis_names)
+
+    @property
+    def size(self) -> int:
+        """Total number of devices."""
+        return math.prod(self.axis_sizes)
+
+    def axis_index(self, name: str) -> int:
+        """Index of the axis called ``name``; a clear error lists the known names."""
+        try:
+            return self.axis_names.index(name)
+        except ValueError:
+            raise ValueError(
+                f"unknown mesh axis {name!r}; this mesh has axes {list(self.axis_names)}"
+            ) from None
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.axis_sizes))
+
+    def __str__(self) -> str:
+        return "×".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes))

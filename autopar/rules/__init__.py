@@ -1,0 +1,312 @@
+"""Op sharding rules: a table from ATen op to an einsum-like dimension map.
+
+Each rule is a few lines that label the dimensions of an op's tensor operands and
+outputs (a :class:`DimSpec`), in the spirit of einsum: ``mm`` is ``mk,kn->mn``.
+Everything else follows from the labels:
+
+* sharding a label that appears in the output on a mesh axis splits every tensor
+  carrying it (``Shard(d)``) and replicates the tensors that lack it;
+* sharding a *summed* label (``k`` of ``mm``) leaves each rank a partial sum, so the
+  output is ``Partial`` and *additive* operands lacking the label (a bias) must be
+  ``Partial`` too;
+* *whole* labels (a softmax dimension, a reshaped-away dimension) are never split;
+* an op that is *linear* in an operand passes a ``Partial`` operand straight through.
+
+The gradient an operand receives has its own layout: ``Shard`` where the operand
+is sharded, ``Partial`` on axes where the op is split but the operand is not (the
+classic "all-reduce in backward"), ``Replicate`` otherwise. This is how the
+forward choice implies the backward collectives.
+
+Rules live in one module per op family (``matmul``, ``attention``, ``embedding``,
+``norms``, ``losses``, ``elementwise``, ``views``, ``reductions``, ``factories``)
+and register with :func:`rule`. An op with no rule is replicated by
+:func:`fallback` and reported by the planner.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from autopar.layout import Layout
+from autopar.mesh import MeshSpec
+
+Labels = tuple[str | None, ...]
+
+#: Marker for a mesh axis on which a Partial operand passes through a linear op.
+PASSTHROUGH = "<partial>"
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """How one op call maps the dimensions of its operands to its outputs.
+
+    ``operands[i]`` labels the dimensions of tensor operand ``i`` (operands are the
+    op's tensor arguments in argument order, lists flattened); ``None`` marks a
+    dimension that is never split (a broadcast or size-1 dimension), and a ``None``
+    in place of the whole tuple marks an operand read only for its dtype or shape
+    (any layout will do). ``mean_over`` are summed labels whose local result is a
+    mean: a rank holding 1/c of such a dimension must scale its result by 1/c so the
+    pieces add up (the lowering does this).
+    """
+
+    operands: tuple[Labels | None, ...]
+    outputs: tuple[Labels, ...]
+    summed: frozenset[str] = frozenset()
+    whole: frozenset[str] = frozenset()
+    additive: frozenset[int] = frozenset()
+    linear: frozenset[int] = frozenset()
+    mean_over: frozenset[str] = frozenset()
+    flops: float = 0.0
+
+    def shardable(self) -> tuple[str, ...]:
+        """Labels a mesh axis may split, in order of first appearance."""
+        out_labels = {lab for labels in self.outputs for lab in labels if lab}
+        seen: dict[str, None] = {}
+        for labels in (*self.operands, *self.outputs):
+            for lab in labels or ():
+                if lab and lab not in self.whole and (lab in out_labels or lab in self.summed):
+                    seen.setdefault(lab, None)
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op: the layouts it needs, produces, and hands back in backward.
+
+    ``choices[a]`` is the label split on mesh axis ``a`` (``None`` = not split,
+    :data:`PASSTHROUGH` = a Partial operand passes through). ``split`` is how many
+    ways the op's work is divided, used for its compute cost.
+    """
+
+    operands: tuple[Layout | None, ...]
+    outputs: tuple[Layout, ...]
+    grads: tuple[Layout | None, ...]
+    choices: tuple[str | None, ...]
+    split: int
+
+
+@dataclass
+class OpCall:
+    """An op node seen by a rule: its tensor operands and static shapes."""
+
+    node: torch.fx.Node
+    operands: list[torch.fx.Node] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    out_shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, node: torch.fx.Node) -> OpCall:
+        leaves = pytree.tree_leaves((node.args, node.kwargs))
+        operands = [a for a in leaves if isinstance(a, torch.fx.Node) and _is_tensor(a)]
+        out = node.meta.get("val")
+        outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+        return cls(node, operands, [shape_of(a) for a in operands], [tuple(int(s) for s in v.shape) for v in outs])
+
+    def arg(self, name: str, default: object = None) -> object:
+        """The argument called ``name`` in the op's schema (positional or keyword)."""
+        schema = getattr(self.node.target, "_schema", None)
+        if schema is None:
+            return default
+        for i, a in enumerate(schema.arguments):
+            if a.name == name:
+                if i < len(self.node.args) and not a.kwarg_only:
+                    return self.node.args[i]
+                if name in self.node.kwargs:
+                    return self.node.kwargs[name]
+                return a.default_value if a.has_default_value() else default
+        return default
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def shape_of(node: torch.fx.Node) -> tuple[int, ...]:
+    """Static shape of a tensor-valued node."""
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+RuleFn = Callable[[OpCall], DimSpec]
+
+
+@dataclass(frozen=True)
+class Rule:
+    fn: RuleFn
+    anchor: bool  # heavy op: gets a solver variable; other ops follow an operand
+    family: str
+
+
+RULES: dict[object, Rule] = {}
+
+
+def rule(*targets: object, anchor: bool = False) -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn`` as the rule of every op in ``targets``."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        family = fn.__module__.rsplit(".", 1)[-1]
+        for t in targets:
+            RULES[t] = Rule(fn, anchor, family)
+        return fn
+
+    return register
+
+
+def lookup(target: object) -> Rule | None:
+    """The rule for an op overload (falling back to its overload packet)."""
+    found = RULES.get(target)
+    if found is None and hasattr(target, "overloadpacket"):
+        found = RULES.get(target.overloadpacket)
+    return found
+
+
+def fallback(call: OpCall) -> DimSpec:
+    """Replicate everything: the rule of an op nobody described."""
+    return DimSpec(tuple((None,) * len(s) for s in call.shapes), tuple((None,) * len(s) for s in call.out_shapes))
+
+
+def fresh(n: int, taken: str = "") -> str:
+    """``n`` labels not in ``taken``."""
+    pool = (c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in taken)
+    return "".join(itertools.islice(pool, n))
+
+
+def broadcast(shapes: Sequence[tuple[int, ...]], out_shape: tuple[int, ...]) -> tuple[tuple[Labels, ...], Labels]:
+    """Labels for operands broadcast together into ``out_shape`` (right-aligned).
+
+    A dimension of size 1 that broadcasts against a larger one gets ``None``.
+    """
+    out = fresh(len(out_shape))
+    labels = []
+    for shape in shapes:
+        offset = len(out_shape) - len(shape)
+        labels.append(
+            tuple(out[offset + i] if size == out_shape[offset + i] else None for i, size in enumerate(shape))
+        )
+    return tuple(labels), tuple(out)
+
+
+# --- enumeration ----------------------------------------------------------------
+
+
+def _dims_of(spec: DimSpec, shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]]):
+    sizes: dict[str, list[int]] = {}
+    for labels, shape in zip((*spec.operands, *spec.outputs), (*shapes, *out_shapes)):
+        for lab, size in zip(labels or (), shape):
+            if lab:
+                sizes.setdefault(lab, []).append(size)
+    return sizes
+
+
+def _divisible(choices: Sequence[str | None], mesh: MeshSpec, sizes: dict[str, list[int]]) -> bool:
+    counts: dict[str, int] = {}
+    for lab, n in zip(choices, mesh.axis_sizes):
+        if lab and lab != PASSTHROUGH:
+            counts[lab] = counts.get(lab, 1) * n
+    return all(s % c == 0 for lab, c in counts.items() for s in sizes[lab])
+
+
+def build(spec: DimSpec, choices: Sequence[str | None], mesh: MeshSpec, passthrough: int | None = None) -> Strategy:
+    """The strategy that splits label ``choices[a]`` on mesh axis ``a``."""
+    n_ops = len(spec.operands)
+    operands: list[list] = [[] for _ in range(n_ops)]
+    grads: list[list] = [[] for _ in range(n_ops)]
+    outputs: list[list] = [[] for _ in spec.outputs]
+    split = 1
+    for lab, size in zip(choices, mesh.axis_sizes):
+        if lab is None:
+            for lst in (*operands, *grads, *outputs):
+                lst.append(Replicate())
+            continue
+        if lab == PASSTHROUGH:
+            assert passthrough is not None
+            additive = passthrough in spec.additive
+            for i in range(n_ops):
+                partial = i == passthrough or (additive and i in spec.additive)
+                operands[i].append(Partial() if partial else Replicate())
+                grads[i].append(Replicate() if partial else Partial())
+            for o in outputs:
+                o.append(Partial())
+            continue
+        split *= size
+        for i, labels in enumerate(spec.operands):
+            if labels and lab in labels:
+                operands[i].append(Shard(labels.index(lab)))
+                grads[i].append(Shard(labels.index(lab)))
+            elif lab in spec.summed and i in spec.additive:
+                operands[i].append(Partial())
+                grads[i].append(Replicate())
+            else:
+                operands[i].append(Replicate())
+                grads[i].append(Partial())
+        for o, labels in zip(outputs, spec.outputs):
+            o.append(Shard(labels.index(lab)) if lab in labels else (Partial() if lab in spec.summed else Replicate()))
+    free = [labels is None for labels in spec.operands]
+    return Strategy(
+        tuple(None if f else tuple(o) for f, o in zip(free, operands)),
+        tuple(map(tuple, outputs)),
+        tuple(None if f else tuple(g) for f, g in zip(free, grads)),
+        tuple(choices),
+        split,
+    )
+
+
+def enumerate_strategies(
+    spec: DimSpec, shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]], mesh: MeshSpec
+) -> list[Strategy]:
+    """Every strategy of an anchor op: one shardable label (or none) per mesh axis, evenly divisible."""
+    sizes = _dims_of(spec, shapes, out_shapes)
+    options = (None, *spec.shardable())
+    return [
+        build(spec, choices, mesh)
+        for choices in itertools.product(options, repeat=mesh.ndim)
+        if _divisible(choices, mesh, sizes)
+    ]
+
+
+def follow(
+    spec: DimSpec,
+    operand: int,
+    layout: Layout,
+    shapes: Sequence[tuple[int, ...]],
+    out_shapes: Sequence[tuple[int, ...]],
+    mesh: MeshSpec,
+) -> Strategy:
+    """The strategy of a cheap op that keeps operand ``operand``'s ``layout`` where it can.
+
+    Axes where the operand's split cannot carry through (a whole dimension, a Partial
+    into a non-linear op, an uneven split) fall back to not splitting there.
+    """
+    shardable = set(spec.shardable())
+    labels = spec.operands[operand] or (None,) * len(shapes[operand])
+    choices: list[str | None] = []
+    for p in layout:
+        if isinstance(p, Shard) and labels[p.dim] in shardable:
+            choices.append(labels[p.dim])
+        elif isinstance(p, Partial) and operand in spec.linear:
+            choices.append(PASSTHROUGH)
+        else:
+            choices.append(None)
+    sizes = _dims_of(spec, shapes, out_shapes)
+    for a in reversed(range(len(choices))):
+        if not _divisible(choices, mesh, sizes):
+            choices[a] = None
+    return build(spec, choices, mesh, passthrough=operand)
+
+
+from autopar.rules import (  # noqa: E402,F401  (registers the table)
+    attention,
+    elementwise,
+    embedding,
+    factories,
+    losses,
+    matmul,
+    norms,
+    reductions,
+    views,
+)

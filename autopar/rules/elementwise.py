@@ -1,0 +1,126 @@
+"""Element-wise ops with broadcasting: every output dim is a label shared by the
+operand dims that broadcast to it.
+
+Linearity decides what a Partial operand may do: ``add``/``sub`` of tensors are
+linear in (and additive over) all operands, ``mul`` is linear in each operand
+alone, ``div`` in its numerator, casts and copies in their input. Non-linear ops
+(activations, comparisons, dropout) need a Partial operand reduced first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autopar.rules import DimSpec, OpCall, broadcast, rule
+
+aten = torch.ops.aten
+
+
+def _pointwise(call: OpCall, linear: frozenset[int] = frozenset(), additive: frozenset[int] = frozenset()) -> DimSpec:
+    (out_shape, *more) = call.out_shapes
+    operands, out = broadcast(call.shapes, out_shape)
+    outs = (out, *(out for _ in more))
+    return DimSpec(operands, outs, linear=linear, additive=additive, flops=math.prod(out_shape))
+
+
+def _all(call: OpCall) -> frozenset[int]:
+    return frozenset(range(len(call.operands)))
+
+
+@rule(aten.add.Tensor, aten.sub.Tensor)
+def add(call: OpCall) -> DimSpec:
+    # a Python scalar term would be added once per rank, so only tensor sums are linear
+    tensors_only = len(call.operands) == 2
+    ops = _all(call) if tensors_only else frozenset()
+    return _pointwise(call, linear=ops, additive=ops)
+
+
+@rule(aten.mul.Tensor, aten.mul.Scalar)
+def mul(call: OpCall) -> DimSpec:
+    return _pointwise(call, linear=_all(call))
+
+
+@rule(aten.div.Tensor, aten.div.Scalar)
+def div(call: OpCall) -> DimSpec:
+    return _pointwise(call, linear=frozenset({0}))
+
+
+@rule(aten.where.self)
+def where(call: OpCall) -> DimSpec:
+    # where(c, x, y) is linear in x and y together; the condition must be whole-valued
+    both = frozenset(i for i, n in enumerate(call.operands) if n is not call.node.args[0])
+    return _pointwise(call, linear=both, additive=both)
+
+
+@rule(
+    aten.neg.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten._to_copy.default,
+    aten.type_as.default,
+)
+def linear_unary(call: OpCall) -> DimSpec:
+    return _pointwise(call, linear=frozenset({0}))
+
+
+@rule(
+    aten.gelu.default,
+    aten.silu.default,
+    aten.relu.default,
+    aten.tanh.default,
+    aten.sigmoid.default,
+    aten.exp.default,
+    aten.log.default,
+    aten.rsqrt.default,
+    aten.sqrt.default,
+    aten.erf.default,
+    aten.abs.default,
+    aten.sin.default,
+    aten.cos.default,
+    aten.reciprocal.default,
+    aten.pow.Tensor_Scalar,
+    aten.pow.Tensor_Tensor,
+    aten.clamp.default,
+    aten.clamp_min.default,
+    aten.clamp_max.default,
+    aten.dropout.default,
+    aten.native_dropout.default,
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.eq.Tensor,
+    aten.eq.Scalar,
+    aten.ne.Tensor,
+    aten.ne.Scalar,
+    aten.lt.Tensor,
+    aten.lt.Scalar,
+    aten.le.Tensor,
+    aten.le.Scalar,
+    aten.gt.Tensor,
+    aten.gt.Scalar,
+    aten.ge.Tensor,
+    aten.ge.Scalar,
+    aten.__and__.Tensor,
+    aten.__or__.Tensor,
+    aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor,
+    aten.bitwise_not.default,
+    aten.logical_and.default,
+    aten.logical_or.default,
+    aten.logical_not.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.empty_like.default,
+    aten.rand_like.default,
+    aten.isnan.default,
+    aten.sign.default,
+)
+def nonlinear(call: OpCall) -> DimSpec:
+    return _pointwise(call)

@@ -1,0 +1,63 @@
+"""Lookups: embedding (an anchor), index, gather, index_select."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.rules import DimSpec, OpCall, broadcast, fresh, rule
+
+aten = torch.ops.aten
+
+
+@rule(aten.embedding.default, anchor=True)
+def embedding(call: OpCall) -> DimSpec:
+    # vd, ... -> ...d. The vocabulary v stays whole: a vocabulary split needs a masked
+    # lookup with rank offsets, which the lowering does not generate yet.
+    (v, d), idx = call.shapes
+    labels = fresh(len(idx), "vd")
+    return DimSpec((("v", "d"), tuple(labels)), ((*labels, "d"),), whole=frozenset("v"))
+
+
+@rule(aten.index.Tensor)
+def index(call: OpCall) -> DimSpec:
+    # Advanced indexing: indexed dims of self stay whole; the broadcast index dims
+    # become output dims (in place when the indexed dims are adjacent, else first).
+    self_shape, idx_shapes = call.shapes[0], call.shapes[1:]
+    indices = call.arg("indices")
+    positions = [i for i, t in enumerate(indices) if t is not None]
+    (out_shape,) = call.out_shapes
+    idx_labels, bcast = broadcast(idx_shapes, out_shape[: len(out_shape) - len(self_shape) + len(positions)])
+    bcast = tuple(lab.upper() for lab in bcast)
+    idx_labels = tuple(tuple(lab.upper() if lab else None for lab in labels) for labels in idx_labels)
+    own = fresh(len(self_shape))
+    rest = [own[d] for d in range(len(self_shape)) if d not in positions]
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    if adjacent:
+        before = [own[d] for d in range(positions[0])]
+        out = (*before, *bcast, *rest[len(before) :])
+    else:
+        out = (*bcast, *rest)
+    whole = frozenset(own[d] for d in positions)
+    return DimSpec((tuple(own), *idx_labels), (tuple(out),), whole=whole)
+
+
+@rule(aten.gather.default)
+def gather(call: OpCall) -> DimSpec:
+    # out[i][j] = self[index[i][j]][j] along dim: self's dim stays whole, the index's
+    # (= output's) dim may split; other dims are shared when sizes match.
+    self_shape, idx_shape = call.shapes[:2]
+    dim = call.arg("dim") % len(self_shape)
+    idx = fresh(len(idx_shape))
+    own = tuple(
+        idx[d] if d != dim and self_shape[d] == idx_shape[d] else f"{idx[d]}".upper() for d in range(len(self_shape))
+    )
+    return DimSpec((own, tuple(idx)), (tuple(idx),), whole=frozenset(own[d] for d in range(len(own)) if own[d].isupper()))
+
+
+@rule(aten.index_select.default)
+def index_select(call: OpCall) -> DimSpec:
+    self_shape, _ = call.shapes
+    dim = call.arg("dim") % len(self_shape)
+    own = fresh(len(self_shape), "Z")
+    out = tuple("Z" if d == dim else own[d] for d in range(len(self_shape)))
+    return DimSpec((tuple(own), ("Z",)), (out,), whole=frozenset(own[dim]))

@@ -1,0 +1,72 @@
+"""Reductions: sum/mean (split dims give Partial), max-like and statistics (dims whole)."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.rules import DimSpec, OpCall, fresh, rule
+
+aten = torch.ops.aten
+
+
+def _reduced_dims(call: OpCall, ndim: int) -> list[int]:
+    dims = call.arg("dim")
+    if dims is None or dims == []:
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted(d % ndim for d in dims)
+
+
+def _reduce(call: OpCall, summable: bool, mean: bool = False) -> DimSpec:
+    x = call.shapes[0]
+    labels = fresh(len(x))
+    dims = _reduced_dims(call, len(x))
+    keep = bool(call.arg("keepdim", False))
+    out = tuple(None if d in dims else labels[d] for d in range(len(x)) if keep or d not in dims)
+    reduced = frozenset(labels[d] for d in dims)
+    if summable:
+        return DimSpec(
+            (tuple(labels),),
+            (out,),
+            summed=reduced,
+            linear=frozenset({0}),
+            mean_over=reduced if mean else frozenset(),
+        )
+    return DimSpec((tuple(labels),), tuple(out for _ in call.out_shapes), whole=reduced)
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default)
+def sum_(call: OpCall) -> DimSpec:
+    return _reduce(call, summable=True)
+
+
+@rule(aten.mean.dim, aten.mean.default)
+def mean(call: OpCall) -> DimSpec:
+    return _reduce(call, summable=True, mean=True)
+
+
+@rule(
+    aten.amax.default,
+    aten.amin.default,
+    aten.max.dim,
+    aten.min.dim,
+    aten.argmax.default,
+    aten.argmin.default,
+    aten.var.correction,
+    aten.std.correction,
+    aten.var_mean.correction,
+    aten.any.dim,
+    aten.all.dim,
+    aten.logsumexp.default,
+    aten.prod.dim_int,
+)
+def whole_reduction(call: OpCall) -> DimSpec:
+    return _reduce(call, summable=False)
+
+
+@rule(aten.max.default, aten.min.default, aten.any.default, aten.all.default)
+def full_reduction(call: OpCall) -> DimSpec:
+    x = call.shapes[0]
+    labels = tuple(fresh(len(x)))
+    return DimSpec((labels,), ((),), whole=frozenset(labels))

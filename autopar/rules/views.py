@@ -1,0 +1,176 @@
+"""Shape ops: view/reshape, transpose/permute, (un)squeeze, expand, slice/select,
+split/chunk/unbind, cat/stack, pad, diff, cumsum, flip, tril/triu.
+
+All move data without arithmetic, so all are linear: a Partial operand passes through.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autopar.rules import DimSpec, OpCall, fresh, rule
+
+aten = torch.ops.aten
+LINEAR = frozenset({0})
+
+
+def reshape_labels(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple, tuple, frozenset[str]]:
+    """Labels for a contiguous reshape ``src -> dst``.
+
+    Dimensions are grouped into runs with equal products; within a run only the
+    leading (outermost) dimension may be split, and it carries the same label on
+    both sides: splitting it splits the run's memory into contiguous blocks, which
+    is the same on both sides when both leading sizes divide. Size-1 dims get None.
+    """
+    names = iter(fresh(len(src) + len(dst) + 1))
+    src_l: list = [None] * len(src)
+    dst_l: list = [None] * len(dst)
+    whole: set[str] = set()
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        while i < len(src) and src[i] == 1:
+            i += 1
+        while j < len(dst) and dst[j] == 1:
+            j += 1
+        if i == len(src) or j == len(dst):
+            break
+        lead = next(names)
+        src_l[i], dst_l[j] = lead, lead
+        ps, pd = src[i], dst[j]
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd:
+                src_l[i] = next(names)
+                whole.add(src_l[i])
+                ps *= src[i]
+                i += 1
+            else:
+                dst_l[j] = next(names)
+                whole.add(dst_l[j])
+                pd *= dst[j]
+                j += 1
+    return tuple(src_l), tuple(dst_l), frozenset(whole)
+
+
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+      aten.unflatten.int, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default)
+def view(call: OpCall) -> DimSpec:
+    src, dst = call.shapes[0], call.out_shapes[0]
+    src_l, dst_l, whole = reshape_labels(src, dst)
+    return DimSpec((src_l,), (dst_l,), whole=whole, linear=LINEAR)
+
+
+@rule(aten.transpose.int, aten.permute.default, aten.t.default)
+def permute(call: OpCall) -> DimSpec:
+    (src,) = call.shapes
+    labels = fresh(len(src))
+    if call.node.target is aten.permute.default:
+        order = [d % len(src) for d in call.arg("dims")]
+    else:
+        order = list(range(len(src)))
+        d0, d1 = (call.arg("dim0", 0), call.arg("dim1", 1)) if len(src) > 1 else (0, 0)
+        d0, d1 = d0 % len(src), d1 % len(src)
+        order[d0], order[d1] = order[d1], order[d0]
+    return DimSpec((tuple(labels),), (tuple(labels[d] for d in order),), linear=LINEAR)
+
+
+@rule(aten.expand.default)
+def expand(call: OpCall) -> DimSpec:
+    # right-aligned; a broadcast dim is None in the input and a fresh (splittable) output dim
+    src, dst = call.shapes[0], call.out_shapes[0]
+    out = fresh(len(dst))
+    offset = len(dst) - len(src)
+    src_l = tuple(out[offset + i] if s == dst[offset + i] else None for i, s in enumerate(src))
+    return DimSpec((src_l,), (tuple(out),), linear=LINEAR)
+
+
+def _keep_but(call: OpCall, dims: set[int], drop: bool = False) -> DimSpec:
+    """Input dims in ``dims`` stay whole (and are dropped from the output if ``drop``)."""
+    src = call.shapes[0]
+    labels = fresh(len(src))
+    out_l = [lab.upper() if d in dims else lab for d, lab in enumerate(labels)]
+    if drop:
+        out_l = [lab for d, lab in enumerate(out_l) if d not in dims]
+    outs = tuple(tuple(out_l) for _ in call.out_shapes)
+    whole = frozenset(labels[d] for d in dims) | frozenset(labels[d].upper() for d in dims)
+    return DimSpec((tuple(labels), *(None for _ in call.shapes[1:])), outs, whole=whole, linear=LINEAR)
+
+
+@rule(aten.slice.Tensor, aten.narrow.default)
+def slice_(call: OpCall) -> DimSpec:
+    src, dst = call.shapes[0], call.out_shapes[0]
+    dim = call.arg("dim", 0) % len(src)
+    return _keep_but(call, set() if src[dim] == dst[dim] else {dim})
+
+
+@rule(aten.select.int, aten.unbind.int)
+def select(call: OpCall) -> DimSpec:
+    return _keep_but(call, {call.arg("dim", 0) % len(call.shapes[0])}, drop=True)
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.flip.default,
+      aten.cumsum.default, aten.roll.default)
+def along_dims(call: OpCall) -> DimSpec:
+    ndim = len(call.shapes[0])
+    dims = call.arg("dims") if call.arg("dims") is not None else [call.arg("dim", 0)]
+    return _keep_but(call, {d % ndim for d in dims})
+
+
+@rule(aten.tril.default, aten.triu.default)
+def triangle(call: OpCall) -> DimSpec:
+    ndim = len(call.shapes[0])
+    return _keep_but(call, {ndim - 2, ndim - 1})
+
+
+@rule(aten.diff.default)
+def diff(call: OpCall) -> DimSpec:
+    # prepend/append share every label but the differenced dim
+    ndim = len(call.shapes[0])
+    dim = call.arg("dim", -1) % ndim
+    labels = fresh(ndim)
+    out = tuple(lab.upper() if d == dim else lab for d, lab in enumerate(labels))
+    extra = tuple(tuple(lab.lower() + "'" if d == dim else lab for d, lab in enumerate(labels)) for _ in call.shapes[1:])
+    whole = frozenset({labels[dim], out[dim], labels[dim] + "'"})
+    return DimSpec((tuple(labels), *extra), (out,), whole=whole, linear=frozenset(range(len(call.shapes))),
+                   additive=frozenset(range(len(call.shapes))))
+
+
+@rule(aten.cat.default)
+def cat(call: OpCall) -> DimSpec:
+    # every input shares all labels but the concatenated dim (legacy empty 1-D inputs are free)
+    out = call.out_shapes[0]
+    dim = call.arg("dim", 0) % len(out)
+    labels = fresh(len(out))
+    operands = tuple(
+        tuple(f"{labels[d]}{i}" if d == dim else labels[d] for d in range(len(out))) if len(s) == len(out) else None
+        for i, s in enumerate(call.shapes)
+    )
+    whole = frozenset(f"{labels[dim]}{i}" for i in range(len(call.shapes))) | {labels[dim]}
+    every = frozenset(range(len(call.shapes)))
+    return DimSpec(operands, (tuple(labels),), whole=whole, linear=every, additive=every)
+
+
+@rule(aten.stack.default)
+def stack(call: OpCall) -> DimSpec:
+    out = call.out_shapes[0]
+    dim = call.arg("dim", 0) % len(out)
+    labels = fresh(len(out))
+    operand = tuple(lab for d, lab in enumerate(labels) if d != dim)
+    every = frozenset(range(len(call.shapes)))
+    return DimSpec(tuple(operand for _ in call.shapes), (tuple(labels),), whole=frozenset(labels[dim]),
+                   linear=every, additive=every)
+
+
+@rule(aten.pad.default, aten.constant_pad_nd.default)
+def pad(call: OpCall) -> DimSpec:
+    # padded dims stay whole; padding with a non-zero constant is not linear
+    src = call.shapes[0]
+    amounts = call.arg("pad")
+    padded = {len(src) - 1 - i // 2 for i, a in enumerate(amounts) if a}
+    spec = _keep_but(call, padded)
+    value = call.arg("value", 0) or 0
+    mode = call.arg("mode", "constant")
+    linear = LINEAR if mode == "constant" and value == 0 else frozenset()
+    return DimSpec(spec.operands, spec.outputs, whole=spec.whole, linear=linear, flops=math.prod(src))

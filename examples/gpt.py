@@ -1,0 +1,183 @@
+"""A GPT-2-style decoder-only transformer trained on next-token cross-entropy.
+
+Module names follow GPT-2 (``wte``, ``wpe``, ``blocks.{i}.attn.qkv``, ``blocks.{i}.mlp.fc``, ``ln_f``,
+``lm_head``) because annotations and plans refer to parameters by these paths.
+
+:func:`build` returns a model and example inputs; the defaults (:data:`TINY`) are small enough for unit
+tests, and bigger models come from a preset or keyword overrides, e.g.
+``build(GPT2_SMALL, batch_size=8, device="meta")`` to plan GPT-2 small (124M) without allocating it.
+
+Run as a script, this builds the default model and prints its parameter count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a :class:`GPT`.
+
+    ``seq_len`` is the longest sequence the position embedding covers; ``d_model`` must be divisible by
+    ``n_heads``. With ``tied_embeddings`` the output projection shares its weight with the token embedding.
+    """
+
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    d_ff: int
+    dropout: float = 0.0
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+
+
+TINY = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
+GPT2_SMALL = GPTConfig(
+    vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072, tied_embeddings=True
+)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one ``qkv`` projection to ``3 * d_model``, then ``proj``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` of shape ``(batch, seq, d_model)``, each position only to itself and earlier."""
+        batch, seq, d_model = x.shape
+        q, k, v = self.qkv(x).split(d_model, dim=2)
+        # (batch, seq, d_model) -> (batch, heads, seq, head_dim): SDPA attends over the last two dims.
+        head_dim = d_model // self.n_heads
+        q = q.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(batch, seq, d_model)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """The feed-forward half of a block: ``fc`` (d_model -> d_ff), GELU, ``proj`` (d_ff -> d_model)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.d_ff)
+        # GPT-2 uses the tanh approximation of GELU.
+        self.act = nn.GELU(approximate="tanh")
+        self.proj = nn.Linear(config.d_ff, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the feed-forward network position-wise; the output has ``x``'s shape."""
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Transform ``x`` of shape ``(batch, seq, d_model)``; the output has the same shape."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``n_layers`` blocks in ``blocks``, then ``ln_f`` and ``lm_head``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tied_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.apply(_init_weights)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Map token ids ``idx`` of shape ``(batch, seq)`` to logits ``(batch, seq, vocab_size)``.
+
+        ``seq`` may not exceed ``seq_len`` (ValueError). With ``targets`` (token ids of ``idx``'s shape)
+        the scalar mean cross-entropy of the logits against them is returned instead.
+        """
+        seq = idx.size(1)
+        if seq > self.config.seq_len:
+            raise ValueError(f"sequence of length {seq} is longer than seq_len={self.config.seq_len}")
+        pos = torch.arange(seq, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) weights and zero biases; LayerNorms keep torch's (1, 0)."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def build(
+    config: GPTConfig = TINY,
+    *,
+    batch_size: int = 2,
+    device: torch.device | str = "cpu",
+    **overrides: int | float | bool,
+) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    """Build a :class:`GPT` and example ``(idx, targets)`` token ids of shape ``(batch_size, seq_len)``.
+
+    ``overrides`` replace fields of ``config`` (``build(n_layers=4)``, ``build(GPT2_SMALL, n_layers=2)``).
+    Parameters and inputs are created directly on ``device``; on ``"meta"`` nothing is allocated, which is
+    how large models are planned. Weights and inputs come from torch's global RNG: seed it for
+    reproducible values.
+    """
+    cfg = dataclasses.replace(config, **overrides)
+    with torch.device(device):
+        model = GPT(cfg)
+        idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+        targets = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+    return model, (idx, targets)
+
+
+def main() -> None:
+    """Build the default model and print its parameter count."""
+    model, _ = build()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"GPT {TINY}: {n_params:,} parameters")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Graph passes of autopar, one per file; each module exposes run(gm, ctx) -> gm."""

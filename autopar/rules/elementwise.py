@@ -121,6 +121,7 @@ def linear_unary(call: OpCall) -> DimSpec:
     aten.rand_like.default,
     aten.isnan.default,
     aten.sign.default,
+    aten.broadcast_tensors.default,
 )
 def nonlinear(call: OpCall) -> DimSpec:
     return _pointwise(call)

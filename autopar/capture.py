@@ -1,0 +1,146 @@
+"""Capture: an ``nn.Module`` and example inputs become an ATen graph.
+
+``torch.export.export(..., strict=False)`` runs the model's Python as usual and
+records ATen ops, which works on transformers' GPT-2, Llama and BERT where
+``torch.fx.symbolic_trace`` fails. Parameters may live on the ``meta`` device and
+inputs may be meta tensors, so planning a 7B model allocates nothing.
+
+The annotation hooks are active during export, so every ``shard`` in/out strategy
+and every ``constrain`` call appears in the graph as an
+``autopar::layout_constraint`` node.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autopar.annotations import ModelAnnotations, annotation_hooks
+from autopar.errors import AnnotationError, CaptureError
+from autopar.mesh import MeshSpec
+
+
+@dataclass
+class Captured:
+    """An exported model and the names planning needs.
+
+    ``params`` and ``buffers`` map placeholder names to fully-qualified names in
+    the user's module; ``inputs`` lists the user-input placeholders in order.
+    """
+
+    program: torch.export.ExportedProgram
+    params: dict[str, str]
+    buffers: dict[str, str]
+    inputs: list[str]
+    annotations: ModelAnnotations
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.program.graph_module.graph
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module a node came from ("" for the root or none)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_path(path)
+
+
+def module_stack(node: torch.fx.Node) -> list[str]:
+    """Module paths from outermost to innermost."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [_clean_path(v[0]) for v in stack.values()]
+
+
+def _clean_path(path: str) -> str:
+    # strict-mode style paths look like L['self'].h[0].attn; normalise to h.0.attn
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path)
+
+
+_HINTS = (
+    ("data-dependent", "the model branches on tensor values; use torch.where or torch.cond, "
+                       "or make the branch depend on shapes only"),
+    ("GuardOnDataDependent", "the model branches on tensor values; use torch.where or torch.cond"),
+    ("not implemented for 'Meta'", "an op has no meta kernel: plan with real (small) example tensors"),
+    ("unexpected keyword argument", "example_kwargs do not match the model's forward() signature"),
+    ("positional argument", "example_args do not match the model's forward() signature"),
+)
+
+
+@contextmanager
+def _track_modules(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
+    """Keep a stack of the modules running, to say where a capture failed."""
+    running: list[tuple[str, str]] = []
+    handles = []
+    for name, mod in model.named_modules():
+        def pre(_m, _a, name=name, cls=type(mod).__name__):
+            running.append((name, cls))
+
+        def post(_m, _a, _o):
+            if running:
+                running.pop()
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    try:
+        yield running
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None,
+    mesh: MeshSpec,
+) -> Captured:
+    """Export ``model(*args, **kwargs)`` with annotations recorded; see module docstring."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"autopar plans an nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    with annotation_hooks(model, mesh) as annotations, _track_modules(model) as running:
+        try:
+            program = torch.export.export(model, args, dict(kwargs or {}), strict=False)
+        except AnnotationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with context below
+            cause = exc
+            while cause.__cause__ is not None and not isinstance(cause, AnnotationError):
+                cause = cause.__cause__
+            if isinstance(cause, AnnotationError):
+                raise cause from None
+            where = (
+                f" while running module '{running[-1][0] or '<root>'}' ({running[-1][1]})" if running else ""
+            )
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            hint = next((h for key, h in _HINTS if key in str(exc)), None) or (
+                "run torch.export.export(model, args, kwargs, strict=False) to see the full error"
+            )
+            raise CaptureError(
+                f"could not capture {type(model).__name__}{where}: {type(exc).__name__}: {message}. Try: {hint}."
+            ) from exc
+    sig = program.graph_signature
+    params = dict(sig.inputs_to_parameters)
+    buffers = dict(sig.inputs_to_buffers)
+    inputs = [
+        n.name for n in program.graph.nodes if n.op == "placeholder" and n.name in set(sig.user_inputs)
+    ]
+    requires_grad = {
+        name: bool(dict(model.named_parameters(remove_duplicate=False))[fqn].requires_grad)
+        for name, fqn in params.items()
+    }
+    for node in program.graph.nodes:
+        if node.name in inputs and isinstance(node.meta.get("val"), torch.Tensor):
+            requires_grad[node.name] = bool(node.meta["val"].requires_grad)
+    return Captured(program, params, buffers, inputs, annotations, requires_grad)

@@ -1,0 +1,520 @@
+"""The planner: from a captured graph to per-node strategy choices and their costs.
+
+Every node with a tensor output gets a list of :class:`~autopar.rules.Strategy`
+aligned with one solver variable, its *root*:
+
+* anchors (matrix products, attention, embeddings) and user inputs are roots: one
+  variable each, one choice per strategy their rule allows;
+* cheap ops *follow* one operand (the largest non-parameter one): their i-th
+  strategy keeps the operand's i-th layout where the op allows, so they share the
+  operand's variable (Alpa's graph simplification);
+* parameters and buffers follow their first consumer backwards: they are stored in
+  the layout that consumer needs; an annotated parameter is fixed instead;
+* layout constraints (``shard`` in/out strategies, ``constrain``) are fixed;
+* repeated blocks (``layers.0``, ``layers.1``, ... with identical ops and shapes)
+  share the strategies, hence the variables, of the first such block.
+
+Costs are in seconds: a node's compute under each choice (forward, plus backward as
+twice the forward when a gradient flows), and for each edge the redistribution of
+the producer's output into the layout the consumer needs plus, in backward, of the
+consumer's gradient into the layout the producer's gradient must have.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.annotations import parse_constraint_spec
+from autopar.capture import Captured, capture, module_path, module_stack
+from autopar.cost import Cluster, CostModel, get_cluster
+from autopar.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
+from autopar.mesh import MeshSpec
+from autopar.plans import CollectiveStep, NodeDecision, Plan, Prediction, Redistribution, SolverReport
+from autopar.solver import StrategyILP
+from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
+
+LAYOUT_CONSTRAINT = "autopar.layout_constraint.default"
+_BLOCK = re.compile(r"^(.*)\.(\d+)$")
+_FREE_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_size.int"}
+
+
+@dataclass
+class Choice:
+    """The strategies of one node (or of a group of tied nodes, which share it)."""
+
+    root: str | None  # variable key; None = a single fixed strategy
+    strategies: list[Strategy]
+    kind: str  # anchor, follow, input, param, fixed, fallback, getitem
+    spec: DimSpec | None = None
+    compute: np.ndarray | None = None  # seconds per strategy
+
+
+@dataclass
+class Edge:
+    """A tensor flowing from ``src`` output ``index`` into operand ``slot`` of ``dst``."""
+
+    src: torch.fx.Node
+    dst: torch.fx.Node
+    slot: int
+    index: int
+
+
+@dataclass
+class StrategyGraph:
+    """Everything the solver and the plan need; see the module docstring."""
+
+    captured: Captured
+    mesh: MeshSpec
+    cost: CostModel
+    choices: dict[torch.fx.Node, Choice]
+    edges: list[Edge]
+    roots: dict[str, int]  # root -> number of strategies
+    requires_grad: dict[torch.fx.Node, bool]
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (op, module path)
+    tied_blocks: int = 0
+
+    def strategy(self, node: torch.fx.Node, assignment: dict[str, int]) -> Strategy:
+        c = self.choices[node]
+        return c.strategies[assignment[c.root] if c.root is not None else 0]
+
+
+def _tensor_nodes(graph: torch.fx.Graph) -> Iterable[torch.fx.Node]:
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op in ("placeholder", "call_function") and (
+            isinstance(val, torch.Tensor)
+            or (isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
+        ):
+            yield node
+
+
+def _numel(node: torch.fx.Node) -> int:
+    return math.prod(shape_of(node))
+
+
+def all_layouts(shape: tuple[int, ...], mesh: MeshSpec) -> list[Layout]:
+    """Every even layout of a tensor: each mesh axis replicates or splits one dimension."""
+    options = [Replicate(), *(Shard(d) for d in range(len(shape)))]
+    out = []
+    for combo in _product(options, mesh.ndim):
+        if is_valid_for(combo, shape, mesh):
+            out.append(combo)
+    return out
+
+
+def _product(options: list, n: int) -> Iterable[tuple]:
+    if n == 0:
+        yield ()
+        return
+    for rest in _product(options, n - 1):
+        for o in options:
+            yield (*rest, o)
+
+
+def _fixed(layout: Layout, operands: int = 0) -> Strategy:
+    return Strategy(tuple(layout for _ in range(operands)), (layout,), tuple(grad_layout(layout) for _ in range(operands)),
+                    (), 1)
+
+
+class _Builder:
+    def __init__(self, captured: Captured, mesh: MeshSpec, cost: CostModel) -> None:
+        self.captured = captured
+        self.graph = captured.graph
+        self.mesh = mesh
+        self.cost = cost
+        self.choices: dict[torch.fx.Node, Choice] = {}
+        self.fallbacks: list[tuple[str, str]] = []
+        self.param_nodes = {n for n in self.graph.nodes if n.name in captured.params or n.name in captured.buffers}
+        self.requires_grad = self._requires_grad()
+        self.canon, self.tied_blocks = self._tie_blocks()
+
+    # --- gradients ---------------------------------------------------------------
+    def _requires_grad(self) -> dict[torch.fx.Node, bool]:
+        rg: dict[torch.fx.Node, bool] = {}
+        for node in self.graph.nodes:
+            val = node.meta.get("val")
+            vals = [v for v in torch.utils._pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
+            floating = any(v.dtype.is_floating_point for v in vals)
+            if node.op == "placeholder":
+                rg[node] = self.captured.requires_grad.get(node.name, False) and floating
+            elif node.op == "call_function":
+                no_grad = node.args and node.args[0] is False and "set_grad_enabled" in str(node.target)
+                rg[node] = floating and not no_grad and any(rg.get(a, False) for a in node.all_input_nodes)
+        return rg
+
+    # --- repeated blocks ---------------------------------------------------------
+    def _block_of(self, node: torch.fx.Node) -> tuple[str, int] | None:
+        for path in module_stack(node):
+            m = _BLOCK.match(path)
+            if m:
+                return m.group(1), int(m.group(2))
+        return None
+
+    def _tie_blocks(self) -> tuple[dict[torch.fx.Node, torch.fx.Node], int]:
+        blocks: dict[tuple[str, int], list[torch.fx.Node]] = {}
+        for node in self.graph.nodes:
+            if node.op == "call_function" and (key := self._block_of(node)) is not None:
+                blocks.setdefault(key, []).append(node)
+        fixed = self.captured.annotations.parameter_layouts
+        canon: dict[torch.fx.Node, torch.fx.Node] = {}
+        first: dict[tuple, list[torch.fx.Node]] = {}
+        tied = 0
+        for (prefix, _), nodes in blocks.items():
+            index = {n: i for i, n in enumerate(nodes)}
+
+            def token(a, index=index):
+                if isinstance(a, torch.fx.Node):
+                    if a in index:
+                        return ("in", index[a])
+                    fqn = self.captured.params.get(a.name) or self.captured.buffers.get(a.name)
+                    layout = fixed.get(fqn) if fqn else None
+                    return ("ext", shape_of(a) if isinstance(a.meta.get("val"), torch.Tensor) else None,
+                            str(layout))
+                if isinstance(a, str) and a.startswith("{"):
+                    return parse_constraint_spec(a)[0]
+                return a
+
+            signature = (prefix, tuple(
+                (str(n.target), torch.utils._pytree.tree_map(token, (n.args, n.kwargs)),
+                 str([tuple(v.shape) for v in torch.utils._pytree.tree_leaves(n.meta.get("val"))
+                      if isinstance(v, torch.Tensor)]))
+                for n in nodes
+            ))
+            if signature in first:
+                canon.update(zip(nodes, first[signature]))
+                tied += 1
+            else:
+                first[signature] = nodes
+        return canon, tied
+
+    # --- strategies ----------------------------------------------------------------
+    def build(self) -> StrategyGraph:
+        for node in _tensor_nodes(self.graph):
+            if node.op == "placeholder":
+                if node not in self.param_nodes:
+                    self._input(node)
+                continue
+            if node in self.canon:
+                self.choices[node] = self.choices[self.canon[node]]
+                continue
+            self.choices[node] = self._op(node)
+        for node in self.param_nodes:
+            self.choices[node] = self._param(node)
+        edges = self._edges()
+        roots = {c.root: len(c.strategies) for c in self.choices.values() if c.root is not None}
+        return StrategyGraph(self.captured, self.mesh, self.cost, self.choices, edges, roots, self.requires_grad,
+                             self.fallbacks, self.tied_blocks)
+
+    def _input(self, node: torch.fx.Node) -> None:
+        layouts = all_layouts(shape_of(node), self.mesh)
+        self.choices[node] = Choice(node.name, [_fixed(lay) for lay in layouts], "input")
+
+    def _param(self, node: torch.fx.Node) -> Choice:
+        fqn = self.captured.params.get(node.name) or self.captured.buffers.get(node.name)
+        fixed = self.captured.annotations.parameter_layouts.get(fqn)
+        if fixed is not None:
+            return Choice(None, [_fixed(fixed)], "fixed")
+        for user in node.users:
+            c = self.choices.get(user)
+            if c is None or c.kind == "getitem":
+                continue
+            slots = [i for i, op in enumerate(OpCall.of(user).operands) if op is node]
+            if not slots or c.strategies[0].operands[slots[0]] is None:
+                continue
+            # stored whole where the consumer wants a Partial (a bias under a split
+            # contraction): turning Replicate into Partial is free and local
+            slot = slots[0]
+            return Choice(c.root, [_fixed(grad_layout(s.operands[slot])) for s in c.strategies], "param")
+        return Choice(None, [_fixed(replicated(self.mesh))], "param")
+
+    def _op(self, node: torch.fx.Node) -> Choice:
+        if str(node.target) == LAYOUT_CONSTRAINT:
+            layout, _ = parse_constraint_spec(node.args[1])
+            return Choice(None, [_fixed(layout, operands=1)], "fixed")
+        if node.target is _getitem:
+            src = self.choices[node.args[0]]
+            k = node.args[1]
+            return Choice(src.root, [Strategy((s.outputs[k],), (s.outputs[k],), (grad_layout(s.outputs[k]),), (), 1)
+                                     for s in src.strategies], "getitem")
+        call = OpCall.of(node)
+        rule = lookup(node.target)
+        spec = None
+        if rule is not None:
+            try:
+                spec = rule.fn(call)
+            except Exception:  # noqa: BLE001 - an unforeseen call form of a known op
+                spec = None
+        if spec is None:
+            self.fallbacks.append((str(node.target), module_path(node)))
+            spec = fallback(call)
+            return self._with_compute(Choice(None, [_replicated_strategy(spec, self.mesh)], "fallback", spec), call)
+        primary = self._primary(call, spec)
+        if (rule.anchor or primary is None) and spec.shardable():
+            strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh)
+            if len(strategies) > 1:
+                return self._with_compute(Choice(node.name, strategies, "anchor", spec), call)
+        if primary is None:
+            return self._with_compute(Choice(None, [_replicated_strategy(spec, self.mesh)], "follow", spec), call)
+        slot, producer = primary
+        src = self.choices[producer]
+        index = 0
+        cache: dict[Layout, Strategy] = {}
+        strategies = []
+        for s in src.strategies:
+            lay = s.outputs[index]
+            if lay not in cache:
+                cache[lay] = follow(spec, slot, lay, call.shapes, call.out_shapes, self.mesh)
+            strategies.append(cache[lay])
+        return self._with_compute(Choice(src.root, strategies, "follow", spec), call)
+
+    def _primary(self, call: OpCall, spec: DimSpec) -> tuple[int, torch.fx.Node] | None:
+        """The operand a cheap op follows: the largest one that is not a parameter."""
+        best = None
+        for i, op in enumerate(call.operands):
+            if spec.operands[i] is None or op in self.param_nodes or op not in self.choices:
+                continue
+            if best is None or _numel(op) > _numel(best[1]):
+                best = (i, op)
+        return best
+
+    def _with_compute(self, choice: Choice, call: OpCall) -> Choice:
+        spec = choice.spec
+        node = call.node
+        out_vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        dtype = out_vals[0].dtype if out_vals else torch.float32
+        itemsize = out_vals[0].element_size() if out_vals else 4
+        total_bytes = itemsize * (sum(math.prod(s) for s in call.shapes) + sum(math.prod(s) for s in call.out_shapes))
+        backward = 3.0 if self.requires_grad.get(node, False) else 1.0
+        costs = []
+        for s in choice.strategies:
+            costs.append(backward * self.cost.compute_time(spec.flops / s.split, total_bytes / s.split, dtype))
+        choice.compute = np.array(costs)
+        return choice
+
+    # --- edges -----------------------------------------------------------------
+    def _edges(self) -> list[Edge]:
+        edges = []
+        for node, choice in self.choices.items():
+            if node.op != "call_function":
+                continue
+            if choice.kind == "getitem":
+                edges.append(Edge(node.args[0], node, 0, node.args[1]))
+                continue
+            for slot, op in enumerate(OpCall.of(node).operands):
+                if op in self.choices and choice.strategies[0].operands[slot] is not None:
+                    edges.append(Edge(op, node, slot, 0))
+        return edges
+
+
+def _getitem_target():
+    import operator
+
+    return operator.getitem
+
+
+_getitem = _getitem_target()
+
+
+def _replicated_strategy(spec: DimSpec, mesh: MeshSpec) -> Strategy:
+    rep = replicated(mesh)
+    return Strategy(
+        tuple(None if labels is None else rep for labels in spec.operands),
+        tuple(rep for _ in spec.outputs),
+        tuple(None if labels is None else rep for labels in spec.operands),
+        (None,) * mesh.ndim,
+        1,
+    )
+
+
+def build_strategy_graph(captured: Captured, mesh: MeshSpec, cost: CostModel) -> StrategyGraph:
+    """See the module docstring."""
+    return _Builder(captured, mesh, cost).build()
+
+
+# --- edge costs ---------------------------------------------------------------------
+
+
+def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy) -> tuple[float, list, list]:
+    """Seconds and collectives (forward, backward) of one edge under two strategies."""
+    val = edge.src.meta["val"]
+    val = val[edge.index] if isinstance(val, (tuple, list)) else val
+    shape, itemsize = tuple(int(s) for s in val.shape), val.element_size()
+    have, need = src.outputs[edge.index], dst.operands[edge.slot]
+    fwd, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
+    bwd, t_bwd = (), 0.0
+    grad = dst.grads[edge.slot]
+    if g.requires_grad.get(edge.src, False) and grad is not None:
+        bwd, t_bwd = g.cost.redistribute(grad, grad_layout(have), shape, itemsize)
+    return t_fwd + t_bwd, list(fwd), list(bwd)
+
+
+def cost_tables(g: StrategyGraph) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray], float]:
+    """Node cost vectors per root, edge cost matrices per root pair, and a constant."""
+    node_costs = {r: np.zeros(k) for r, k in g.roots.items()}
+    pair_costs: dict[tuple[str, str], np.ndarray] = {}
+    constant = 0.0
+    for c_node, choice in g.choices.items():
+        if choice.compute is None:
+            continue
+        if choice.root is None:
+            constant += float(choice.compute[0])
+        else:
+            node_costs[choice.root] += choice.compute
+    cache: dict[tuple, np.ndarray] = {}
+    for e in g.edges:
+        cs, cd = g.choices[e.src], g.choices[e.dst]
+        key = (id(cs), id(cd), e.slot, e.index)
+        m = cache.get(key)
+        if m is None:
+            if cs.root is not None and cs.root == cd.root:
+                m = np.array([edge_cost(g, e, a, b)[0] for a, b in zip(cs.strategies, cd.strategies)])
+            else:
+                m = np.array([[edge_cost(g, e, a, b)[0] for b in cd.strategies] for a in cs.strategies])
+            cache[key] = m
+        if cs.root is None and cd.root is None:
+            constant += float(m[0, 0])
+        elif cs.root is not None and cs.root == cd.root:
+            node_costs[cs.root] += m
+        elif cs.root is None:
+            node_costs[cd.root] += m[0]
+        elif cd.root is None:
+            node_costs[cs.root] += m[:, 0]
+        else:
+            key2 = (cs.root, cd.root)
+            pair_costs[key2] = pair_costs.get(key2, 0) + m
+    return node_costs, pair_costs, constant
+
+
+def local_bytes(node: torch.fx.Node, layout: Layout, mesh: MeshSpec, index: int = 0) -> float:
+    val = node.meta["val"]
+    val = val[index] if isinstance(val, (tuple, list)) else val
+    return val.numel() * val.element_size() * local_fraction(layout, mesh)
+
+
+# --- the public entry ------------------------------------------------------------------
+
+
+def plan(
+    model: torch.nn.Module,
+    example_args: Any,
+    mesh: MeshSpec | Mapping[str, int] | Any,
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    cluster: str | Cluster | None = None,
+    time_limit: float = 30.0,
+    seed: int = 0,
+) -> Plan:
+    """Plan ``model`` for ``mesh``: capture, read annotations, solve, report.
+
+    ``mesh`` is a ``{axis: size}`` mapping, a :class:`MeshSpec` or a named
+    ``DeviceMesh``; no process group is needed. ``cluster`` is a preset name
+    (default ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the
+    solver in deterministic seconds (about wall seconds on one core); with the same
+    ``seed`` every call, on every rank, returns the same plan.
+    """
+    mesh = MeshSpec.of(mesh)
+    cluster = get_cluster(cluster or "cpu-gloo") if not isinstance(cluster, Cluster) else cluster
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    t0 = time.perf_counter()
+    captured = capture(model, args, example_kwargs, mesh)
+    t1 = time.perf_counter()
+    g = build_strategy_graph(captured, mesh, CostModel(mesh, cluster))
+    node_costs, pair_costs, constant = cost_tables(g)
+    t2 = time.perf_counter()
+    ilp = StrategyILP(node_costs, pair_costs, constant)
+    assignment, stats = ilp.solve(time_limit=time_limit, seed=seed)
+    report = SolverReport(
+        variables=stats.variables,
+        constraints=stats.constraints,
+        roots=len(g.roots),
+        tied_blocks=g.tied_blocks,
+        capture_s=t1 - t0,
+        build_s=(t2 - t1) + stats.build_seconds,
+        solve_s=stats.solve_seconds,
+        gap=stats.gap,
+        status=stats.status,
+    )
+    return assemble_plan(g, assignment, report, cluster.name)
+
+
+def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverReport, cluster: str) -> Plan:
+    """Turn solver choices into a :class:`Plan` with costs, bytes and memory."""
+    nodes, redists, warnings = [], [], []
+    compute = comm = 0.0
+    comm_bytes = 0
+    for node, choice in g.choices.items():
+        s = g.strategy(node, assignment)
+        t = float(choice.compute[assignment[choice.root]] if choice.root else choice.compute[0]) \
+            if choice.compute is not None else 0.0
+        compute += t
+        nodes.append(NodeDecision(
+            node.name, str(node.target) if node.op == "call_function" else node.op, module_path(node), choice.kind,
+            tuple(None if o is None else format_layout(o) for o in s.operands),
+            tuple(format_layout(o) for o in s.outputs), t,
+        ))
+    for e in g.edges:
+        src, dst = g.strategy(e.src, assignment), g.strategy(e.dst, assignment)
+        seconds, fwd, bwd = edge_cost(g, e, src, dst)
+        if not fwd and not bwd:
+            continue
+        comm += seconds
+        steps = [tuple(CollectiveStep(c.kind, c.mesh_axes, c.bytes, g.cost.collective_time(c)) for c in cs)
+                 for cs in (fwd, bwd)]
+        comm_bytes += sum(c.bytes for c in (*fwd, *bwd))
+        val = e.src.meta["val"]
+        val = val[e.index] if isinstance(val, (tuple, list)) else val
+        redists.append(Redistribution(
+            e.src.name, e.dst.name, e.slot, module_path(e.dst), tuple(int(x) for x in val.shape),
+            format_layout(src.outputs[e.index]), format_layout(dst.operands[e.slot]), steps[0], steps[1], seconds,
+        ))
+    params: dict[str, str] = {}
+    param_bytes = grad_bytes = 0.0
+    for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
+        node = next(n for n in g.choices if n.name == name)
+        layout = g.strategy(node, assignment).outputs[0]
+        params[fqn] = format_layout(layout)
+        if name in g.captured.params:
+            size = local_bytes(node, layout, g.mesh)
+            param_bytes += size
+            if g.requires_grad.get(node):
+                grad_bytes += size
+    numel_fp32 = sum(
+        local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh) / n.meta["val"].element_size() * 4
+        for n in g.choices if n.name in g.captured.params and g.requires_grad.get(n)
+    )
+    activations = sum(
+        local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
+        for n, c in g.choices.items()
+        if n.op == "call_function" and g.requires_grad.get(n) and c.kind != "getitem"
+        and isinstance(n.meta.get("val"), torch.Tensor) and not (c.spec and c.spec.linear == frozenset({0})
+                                                                 and _is_view(n))
+    )
+    seen = set()
+    for op, path in g.fallbacks:
+        if (op, path) not in seen:
+            seen.add((op, path))
+            warnings.append(f"no sharding rule for {op} in module '{path or '<root>'}': replicated")
+    inputs = {
+        name: format_layout(g.strategy(n, assignment).outputs[0]) for n in g.choices if (name := n.name) in
+        g.captured.inputs
+    }
+    prediction = Prediction(
+        step_time_s=compute + comm, compute_s=compute, comm_s=comm, comm_bytes=int(comm_bytes),
+        param_bytes=int(param_bytes), grad_bytes=int(grad_bytes), optimizer_bytes=int(2 * numel_fp32),
+        activation_bytes=int(activations),
+    )
+    return Plan(g.mesh.to_dict(), cluster, nodes, redists, params, inputs, prediction, report, warnings)
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return "view" in str(node.target) or "reshape" in str(node.target) or "transpose" in str(node.target) \
+        or "permute" in str(node.target) or "unsqueeze" in str(node.target) or "expand" in str(node.target)

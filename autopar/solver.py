@@ -1,0 +1,175 @@
+r"""The strategy ILP, solved with OR-Tools CP-SAT.
+
+The planner reduces the graph to variables (roots) ``r``, each with ``k_r``
+strategies, a cost vector ``c_r`` (compute of every node sharing the variable, plus
+redistributions between nodes that share it), and a cost matrix ``R_{uv}`` for every
+pair of variables joined by an edge (redistribution forward and backward). Costs are
+seconds, scaled to integer nanoseconds for CP-SAT.
+
+Variables
+    s_{r,i} \in \{0,1\}          root r takes strategy i
+    e_{uv,ij} \in \{0,1\}        edge (u,v) pays entry R'_{uv,ij}  (only where R'_{uv,ij} > 0)
+
+Objective
+    min  \sum_r \sum_i c'_{r,i} s_{r,i}  +  \sum_{(u,v)} \sum_{i,j} R'_{uv,ij} e_{uv,ij}
+
+Constraints
+    (one-hot)        \sum_i s_{r,i} = 1                                 for every r
+    (edge)           e_{uv,ij} \ge s_{u,i} + s_{v,j} - 1               for every R'_{uv,ij} > 0
+    (fixed)          s_{r,i} = 0   for strategies an annotation forbids
+
+Alpa writes the edge term as the quadratic ``s_u^T R_{uv} s_v`` and linearises it with
+one-hot edge variables; here the matrix is first reduced so that its entries are
+non-negative and as sparse as possible:
+``R_{uv,ij} = a_i + b_j + R'_{uv,ij}`` with ``a_i = \min_j R_{uv,ij}`` and
+``b_j = \min_i (R_{uv,ij} - a_i)``; ``a`` moves into ``c_u`` and ``b`` into ``c_v``.
+Because every ``R'`` is non-negative and the objective is minimised, ``e_{uv,ij}``
+equals ``s_{u,i} s_{v,j}`` at any optimum, so the linearisation is exact with one
+constraint per non-zero entry (Alpa's needs a variable for every entry).
+
+Determinism: one search worker, a fixed seed and a *deterministic* time limit, so
+every rank computes the same plan from the same graph. When the limit stops the
+search, the best plan found is returned with its optimality gap.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+SCALE = 1e9  # seconds -> integer nanoseconds
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    variables: int
+    constraints: int
+    build_seconds: float
+    solve_seconds: float
+    objective: float  # seconds
+    bound: float  # seconds, a lower bound on any plan's cost
+    gap: float  # (objective - bound) / objective
+    status: str
+
+
+class StrategyILP:
+    """The ILP of the module docstring over ``node_costs`` and ``pair_costs``."""
+
+    def __init__(
+        self,
+        node_costs: dict[str, np.ndarray],
+        pair_costs: dict[tuple[str, str], np.ndarray],
+        constant: float = 0.0,
+        forbidden: dict[str, set[int]] | None = None,
+    ) -> None:
+        self.node_costs = node_costs
+        self.pair_costs = pair_costs
+        self.constant = constant
+        self.forbidden = forbidden or {}
+
+    # --- evaluation (also the reference for the exhaustive test) -------------------
+    def evaluate(self, assignment: dict[str, int]) -> float:
+        """Seconds of the plan that picks ``assignment[r]`` for every root."""
+        total = self.constant + sum(float(c[assignment[r]]) for r, c in self.node_costs.items())
+        for (u, v), m in self.pair_costs.items():
+            total += float(m[assignment[u], assignment[v]])
+        return total
+
+    def exhaustive(self) -> tuple[dict[str, int], float]:
+        """Try every assignment (tiny problems only)."""
+        roots = list(self.node_costs)
+        best: tuple[dict[str, int], float] | None = None
+        for combo in itertools.product(*(range(len(self.node_costs[r])) for r in roots)):
+            a = dict(zip(roots, combo))
+            if any(a[r] in self.forbidden.get(r, ()) for r in roots):
+                continue
+            cost = self.evaluate(a)
+            if best is None or cost < best[1] - 1e-15:
+                best = (a, cost)
+        assert best is not None, "every assignment is forbidden"
+        return best
+
+    # --- model ----------------------------------------------------------------------
+    def _reduced(self) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray]]:
+        """Move row and column minima of every edge matrix into the node costs."""
+        nodes = {r: c.astype(float).copy() for r, c in self.node_costs.items()}
+        pairs = {}
+        for (u, v), m in self.pair_costs.items():
+            a = m.min(axis=1)
+            rest = m - a[:, None]
+            b = rest.min(axis=0)
+            rest = rest - b[None, :]
+            nodes[u] += a
+            nodes[v] += b
+            if (rest > 0).any():
+                pairs[(u, v)] = rest
+        return nodes, pairs
+
+    def _choose_one(self, model: cp_model.CpModel, nodes: dict[str, np.ndarray]) -> dict[str, list]:
+        """One-hot constraints: every root takes exactly one strategy."""
+        s = {}
+        for r, c in nodes.items():
+            s[r] = [model.NewBoolVar(f"s[{r},{i}]") for i in range(len(c))]
+            model.AddExactlyOne(s[r])
+        return s
+
+    def _forbid(self, model: cp_model.CpModel, s: dict[str, list]) -> None:
+        """Fixed constraints: strategies an annotation rules out."""
+        for r, bad in self.forbidden.items():
+            for i in bad:
+                model.Add(s[r][i] == 0)
+
+    def _edges(self, model: cp_model.CpModel, s: dict[str, list], pairs: dict) -> list[tuple[int, object]]:
+        """Edge constraints: e_ij >= s_ui + s_vj - 1 wherever the reduced cost is positive."""
+        terms = []
+        for (u, v), m in pairs.items():
+            for i, j in zip(*np.nonzero(m)):
+                e = model.NewBoolVar(f"e[{u},{v},{i},{j}]")
+                model.AddBoolOr([s[u][i].Not(), s[v][j].Not(), e])
+                terms.append((_ns(m[i, j]), e))
+        return terms
+
+    def solve(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], SolverStats]:
+        t0 = time.perf_counter()
+        nodes, pairs = self._reduced()
+        model = cp_model.CpModel()
+        s = self._choose_one(model, nodes)
+        self._forbid(model, s)
+        terms = self._edges(model, s, pairs)
+        objective = [(_ns(c[i]), s[r][i]) for r, c in nodes.items() for i in range(len(c)) if c[i] > 0]
+        model.Minimize(sum(w * v for w, v in objective + terms))
+        build = time.perf_counter() - t0
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        solver.parameters.random_seed = seed
+        solver.parameters.max_deterministic_time = time_limit
+        t1 = time.perf_counter()
+        status = solver.Solve(model)
+        solve = time.perf_counter() - t1
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise RuntimeError(f"the strategy ILP has no solution ({solver.StatusName(status)})")
+        assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
+        objective_s = self.evaluate(assignment)
+        reduced_constant = objective_s - solver.ObjectiveValue() / SCALE
+        bound = solver.BestObjectiveBound() / SCALE + reduced_constant
+        proto = model.Proto()
+        stats = SolverStats(
+            variables=len(proto.variables),
+            constraints=len(proto.constraints),
+            build_seconds=build,
+            solve_seconds=solve,
+            objective=objective_s,
+            bound=min(bound, objective_s),
+            gap=0.0 if objective_s <= 0 else max(0.0, (objective_s - bound) / objective_s),
+            status=solver.StatusName(status),
+        )
+        return assignment, stats
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(math.floor(seconds * SCALE + 0.5)))

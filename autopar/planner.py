@@ -133,7 +133,10 @@ class _Builder:
         self.cost = cost
         self.choices: dict[torch.fx.Node, Choice] = {}
         self.fallbacks: list[tuple[str, str]] = []
-        self.param_nodes = {n for n in self.graph.nodes if n.name in captured.params or n.name in captured.buffers}
+        # a dict, not a set: graph order keeps the solver's variable order, hence the plan, reproducible
+        self.param_nodes = dict.fromkeys(
+            n for n in self.graph.nodes if n.name in captured.params or n.name in captured.buffers
+        )
         self.requires_grad = self._requires_grad()
         self.canon, self.tied_blocks = self._tie_blocks()
 

@@ -30,3 +30,10 @@ aten = torch.ops.aten
 def factory(call: OpCall) -> DimSpec:
     # operands (if any) only lend dtype/device, or are small constants: any layout
     return DimSpec(tuple(None for _ in call.shapes), tuple((None,) * len(s) for s in call.out_shapes))
+
+
+@rule(torch.ops.higher_order.wrap_with_set_grad_enabled)
+def no_grad_region(call: OpCall) -> DimSpec:
+    # a region exported under torch.no_grad (e.g. Llama's rotary tables): small and
+    # gradient-free, so it runs whole on every rank from whole inputs
+    return DimSpec(tuple((None,) * len(s) for s in call.shapes), tuple((None,) * len(s) for s in call.out_shapes))

@@ -1,0 +1,452 @@
+"""The cost model: how long compute and communication take on a cluster.
+
+All times are in seconds, all sizes in bytes, bandwidths in bytes per second.
+
+Compute follows a roofline: ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)``.
+Communication follows the ring alpha-beta model, one mesh axis at a time, with the
+link (latency alpha, per-rank one-direction bandwidth beta) of that axis: inside a
+node or across nodes. :meth:`CostModel.redistribute` turns a layout change into the
+collectives DTensor would issue and prices them. ``docs/cost_model.md`` has the maths.
+
+Presets come from :func:`get_cluster`. ``"cpu-gloo"`` holds constants measured once by
+``bench/calibrate_cpu_gloo.py`` (which calls :func:`measure_cpu_gloo`); presets never
+measure when read, because every rank must compute the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.layout import Layout
+from autopar.mesh import MeshSpec
+
+# Dtypes without an entry of their own in ``Cluster.peak_flops`` are priced as this one.
+FALLBACK_DTYPE = "float32"
+
+COLLECTIVE_KINDS = frozenset({"all_gather", "reduce_scatter", "all_reduce", "all_to_all"})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the key used in ``Cluster.peak_flops``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One network link: per-message latency and per-rank bandwidth in one direction."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth_Bps <= 0:
+            raise ValueError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The hardware the plan runs on; every per-device figure is for one rank.
+
+    ``peak_flops`` maps dtype names (see :func:`dtype_name`) to FLOP/s and must hold
+    ``"float32"``, the fallback for dtypes it does not list. It is stored read-only;
+    it is left out of the hash (equality still compares it) so a Cluster can key caches.
+    """
+
+    name: str
+    peak_flops: Mapping[str, float] = field(hash=False)
+    memory_bandwidth_Bps: float
+    memory_bytes: int
+    devices_per_node: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        if FALLBACK_DTYPE not in self.peak_flops:
+            raise ValueError(f"cluster {self.name!r}: peak_flops must have a {FALLBACK_DTYPE!r} entry")
+        if min(self.peak_flops.values()) <= 0 or self.memory_bandwidth_Bps <= 0:
+            raise ValueError(f"cluster {self.name!r}: peak FLOP/s and memory bandwidth must be positive")
+        if self.memory_bytes <= 0 or self.devices_per_node < 1:
+            raise ValueError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict; :meth:`from_dict` reads it back."""
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth_Bps": self.memory_bandwidth_Bps,
+            "memory_bytes": self.memory_bytes,
+            "devices_per_node": self.devices_per_node,
+            "intra_node": dataclasses.asdict(self.intra_node),
+            "inter_node": dataclasses.asdict(self.inter_node),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
+        return cls(
+            name=str(data["name"]),
+            peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
+            memory_bandwidth_Bps=float(data["memory_bandwidth_Bps"]),
+            memory_bytes=int(data["memory_bytes"]),
+            devices_per_node=int(data["devices_per_node"]),
+            intra_node=LinkSpec(**data["intra_node"]),
+            inter_node=LinkSpec(**data["inter_node"]),
+        )
+
+
+# All ranks of cpu-gloo share one host, so no mesh axis ever crosses a node.
+_ONE_HOST = 1 << 20
+
+_PRESETS: dict[str, Cluster] = {
+    # Measured on 2026-11-22 by bench/calibrate_cpu_gloo.py with world_size=2 on a 2-core
+    # Intel Xeon (KVM guest, AVX-512 + AMX), 24 GiB RAM, torch 2.13.0+cpu: one thread per
+    # rank, both ranks busy at once, gloo over 127.0.0.1. Re-run the script to refresh.
+    "cpu-gloo": Cluster(
+        name="cpu-gloo",
+        peak_flops={"float32": 1.0, "bfloat16": 1.0, "float16": 1.0},
+        memory_bandwidth_Bps=1.0,
+        memory_bytes=1,
+        devices_per_node=_ONE_HOST,
+        intra_node=LinkSpec(latency_s=1.0, bandwidth_Bps=1.0),
+        inter_node=LinkSpec(latency_s=1.0, bandwidth_Bps=1.0),
+    ),
+    # Nodes of 8 H100-80GB SXM5 (DGX/HGX H100). Vendor peaks, not achievable rates:
+    # - FLOP/s, HBM: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100),
+    #   SXM column: BF16/FP16 Tensor Core 989 TFLOPS dense (the 1,979 figure assumes 2:4
+    #   sparsity), FP32 (non-tensor-core) 67 TFLOPS, HBM3 3.35 TB/s, 80 GB.
+    # - NVLink 4: 900 GB/s per GPU total over both directions (same datasheet) -> 450e9 B/s
+    #   each way. Latency ~3 µs is a typical NCCL small-message figure, not a vendor spec.
+    # - Across nodes: one ConnectX-7 NDR 400 Gb/s InfiniBand port per GPU (NVIDIA DGX H100
+    #   datasheet / user guide) -> 50e9 B/s; ~10 µs latency is again a typical, assumed figure.
+    "h100": Cluster(
+        name="h100",
+        peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
+        memory_bandwidth_Bps=3.35e12,
+        memory_bytes=80_000_000_000,
+        devices_per_node=8,
+        intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=450e9),
+        inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=50e9),
+    ),
+}
+
+
+def get_cluster(name: str) -> Cluster:
+    """The preset called ``name``; a ``ValueError`` lists the presets otherwise."""
+    try:
+        return _PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown cluster preset {name!r}; presets are {sorted(_PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective over one mesh axis.
+
+    ``bytes`` is the size of the collective's INPUT buffer on each rank: for
+    ``all_gather`` the local shard (the output is axis-size times larger), for
+    ``reduce_scatter`` and ``all_reduce`` the full local buffer, for ``all_to_all`` the
+    local buffer. Runtime byte counters are compared against this figure.
+    """
+
+    kind: str
+    mesh_axes: tuple[str, ...]
+    bytes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVE_KINDS:
+            kinds = sorted(COLLECTIVE_KINDS)
+            raise ValueError(f"unknown collective kind {self.kind!r}; expected one of {kinds}")
+        if self.bytes < 0:
+            raise ValueError(f"collective bytes must be >= 0, got {self.bytes}")
+
+
+# Redistribution step kinds in the order they run: slices shrink the data first, then
+# collectives from shrinking to growing, then moves into Partial, which are free but
+# (Shard -> Partial) regrow the local buffer, so they must not inflate any collective.
+_SLICE, _REDUCE_SCATTER, _ALL_TO_ALL, _ALL_REDUCE, _ALL_GATHER, _TO_PARTIAL = range(6)
+_COLLECTIVE_OF_STEP = {
+    _REDUCE_SCATTER: "reduce_scatter",
+    _ALL_TO_ALL: "all_to_all",
+    _ALL_REDUCE: "all_reduce",
+    _ALL_GATHER: "all_gather",
+}
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _axis_states(layout: Layout) -> tuple[int | str, ...]:
+    """Each placement as a plain value: the sharded dim, ``"R"`` or ``"P"`` (any reduce op).
+
+    Comparing DTensor placements of different types costs microseconds, plain values
+    nanoseconds, and the planner prices ~1e5 layout pairs.
+    """
+    states: list[int | str] = []
+    for p in layout:
+        if isinstance(p, Shard):
+            states.append(p.dim)
+        elif isinstance(p, Partial):
+            states.append("P")
+        elif isinstance(p, Replicate):
+            states.append("R")
+        else:
+            raise TypeError(f"unsupported placement {p!r}")
+    return tuple(states)
+
+
+def _step(src: int | str, dst: int | str) -> int | None:
+    """Step kind turning one axis's state ``src`` into ``dst``, None if nothing to do.
+
+    Partial -> Partial with another reduce op moves no data, so it is free like any
+    unchanged axis.
+    """
+    if src == dst:
+        return None
+    if dst == "P":
+        return _TO_PARTIAL
+    if src == "P":
+        return _REDUCE_SCATTER if isinstance(dst, int) else _ALL_REDUCE
+    if src == "R":
+        return _SLICE
+    return _ALL_TO_ALL if isinstance(dst, int) else _ALL_GATHER
+
+
+class CostModel:
+    """Prices compute and communication of one mesh on one cluster.
+
+    ``mesh`` is a :class:`MeshSpec` or anything :meth:`MeshSpec.of` reads, e.g. ``{"dp": 2, "tp": 4}``.
+    """
+
+    def __init__(self, mesh: MeshSpec | Mapping[str, int], cluster: Cluster) -> None:
+        self.mesh = MeshSpec.of(mesh)
+        self.cluster = cluster
+        self._links = tuple(self._axis_link(i) for i in range(self.mesh.ndim))
+        # Per instance so the cache key is just the tensor arguments; the planner asks
+        # for the same (src, dst, shape) pairs many times.
+        self._redistribute = functools.lru_cache(maxsize=1 << 16)(self._plan_redistribute)
+
+    def _axis_link(self, axis: int) -> LinkSpec:
+        inside = math.prod(self.mesh.axis_sizes[axis:]) <= self.cluster.devices_per_node
+        return self.cluster.intra_node if inside else self.cluster.inter_node
+
+    def link(self, axis: int) -> LinkSpec:
+        """Link used by collectives over mesh axis ``axis`` (an index).
+
+        Devices are numbered row-major over the mesh axes, so axis ``i`` stays inside a
+        node iff ``prod(axis_sizes[i:]) <= devices_per_node``; otherwise it crosses nodes.
+        """
+        return self._links[axis]
+
+    def collective_time(self, c: Collective) -> float:
+        """Ring alpha-beta time of ``c``; ``c.mesh_axes`` must name exactly one axis.
+
+        With n ranks on the axis, B = ``c.bytes``, alpha/beta the axis link:
+        all_gather (n-1)(alpha + B/beta); reduce_scatter and all_to_all
+        (n-1)alpha + (n-1)/n B/beta; all_reduce twice the reduce_scatter time. n = 1 is free.
+        """
+        if len(c.mesh_axes) != 1:
+            raise ValueError(f"collective_time prices one mesh axis at a time, got {c.mesh_axes}")
+        axis = self.mesh.axis_index(c.mesh_axes[0])
+        n = self.mesh.axis_sizes[axis]
+        if n == 1:
+            return 0.0
+        link = self._links[axis]
+        alpha, wire = link.latency_s, c.bytes / link.bandwidth_Bps
+        if c.kind == "all_gather":
+            return (n - 1) * (alpha + wire)
+        ring = (n - 1) * alpha + (n - 1) / n * wire
+        return 2 * ring if c.kind == "all_reduce" else ring
+
+    def compute_time(self, flops: float, bytes_accessed: float, dtype: torch.dtype) -> float:
+        """Roofline: ``max(flops / peak, bytes_accessed / memory_bandwidth)`` on one device."""
+        peaks = self.cluster.peak_flops
+        peak = peaks.get(dtype_name(dtype), peaks[FALLBACK_DTYPE])
+        return max(flops / peak, bytes_accessed / self.cluster.memory_bandwidth_Bps)
+
+    def redistribute(
+        self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
+    ) -> tuple[tuple[Collective, ...], float]:
+        """Collectives (in issue order) and total seconds turning ``src`` into ``dst``.
+
+        ``shape`` is the global shape (assumed divisible by the shardings), ``itemsize``
+        bytes per element. Each mesh axis changes independently (see docs/cost_model.md
+        for the table); steps run slices first, then reduce_scatters, all_to_alls,
+        all_reduces, all_gathers, so data shrinks before it grows. Each collective's bytes
+        is the per-rank local size at that moment. Cached; keep arguments hashable.
+        """
+        return self._redistribute(tuple(src), tuple(dst), tuple(shape), itemsize)
+
+    def _plan_redistribute(
+        self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
+    ) -> tuple[tuple[Collective, ...], float]:
+        if len(src) != self.mesh.ndim or len(dst) != self.mesh.ndim:
+            raise ValueError(
+                f"layouts need one placement per mesh axis ({self.mesh}), got {len(src)} and {len(dst)}"
+            )
+        before, after = _axis_states(src), _axis_states(dst)
+        sizes = self.mesh.axis_sizes
+        local = math.prod(shape) * itemsize
+        for state, size in zip(before, sizes, strict=True):
+            if isinstance(state, int):
+                local //= size
+        steps = [(_step(p, q), axis) for axis, (p, q) in enumerate(zip(before, after, strict=True))]
+        collectives, total = [], 0.0
+        for kind, axis in sorted((s for s in steps if s[0] is not None), key=self._step_order):
+            n = sizes[axis]
+            if kind in _COLLECTIVE_OF_STEP:
+                c = Collective(_COLLECTIVE_OF_STEP[kind], (self.mesh.axis_names[axis],), local)
+                collectives.append(c)
+                total += self.collective_time(c)
+            # Track the local size: leaving a sharding grows it, entering one shrinks it.
+            was_shard, is_shard = isinstance(before[axis], int), isinstance(after[axis], int)
+            if was_shard and not is_shard:
+                local *= n
+            elif is_shard and not was_shard:
+                local //= n
+        return tuple(collectives), total
+
+    def _step_order(self, step: tuple[int, int]) -> tuple[int, float, int]:
+        """Sort key: step kind first, then, within a kind, the cheapest axis order.
+
+        A swap argument on the alpha-beta costs shows reduce_scatters cost least on the
+        fastest link first (later, slower hops carry less data) and all_gathers on the
+        slowest link first; all_to_all and all_reduce keep the size, so any order costs
+        the same. Ties take the inner axis first for reduce_scatters and the outer axis
+        first otherwise, so a gather retraces a scatter backwards.
+        """
+        kind, axis = step
+        bandwidth = self._links[axis].bandwidth_Bps
+        if kind == _REDUCE_SCATTER:
+            return (kind, -bandwidth, -axis)
+        return (kind, bandwidth if kind == _ALL_GATHER else 0.0, axis)
+
+
+# ---------------------------------------------------------------------------------------
+# Calibration of the cpu-gloo preset (run by bench/calibrate_cpu_gloo.py, never at plan time)
+# ---------------------------------------------------------------------------------------
+
+_MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MATMUL_N = 2048
+_MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
+_ALL_REDUCE_BYTES = tuple(1 << k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
+
+
+def _median_seconds(fn: Any, repeats: int, warmup: int = 2) -> float:
+    # Median, not min: on a shared 2-core host single calls stall for a scheduler tick
+    # (~4 ms) now and then, and the plan should price the typical call, not the luckiest.
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _matmul_flops(dtype: torch.dtype) -> float:
+    a = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
+    b = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
+    dist.barrier()
+    return 2 * _MATMUL_N**3 / _median_seconds(lambda: torch.mm(a, b), 11)
+
+
+def _memory_bandwidth() -> float:
+    x, y, out = (torch.rand(_MEMORY_NUMEL) for _ in range(3))
+    dist.barrier()
+    # add reads two buffers and writes one
+    return 3 * x.nbytes / _median_seconds(lambda: torch.add(x, y, out=out), 11)
+
+
+def _all_reduce_seconds(nbytes: int) -> float:
+    buf = torch.zeros(nbytes // 4)
+    dist.barrier()
+    return _median_seconds(lambda: dist.all_reduce(buf), 25 if nbytes < 1 << 24 else 7)
+
+
+def _measure_rank(rank: int, world_size: int, port: int, out_path: str) -> None:
+    """One calibration rank. All ranks time compute and memory together, as they would
+    contend in a real run; rank 0 writes its figures and the all_reduce timings as JSON."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        measured = {
+            "peak_flops": {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
+            "memory_bandwidth_Bps": _memory_bandwidth(),
+            "all_reduce": [(nbytes, _all_reduce_seconds(nbytes)) for nbytes in _ALL_REDUCE_BYTES],
+        }
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(measured))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fit_ring_all_reduce(samples: list[tuple[int, float]], world_size: int) -> LinkSpec:
+    """Fit t = 2(n-1) alpha + 2(n-1)/n B/beta to (B, t) samples.
+
+    Least squares on relative error, so microsecond small-message times weigh as much
+    as the large ones that fix the bandwidth.
+    """
+    n = world_size
+    # t = c0 + c1 * B; minimise sum ((c0 + c1 B) / t - 1)^2 via the 2x2 normal equations.
+    rows = [(1 / t, b / t) for b, t in samples]
+    s00 = sum(u * u for u, _ in rows)
+    s01 = sum(u * v for u, v in rows)
+    s11 = sum(v * v for _, v in rows)
+    r0 = sum(u for u, _ in rows)
+    r1 = sum(v for _, v in rows)
+    det = s00 * s11 - s01 * s01
+    c0 = (r0 * s11 - r1 * s01) / det
+    c1 = (r1 * s00 - r0 * s01) / det
+    if c1 <= 0:
+        raise RuntimeError(f"all_reduce time does not grow with size, cannot fit bandwidth: {samples}")
+    return LinkSpec(latency_s=max(c0, 0.0) / (2 * (n - 1)), bandwidth_Bps=2 * (n - 1) / n / c1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_cpu_gloo(world_size: int = 2) -> Cluster:
+    """Measure this host as a ``cpu-gloo`` cluster of ``world_size`` ranks (takes ~a minute).
+
+    Spawns ``world_size`` gloo processes on 127.0.0.1, each with an equal share of the
+    cores. FLOP/s per dtype come from 2048^3 matmuls, memory bandwidth from a 128 MiB
+    fp32 add (3 buffers moved), both with every rank busy; the link from all_reduce at
+    1 KiB..64 MiB fitted to the ring model. Memory per device is physical RAM / world_size.
+    """
+    if world_size < 2:
+        raise ValueError(f"measuring collectives needs world_size >= 2, got {world_size}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "measured.json")
+        # spawn re-raises a failed rank's exception here, so a crash never hangs the caller.
+        mp.spawn(_measure_rank, args=(world_size, _free_port(), out_path), nprocs=world_size)
+        measured = json.loads(Path(out_path).read_text())
+    link = _fit_ring_all_reduce(measured["all_reduce"], world_size)
+    return Cluster(
+        name="cpu-gloo",
+        peak_flops=measured["peak_flops"],
+        memory_bandwidth_Bps=measured["memory_bandwidth_Bps"],
+        memory_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // world_size,
+        devices_per_node=_ONE_HOST,
+        intra_node=link,
+        inter_node=link,
+    )

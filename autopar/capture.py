@@ -67,8 +67,11 @@ def _clean_path(path: str) -> str:
 
 
 _HINTS = (
-    ("data-dependent", "the model branches on tensor values; use torch.where or torch.cond, "
-                       "or make the branch depend on shapes only"),
+    (
+        "data-dependent",
+        "the model branches on tensor values; use torch.where or torch.cond, "
+        "or make the branch depend on shapes only",
+    ),
     ("GuardOnDataDependent", "the model branches on tensor values; use torch.where or torch.cond"),
     ("not implemented for 'Meta'", "an op has no meta kernel: plan with real (small) example tensors"),
     ("unexpected keyword argument", "example_kwargs do not match the model's forward() signature"),
@@ -82,7 +85,9 @@ def _track_modules(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
     running: list[tuple[str, str]] = []
     handles = []
     for name, mod in model.named_modules():
-        def pre(_m, _a, name=name, cls=type(mod).__name__):
+        cls = type(mod).__name__
+
+        def pre(_m, _a, name=name, cls=cls):
             running.append((name, cls))
 
         def post(_m, _a, _o):
@@ -127,15 +132,12 @@ def capture(
             hint = next((h for key, h in _HINTS if key in str(exc)), None) or (
                 "run torch.export.export(model, args, kwargs, strict=False) to see the full error"
             )
-            raise CaptureError(
-                f"could not capture {type(model).__name__}{where}: {type(exc).__name__}: {message}. Try: {hint}."
-            ) from exc
+            what = f"{type(model).__name__}{where}: {type(exc).__name__}: {message}"
+            raise CaptureError(f"could not capture {what}. Try: {hint}.") from exc
     sig = program.graph_signature
     params = dict(sig.inputs_to_parameters)
     buffers = dict(sig.inputs_to_buffers)
-    inputs = [
-        n.name for n in program.graph.nodes if n.op == "placeholder" and n.name in set(sig.user_inputs)
-    ]
+    inputs = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.name in set(sig.user_inputs)]
     requires_grad = {
         name: bool(dict(model.named_parameters(remove_duplicate=False))[fqn].requires_grad)
         for name, fqn in params.items()

@@ -39,8 +39,8 @@ from autopar.cost import Cluster, CostModel, get_cluster
 from autopar.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
 from autopar.mesh import MeshSpec
 from autopar.plans import CollectiveStep, NodeDecision, Plan, Prediction, Redistribution, SolverReport
-from autopar.solver import StrategyILP
 from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
+from autopar.solver import StrategyILP
 
 LAYOUT_CONSTRAINT = "autopar.layout_constraint.default"
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
@@ -121,8 +121,13 @@ def _product(options: list, n: int) -> Iterable[tuple]:
 
 
 def _fixed(layout: Layout, operands: int = 0) -> Strategy:
-    return Strategy(tuple(layout for _ in range(operands)), (layout,), tuple(grad_layout(layout) for _ in range(operands)),
-                    (), 1)
+    return Strategy(
+        tuple(layout for _ in range(operands)),
+        (layout,),
+        tuple(grad_layout(layout) for _ in range(operands)),
+        (),
+        1,
+    )
 
 
 class _Builder:
@@ -180,18 +185,32 @@ class _Builder:
                         return ("in", index[a])
                     fqn = self.captured.params.get(a.name) or self.captured.buffers.get(a.name)
                     layout = fixed.get(fqn) if fqn else None
-                    return ("ext", shape_of(a) if isinstance(a.meta.get("val"), torch.Tensor) else None,
-                            str(layout))
+                    return (
+                        "ext",
+                        shape_of(a) if isinstance(a.meta.get("val"), torch.Tensor) else None,
+                        str(layout),
+                    )
                 if isinstance(a, str) and a.startswith("{"):
                     return parse_constraint_spec(a)[0]
                 return a
 
-            signature = (prefix, tuple(
-                (str(n.target), torch.utils._pytree.tree_map(token, (n.args, n.kwargs)),
-                 str([tuple(v.shape) for v in torch.utils._pytree.tree_leaves(n.meta.get("val"))
-                      if isinstance(v, torch.Tensor)]))
-                for n in nodes
-            ))
+            signature = (
+                prefix,
+                tuple(
+                    (
+                        str(n.target),
+                        torch.utils._pytree.tree_map(token, (n.args, n.kwargs)),
+                        str(
+                            [
+                                tuple(v.shape)
+                                for v in torch.utils._pytree.tree_leaves(n.meta.get("val"))
+                                if isinstance(v, torch.Tensor)
+                            ]
+                        ),
+                    )
+                    for n in nodes
+                ),
+            )
             if signature in first:
                 canon.update(zip(nodes, first[signature]))
                 tied += 1
@@ -214,8 +233,17 @@ class _Builder:
             self.choices[node] = self._param(node)
         edges = self._edges()
         roots = {c.root: len(c.strategies) for c in self.choices.values() if c.root is not None}
-        return StrategyGraph(self.captured, self.mesh, self.cost, self.choices, edges, roots, self.requires_grad,
-                             self.fallbacks, self.tied_blocks)
+        return StrategyGraph(
+            self.captured,
+            self.mesh,
+            self.cost,
+            self.choices,
+            edges,
+            roots,
+            self.requires_grad,
+            self.fallbacks,
+            self.tied_blocks,
+        )
 
     def _input(self, node: torch.fx.Node) -> None:
         layouts = all_layouts(shape_of(node), self.mesh)
@@ -246,8 +274,14 @@ class _Builder:
         if node.target is _getitem:
             src = self.choices[node.args[0]]
             k = node.args[1]
-            return Choice(src.root, [Strategy((s.outputs[k],), (s.outputs[k],), (grad_layout(s.outputs[k]),), (), 1)
-                                     for s in src.strategies], "getitem")
+            return Choice(
+                src.root,
+                [
+                    Strategy((s.outputs[k],), (s.outputs[k],), (grad_layout(s.outputs[k]),), (), 1)
+                    for s in src.strategies
+                ],
+                "getitem",
+            )
         call = OpCall.of(node)
         rule = lookup(node.target)
         spec = None
@@ -259,14 +293,18 @@ class _Builder:
         if spec is None:
             self.fallbacks.append((str(node.target), module_path(node)))
             spec = fallback(call)
-            return self._with_compute(Choice(None, [_replicated_strategy(spec, self.mesh)], "fallback", spec), call)
+            return self._with_compute(
+                Choice(None, [_replicated_strategy(spec, self.mesh)], "fallback", spec), call
+            )
         primary = self._primary(call, spec)
         if (rule.anchor or primary is None) and spec.shardable():
             strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh)
             if len(strategies) > 1:
                 return self._with_compute(Choice(node.name, strategies, "anchor", spec), call)
         if primary is None:
-            return self._with_compute(Choice(None, [_replicated_strategy(spec, self.mesh)], "follow", spec), call)
+            return self._with_compute(
+                Choice(None, [_replicated_strategy(spec, self.mesh)], "follow", spec), call
+            )
         slot, producer = primary
         src = self.choices[producer]
         index = 0
@@ -292,14 +330,20 @@ class _Builder:
     def _with_compute(self, choice: Choice, call: OpCall) -> Choice:
         spec = choice.spec
         node = call.node
-        out_vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        out_vals = [
+            v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)
+        ]
         dtype = out_vals[0].dtype if out_vals else torch.float32
         itemsize = out_vals[0].element_size() if out_vals else 4
-        total_bytes = itemsize * (sum(math.prod(s) for s in call.shapes) + sum(math.prod(s) for s in call.out_shapes))
+        total_bytes = itemsize * (
+            sum(math.prod(s) for s in call.shapes) + sum(math.prod(s) for s in call.out_shapes)
+        )
         backward = 3.0 if self.requires_grad.get(node, False) else 1.0
         costs = []
         for s in choice.strategies:
-            costs.append(backward * self.cost.compute_time(spec.flops / s.split, total_bytes / s.split, dtype))
+            costs.append(
+                backward * self.cost.compute_time(spec.flops / s.split, total_bytes / s.split, dtype)
+            )
         choice.compute = np.array(costs)
         return choice
 
@@ -365,7 +409,7 @@ def cost_tables(g: StrategyGraph) -> tuple[dict[str, np.ndarray], dict[tuple[str
     node_costs = {r: np.zeros(k) for r, k in g.roots.items()}
     pair_costs: dict[tuple[str, str], np.ndarray] = {}
     constant = 0.0
-    for c_node, choice in g.choices.items():
+    for choice in g.choices.values():
         if choice.compute is None:
             continue
         if choice.root is None:
@@ -456,29 +500,50 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
     comm_bytes = 0
     for node, choice in g.choices.items():
         s = g.strategy(node, assignment)
-        t = float(choice.compute[assignment[choice.root]] if choice.root else choice.compute[0]) \
-            if choice.compute is not None else 0.0
+        t = (
+            float(choice.compute[assignment[choice.root]] if choice.root else choice.compute[0])
+            if choice.compute is not None
+            else 0.0
+        )
         compute += t
-        nodes.append(NodeDecision(
-            node.name, str(node.target) if node.op == "call_function" else node.op, module_path(node), choice.kind,
-            tuple(None if o is None else format_layout(o) for o in s.operands),
-            tuple(format_layout(o) for o in s.outputs), t,
-        ))
+        nodes.append(
+            NodeDecision(
+                node.name,
+                str(node.target) if node.op == "call_function" else node.op,
+                module_path(node),
+                choice.kind,
+                tuple(None if o is None else format_layout(o) for o in s.operands),
+                tuple(format_layout(o) for o in s.outputs),
+                t,
+            )
+        )
     for e in g.edges:
         src, dst = g.strategy(e.src, assignment), g.strategy(e.dst, assignment)
         seconds, fwd, bwd = edge_cost(g, e, src, dst)
         if not fwd and not bwd:
             continue
         comm += seconds
-        steps = [tuple(CollectiveStep(c.kind, c.mesh_axes, c.bytes, g.cost.collective_time(c)) for c in cs)
-                 for cs in (fwd, bwd)]
+        steps = [
+            tuple(CollectiveStep(c.kind, c.mesh_axes, c.bytes, g.cost.collective_time(c)) for c in cs)
+            for cs in (fwd, bwd)
+        ]
         comm_bytes += sum(c.bytes for c in (*fwd, *bwd))
         val = e.src.meta["val"]
         val = val[e.index] if isinstance(val, (tuple, list)) else val
-        redists.append(Redistribution(
-            e.src.name, e.dst.name, e.slot, module_path(e.dst), tuple(int(x) for x in val.shape),
-            format_layout(src.outputs[e.index]), format_layout(dst.operands[e.slot]), steps[0], steps[1], seconds,
-        ))
+        redists.append(
+            Redistribution(
+                e.src.name,
+                e.dst.name,
+                e.slot,
+                module_path(e.dst),
+                tuple(int(x) for x in val.shape),
+                format_layout(src.outputs[e.index]),
+                format_layout(dst.operands[e.slot]),
+                steps[0],
+                steps[1],
+                seconds,
+            )
+        )
     params: dict[str, str] = {}
     param_bytes = grad_bytes = 0.0
     for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
@@ -492,14 +557,17 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
                 grad_bytes += size
     numel_fp32 = sum(
         local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh) / n.meta["val"].element_size() * 4
-        for n in g.choices if n.name in g.captured.params and g.requires_grad.get(n)
+        for n in g.choices
+        if n.name in g.captured.params and g.requires_grad.get(n)
     )
     activations = sum(
         local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
         for n, c in g.choices.items()
-        if n.op == "call_function" and g.requires_grad.get(n) and c.kind != "getitem"
-        and isinstance(n.meta.get("val"), torch.Tensor) and not (c.spec and c.spec.linear == frozenset({0})
-                                                                 and _is_view(n))
+        if n.op == "call_function"
+        and g.requires_grad.get(n)
+        and c.kind != "getitem"
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and not (c.spec and c.spec.linear == frozenset({0}) and _is_view(n))
     )
     seen = set()
     for op, path in g.fallbacks:
@@ -507,17 +575,29 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
             seen.add((op, path))
             warnings.append(f"no sharding rule for {op} in module '{path or '<root>'}': replicated")
     inputs = {
-        name: format_layout(g.strategy(n, assignment).outputs[0]) for n in g.choices if (name := n.name) in
-        g.captured.inputs
+        name: format_layout(g.strategy(n, assignment).outputs[0])
+        for n in g.choices
+        if (name := n.name) in g.captured.inputs
     }
     prediction = Prediction(
-        step_time_s=compute + comm, compute_s=compute, comm_s=comm, comm_bytes=int(comm_bytes),
-        param_bytes=int(param_bytes), grad_bytes=int(grad_bytes), optimizer_bytes=int(2 * numel_fp32),
+        step_time_s=compute + comm,
+        compute_s=compute,
+        comm_s=comm,
+        comm_bytes=int(comm_bytes),
+        param_bytes=int(param_bytes),
+        grad_bytes=int(grad_bytes),
+        optimizer_bytes=int(2 * numel_fp32),
         activation_bytes=int(activations),
     )
     return Plan(g.mesh.to_dict(), cluster, nodes, redists, params, inputs, prediction, report, warnings)
 
 
 def _is_view(node: torch.fx.Node) -> bool:
-    return "view" in str(node.target) or "reshape" in str(node.target) or "transpose" in str(node.target) \
-        or "permute" in str(node.target) or "unsqueeze" in str(node.target) or "expand" in str(node.target)
+    return (
+        "view" in str(node.target)
+        or "reshape" in str(node.target)
+        or "transpose" in str(node.target)
+        or "permute" in str(node.target)
+        or "unsqueeze" in str(node.target)
+        or "expand" in str(node.target)
+    )

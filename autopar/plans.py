@@ -129,7 +129,8 @@ class Plan:
         console = Console(file=buf, width=width, record=False, color_system=None)
         p = self.prediction
         console.print(
-            f"autopar plan on mesh {self.mesh_spec} ({self.cluster}): predicted step {p.step_time_s * 1e3:.3f} ms "
+            f"autopar plan on mesh {self.mesh_spec} ({self.cluster}): "
+            f"predicted step {p.step_time_s * 1e3:.3f} ms "
             f"(compute {p.compute_s * 1e3:.3f} ms, communication {p.comm_s * 1e3:.3f} ms, "
             f"{_bytes(p.comm_bytes)} moved per rank)"
         )
@@ -144,7 +145,9 @@ class Plan:
         for n in self.nodes:
             if n.kind in ("anchor", "fixed", "fallback"):
                 operands = ", ".join(o or "-" for o in n.operands)
-                ops.add_row(n.module or "<root>", _short(n.op), operands, ", ".join(n.outputs), _secs(n.compute_s))
+                ops.add_row(
+                    n.module or "<root>", _short(n.op), operands, ", ".join(n.outputs), _secs(n.compute_s)
+                )
         console.print(ops)
         comm = Table(title="redistributions")
         for col in ("module", "tensor", "layouts", "forward", "backward", "bytes", "time"):
@@ -187,22 +190,43 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         if data.get("format") != FORMAT_VERSION:
-            raise PlanError(f"plan format {data.get('format')!r} is not supported (expected {FORMAT_VERSION})")
+            raise PlanError(
+                f"plan format {data.get('format')!r} is not supported (expected {FORMAT_VERSION})"
+            )
 
         def steps(items: list) -> tuple[CollectiveStep, ...]:
-            return tuple(CollectiveStep(s["kind"], tuple(s["mesh_axes"]), s["bytes"], s["seconds"]) for s in items)
+            return tuple(
+                CollectiveStep(s["kind"], tuple(s["mesh_axes"]), s["bytes"], s["seconds"]) for s in items
+            )
 
         return cls(
             mesh=dict(data["mesh"]),
             cluster=data["cluster"],
             nodes=[
-                NodeDecision(n["name"], n["op"], n["module"], n["kind"], tuple(n["operands"]), tuple(n["outputs"]),
-                             n["compute_s"])
+                NodeDecision(
+                    n["name"],
+                    n["op"],
+                    n["module"],
+                    n["kind"],
+                    tuple(n["operands"]),
+                    tuple(n["outputs"]),
+                    n["compute_s"],
+                )
                 for n in data["nodes"]
             ],
             redistributions=[
-                Redistribution(r["src"], r["dst"], r["slot"], r["module"], tuple(r["shape"]), r["have"], r["need"],
-                               steps(r["forward"]), steps(r["backward"]), r["seconds"])
+                Redistribution(
+                    r["src"],
+                    r["dst"],
+                    r["slot"],
+                    r["module"],
+                    tuple(r["shape"]),
+                    r["have"],
+                    r["need"],
+                    steps(r["forward"]),
+                    steps(r["backward"]),
+                    r["seconds"],
+                )
                 for r in data["redistributions"]
             ],
             parameters=dict(data["parameters"]),

@@ -4,7 +4,8 @@ The planner reduces the graph to variables (roots) ``r``, each with ``k_r``
 strategies, a cost vector ``c_r`` (compute of every node sharing the variable, plus
 redistributions between nodes that share it), and a cost matrix ``R_{uv}`` for every
 pair of variables joined by an edge (redistribution forward and backward). Costs are
-seconds, scaled to integer nanoseconds for CP-SAT.
+seconds, scaled to integer nanoseconds for CP-SAT (or coarser units when the
+worst-case total would not fit in 52 bits).
 
 Variables
     s_{r,i} \in \{0,1\}          root r takes strategy i
@@ -42,7 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-SCALE = 1e9  # seconds -> integer nanoseconds
+NANOSECONDS = 1e9
+MAX_OBJECTIVE = float(2**52)  # keep CP-SAT's integer objective far from overflow
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,10 @@ class StrategyILP:
             for i in bad:
                 model.Add(s[r][i] == 0)
 
+    def _scale(self, nodes: dict[str, np.ndarray], pairs: dict) -> float:
+        worst = sum(float(c.max()) for c in nodes.values()) + sum(float(m.max()) for m in pairs.values())
+        return min(NANOSECONDS, MAX_OBJECTIVE / worst) if worst > 0 else NANOSECONDS
+
     def _edges(self, model: cp_model.CpModel, s: dict[str, list], pairs: dict) -> list[tuple[int, object]]:
         """Edge constraints: e_ij >= s_ui + s_vj - 1 wherever the reduced cost is positive."""
         terms = []
@@ -131,17 +137,18 @@ class StrategyILP:
             for i, j in zip(*np.nonzero(m)):
                 e = model.NewBoolVar(f"e[{u},{v},{i},{j}]")
                 model.AddBoolOr([s[u][i].Not(), s[v][j].Not(), e])
-                terms.append((_ns(m[i, j]), e))
+                terms.append((self._int(m[i, j]), e))
         return terms
 
     def solve(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], SolverStats]:
         t0 = time.perf_counter()
         nodes, pairs = self._reduced()
+        self.scale = self._scale(nodes, pairs)
         model = cp_model.CpModel()
         s = self._choose_one(model, nodes)
         self._forbid(model, s)
         terms = self._edges(model, s, pairs)
-        objective = [(_ns(c[i]), s[r][i]) for r, c in nodes.items() for i in range(len(c)) if c[i] > 0]
+        objective = [(self._int(c[i]), s[r][i]) for r, c in nodes.items() for i in range(len(c)) if c[i] > 0]
         model.Minimize(sum(w * v for w, v in objective + terms))
         build = time.perf_counter() - t0
         solver = cp_model.CpSolver()
@@ -155,8 +162,8 @@ class StrategyILP:
             raise RuntimeError(f"the strategy ILP has no solution ({solver.StatusName(status)})")
         assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
         objective_s = self.evaluate(assignment)
-        reduced_constant = objective_s - solver.ObjectiveValue() / SCALE
-        bound = solver.BestObjectiveBound() / SCALE + reduced_constant
+        reduced_constant = objective_s - solver.ObjectiveValue() / self.scale
+        bound = solver.BestObjectiveBound() / self.scale + reduced_constant
         proto = model.Proto()
         stats = SolverStats(
             variables=len(proto.variables),
@@ -170,6 +177,5 @@ class StrategyILP:
         )
         return assignment, stats
 
-
-def _ns(seconds: float) -> int:
-    return max(0, int(math.floor(seconds * SCALE + 0.5)))
+    def _int(self, seconds: float) -> int:
+        return max(0, int(math.floor(seconds * self.scale + 0.5)))

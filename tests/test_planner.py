@@ -76,8 +76,10 @@ def test_repeated_blocks_share_one_set_of_choices():
     model, args = gpt.build(device="meta", n_layers=4)
     plan = autopar.plan(model, args, {"dp": 2, "tp": 2})
     assert plan.solver.tied_blocks == 3
-    layouts = {name: [plan.parameters[f"blocks.{i}.{name}"] for i in range(4)]
-               for name in ("attn.qkv.weight", "mlp.fc.weight", "mlp.proj.weight")}
+    layouts = {
+        name: [plan.parameters[f"blocks.{i}.{name}"] for i in range(4)]
+        for name in ("attn.qkv.weight", "mlp.fc.weight", "mlp.proj.weight")
+    }
     for name, per_block in layouts.items():
         assert len(set(per_block)) == 1, (name, per_block)
 
@@ -142,13 +144,31 @@ def test_capture_failure_names_module_and_hint():
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
 def test_transformers_models_plan_without_fallbacks(arch):
     cfg = {
-        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, use_cache=False)),
-        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=128, use_cache=False)),
-        "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
-            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=128)),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, use_cache=False
+            )
+        ),
+        "llama": lambda: transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=128,
+                vocab_size=128,
+                use_cache=False,
+            )
+        ),
+        "bert": lambda: transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                intermediate_size=128,
+                vocab_size=128,
+            )
+        ),
     }[arch]
     with torch.device("meta"):
         model = cfg()

@@ -95,9 +95,9 @@ def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
             scale /= n
     outs = {}
     for coord in itertools.product(*(range(n) for n in mesh.axis_sizes)):
-        it = iter(s[coord] if s is not None else t for s, t in zip(split, tensors))
+        pieces = iter([s[coord] if s is not None else t for s, t in zip(split, tensors)])
         local_args, local_kwargs = pytree.tree_map(
-            lambda v: next(it) if isinstance(v, torch.Tensor) else v, (args, kwargs)
+            lambda v, pieces=pieces: next(pieces) if isinstance(v, torch.Tensor) else v, (args, kwargs)
         )
         local_args = localize_sizes(op, local_args, call.out_shapes[0], local_out)
         out = op(*local_args, **local_kwargs)

@@ -106,7 +106,9 @@ class OpCall:
         operands = [a for a in leaves if isinstance(a, torch.fx.Node) and _is_tensor(a)]
         out = node.meta.get("val")
         outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
-        return cls(node, operands, [shape_of(a) for a in operands], [tuple(int(s) for s in v.shape) for v in outs])
+        return cls(
+            node, operands, [shape_of(a) for a in operands], [tuple(int(s) for s in v.shape) for v in outs]
+        )
 
     def arg(self, name: str, default: object = None) -> object:
         """The argument called ``name`` in the op's schema (positional or keyword)."""
@@ -167,7 +169,9 @@ def lookup(target: object) -> Rule | None:
 
 def fallback(call: OpCall) -> DimSpec:
     """Replicate everything: the rule of an op nobody described."""
-    return DimSpec(tuple((None,) * len(s) for s in call.shapes), tuple((None,) * len(s) for s in call.out_shapes))
+    return DimSpec(
+        tuple((None,) * len(s) for s in call.shapes), tuple((None,) * len(s) for s in call.out_shapes)
+    )
 
 
 def fresh(n: int, taken: str = "") -> str:
@@ -176,7 +180,9 @@ def fresh(n: int, taken: str = "") -> str:
     return "".join(itertools.islice(pool, n))
 
 
-def broadcast(shapes: Sequence[tuple[int, ...]], out_shape: tuple[int, ...]) -> tuple[tuple[Labels, ...], Labels]:
+def broadcast(
+    shapes: Sequence[tuple[int, ...]], out_shape: tuple[int, ...]
+) -> tuple[tuple[Labels, ...], Labels]:
     """Labels for operands broadcast together into ``out_shape`` (right-aligned).
 
     A dimension of size 1 that broadcasts against a larger one gets ``None``.
@@ -211,7 +217,9 @@ def _divisible(choices: Sequence[str | None], mesh: MeshSpec, sizes: dict[str, l
     return all(s % c == 0 for lab, c in counts.items() for s in sizes[lab])
 
 
-def build(spec: DimSpec, choices: Sequence[str | None], mesh: MeshSpec, passthrough: int | None = None) -> Strategy:
+def build(
+    spec: DimSpec, choices: Sequence[str | None], mesh: MeshSpec, passthrough: int | None = None
+) -> Strategy:
     """The strategy that splits label ``choices[a]`` on mesh axis ``a``."""
     n_ops = len(spec.operands)
     operands: list[list] = [[] for _ in range(n_ops)]
@@ -245,7 +253,11 @@ def build(spec: DimSpec, choices: Sequence[str | None], mesh: MeshSpec, passthro
                 operands[i].append(Replicate())
                 grads[i].append(Partial())
         for o, labels in zip(outputs, spec.outputs):
-            o.append(Shard(labels.index(lab)) if lab in labels else (Partial() if lab in spec.summed else Replicate()))
+            o.append(
+                Shard(labels.index(lab))
+                if lab in labels
+                else (Partial() if lab in spec.summed else Replicate())
+            )
     free = [labels is None for labels in spec.operands]
     return Strategy(
         tuple(None if f else tuple(o) for f, o in zip(free, operands)),

@@ -18,7 +18,9 @@ from autopar.rules import DimSpec, OpCall, broadcast, rule
 aten = torch.ops.aten
 
 
-def _pointwise(call: OpCall, linear: frozenset[int] = frozenset(), additive: frozenset[int] = frozenset()) -> DimSpec:
+def _pointwise(
+    call: OpCall, linear: frozenset[int] = frozenset(), additive: frozenset[int] = frozenset()
+) -> DimSpec:
     (out_shape, *more) = call.out_shapes
     operands, out = broadcast(call.shapes, out_shape)
     outs = (out, *(out for _ in more))

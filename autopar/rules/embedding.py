@@ -49,9 +49,12 @@ def gather(call: OpCall) -> DimSpec:
     dim = call.arg("dim") % len(self_shape)
     idx = fresh(len(idx_shape))
     own = tuple(
-        idx[d] if d != dim and self_shape[d] == idx_shape[d] else f"{idx[d]}".upper() for d in range(len(self_shape))
+        idx[d] if d != dim and self_shape[d] == idx_shape[d] else f"{idx[d]}".upper()
+        for d in range(len(self_shape))
     )
-    return DimSpec((own, tuple(idx)), (tuple(idx),), whole=frozenset(own[d] for d in range(len(own)) if own[d].isupper()))
+    return DimSpec(
+        (own, tuple(idx)), (tuple(idx),), whole=frozenset(own[d] for d in range(len(own)) if own[d].isupper())
+    )
 
 
 @rule(aten.index_select.default)

@@ -36,4 +36,6 @@ def factory(call: OpCall) -> DimSpec:
 def no_grad_region(call: OpCall) -> DimSpec:
     # a region exported under torch.no_grad (e.g. Llama's rotary tables): small and
     # gradient-free, so it runs whole on every rank from whole inputs
-    return DimSpec(tuple((None,) * len(s) for s in call.shapes), tuple((None,) * len(s) for s in call.out_shapes))
+    return DimSpec(
+        tuple((None,) * len(s) for s in call.shapes), tuple((None,) * len(s) for s in call.out_shapes)
+    )

@@ -54,8 +54,17 @@ def reshape_labels(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple, t
     return tuple(src_l), tuple(dst_l), frozenset(whole)
 
 
-@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-      aten.unflatten.int, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default)
+@rule(
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.unsqueeze.default,
+)
 def view(call: OpCall) -> DimSpec:
     src, dst = call.shapes[0], call.out_shapes[0]
     src_l, dst_l, whole = reshape_labels(src, dst)
@@ -110,8 +119,14 @@ def select(call: OpCall) -> DimSpec:
     return _keep_but(call, {call.arg("dim", 0) % len(call.shapes[0])}, drop=True)
 
 
-@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.flip.default,
-      aten.cumsum.default, aten.roll.default)
+@rule(
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.flip.default,
+    aten.cumsum.default,
+    aten.roll.default,
+)
 def along_dims(call: OpCall) -> DimSpec:
     ndim = len(call.shapes[0])
     dims = call.arg("dims") if call.arg("dims") is not None else [call.arg("dim", 0)]
@@ -131,10 +146,17 @@ def diff(call: OpCall) -> DimSpec:
     dim = call.arg("dim", -1) % ndim
     labels = fresh(ndim)
     out = tuple(lab.upper() if d == dim else lab for d, lab in enumerate(labels))
-    extra = tuple(tuple(lab.lower() + "'" if d == dim else lab for d, lab in enumerate(labels)) for _ in call.shapes[1:])
+    extra = tuple(
+        tuple(lab.lower() + "'" if d == dim else lab for d, lab in enumerate(labels)) for _ in call.shapes[1:]
+    )
     whole = frozenset({labels[dim], out[dim], labels[dim] + "'"})
-    return DimSpec((tuple(labels), *extra), (out,), whole=whole, linear=frozenset(range(len(call.shapes))),
-                   additive=frozenset(range(len(call.shapes))))
+    return DimSpec(
+        (tuple(labels), *extra),
+        (out,),
+        whole=whole,
+        linear=frozenset(range(len(call.shapes))),
+        additive=frozenset(range(len(call.shapes))),
+    )
 
 
 @rule(aten.cat.default)
@@ -144,7 +166,9 @@ def cat(call: OpCall) -> DimSpec:
     dim = call.arg("dim", 0) % len(out)
     labels = fresh(len(out))
     operands = tuple(
-        tuple(f"{labels[d]}{i}" if d == dim else labels[d] for d in range(len(out))) if len(s) == len(out) else None
+        tuple(f"{labels[d]}{i}" if d == dim else labels[d] for d in range(len(out)))
+        if len(s) == len(out)
+        else None
         for i, s in enumerate(call.shapes)
     )
     whole = frozenset(f"{labels[dim]}{i}" for i in range(len(call.shapes))) | {labels[dim]}
@@ -159,8 +183,13 @@ def stack(call: OpCall) -> DimSpec:
     labels = fresh(len(out))
     operand = tuple(lab for d, lab in enumerate(labels) if d != dim)
     every = frozenset(range(len(call.shapes)))
-    return DimSpec(tuple(operand for _ in call.shapes), (tuple(labels),), whole=frozenset(labels[dim]),
-                   linear=every, additive=every)
+    return DimSpec(
+        tuple(operand for _ in call.shapes),
+        (tuple(labels),),
+        whole=frozenset(labels[dim]),
+        linear=every,
+        additive=every,
+    )
 
 
 @rule(aten.pad.default, aten.constant_pad_nd.default)

@@ -1,7 +1,9 @@
 """A GPT-2-style decoder-only transformer trained on next-token cross-entropy.
 
-Module names follow GPT-2 (``wte``, ``wpe``, ``blocks.{i}.attn.qkv``, ``blocks.{i}.mlp.fc``, ``ln_f``,
-``lm_head``) because annotations and plans refer to parameters by these paths.
+Module names follow GPT-2 (``wte``, ``wpe``, ``blocks.{i}.attn.q``, ``blocks.{i}.mlp.fc``, ``ln_f``,
+``lm_head``) because annotations and plans refer to parameters by these paths. Queries, keys and
+values have separate projections (as in Llama): a fused ``qkv`` weight cannot be split by heads with
+a plain DTensor ``Shard``, so separate projections are what head-parallel attention needs.
 
 :func:`build` returns a model and example inputs; the defaults (:data:`TINY`) are small enough for unit
 tests, and bigger models come from a preset or keyword overrides, e.g.
@@ -49,20 +51,22 @@ GPT2_SMALL = GPTConfig(
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: one ``qkv`` projection to ``3 * d_model``, then ``proj``."""
+    """Multi-head causal self-attention: ``q``, ``k``, ``v`` projections, then ``proj``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.q = nn.Linear(config.d_model, config.d_model)
+        self.k = nn.Linear(config.d_model, config.d_model)
+        self.v = nn.Linear(config.d_model, config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attend over ``x`` of shape ``(batch, seq, d_model)``, each position only to itself and earlier."""
         batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=2)
+        q, k, v = self.q(x), self.k(x), self.v(x)
         # (batch, seq, d_model) -> (batch, heads, seq, head_dim): SDPA attends over the last two dims.
         head_dim = d_model // self.n_heads
         q = q.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)

@@ -83,8 +83,9 @@ def test_gpt_module_names(gpt: ModuleType):
     model, _ = gpt.build(n_layers=3, device="meta")
     cfg = model.config
     assert len(model.blocks) == 3
-    qkv = model.get_submodule("blocks.2.attn.qkv")
-    assert (qkv.in_features, qkv.out_features) == (cfg.d_model, 3 * cfg.d_model)
+    for name in ("q", "k", "v"):
+        proj = model.get_submodule(f"blocks.2.attn.{name}")
+        assert (proj.in_features, proj.out_features) == (cfg.d_model, cfg.d_model)
     fc = model.get_submodule("blocks.0.mlp.fc")
     assert (fc.in_features, fc.out_features) == (cfg.d_model, cfg.d_ff)
     for name in [

@@ -78,7 +78,7 @@ def test_repeated_blocks_share_one_set_of_choices():
     assert plan.solver.tied_blocks == 3
     layouts = {
         name: [plan.parameters[f"blocks.{i}.{name}"] for i in range(4)]
-        for name in ("attn.qkv.weight", "mlp.fc.weight", "mlp.proj.weight")
+        for name in ("attn.q.weight", "mlp.fc.weight", "mlp.proj.weight")
     }
     for name, per_block in layouts.items():
         assert len(set(per_block)) == 1, (name, per_block)

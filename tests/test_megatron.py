@@ -1,0 +1,22 @@
+"""The Megatron check of bench/megatron_check.py, as a test (planning only, on meta)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import autopar
+from bench.megatron_check import run
+
+
+def test_auto_plan_is_megatron_or_cheaper_and_communicates_no_more():
+    # two nodes of four: tp inside a node, dp across, as Megatron is deployed
+    cluster = dataclasses.replace(autopar.get_cluster("h100"), devices_per_node=4)
+    results = run(cluster, batch=8, seq=1024, d_model=2048, heads=16)
+    auto, megatron = results["auto"], results["megatron"]
+    assert auto["comm_ms"] <= megatron["comm_ms"] + 1e-9
+    assert auto["step_ms"] <= megatron["step_ms"] + 1e-9
+    layouts = auto["layouts"]
+    # column-parallel q, k, v and first MLP linear, row-parallel second MLP linear, all over tp
+    for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+        assert layouts[f"blocks.0.{name}.weight"] == "RS(0)", (name, layouts)
+    assert layouts["blocks.0.mlp.proj.weight"] == "RS(1)", layouts

@@ -39,6 +39,7 @@ from autopar.cost import Cluster, CostModel, get_cluster
 from autopar.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
 from autopar.mesh import MeshSpec
 from autopar.plans import CollectiveStep, NodeDecision, Plan, Prediction, Redistribution, SolverReport
+from autopar.printing import LAYOUTS, format_graph
 from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
 from autopar.solver import StrategyILP
 
@@ -500,6 +501,10 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
     comm_bytes = 0
     for node, choice in g.choices.items():
         s = g.strategy(node, assignment)
+        node.meta[LAYOUTS] = (
+            tuple(None if o is None else format_layout(o) for o in s.operands),
+            tuple(format_layout(o) for o in s.outputs),
+        )
         t = (
             float(choice.compute[assignment[choice.root]] if choice.root else choice.compute[0])
             if choice.compute is not None
@@ -589,7 +594,8 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
         optimizer_bytes=int(2 * numel_fp32),
         activation_bytes=int(activations),
     )
-    return Plan(g.mesh.to_dict(), cluster, nodes, redists, params, inputs, prediction, report, warnings)
+    code = format_graph(g.captured.graph, f"Constructed by autopar.plan on mesh {g.mesh} ({cluster})")
+    return Plan(g.mesh.to_dict(), cluster, nodes, redists, params, inputs, prediction, report, code, warnings)
 
 
 def _is_view(node: torch.fx.Node) -> bool:

@@ -102,6 +102,7 @@ class Plan:
     inputs: dict[str, str]  # user input placeholder -> layout
     prediction: Prediction
     solver: SolverReport
+    code: str  # the captured graph as Python, layouts in comments
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -233,6 +234,7 @@ class Plan:
             inputs=dict(data["inputs"]),
             prediction=Prediction(**data["prediction"]),
             solver=SolverReport(**data["solver"]),
+            code=data["code"],
             warnings=list(data["warnings"]),
         )
 

@@ -54,8 +54,11 @@ def run(cluster: autopar.Cluster, batch: int, seq: int, d_model: int, heads: int
             "comm_ms": p.comm_s * 1e3,
             "comm_MiB": p.comm_bytes / 2**20,
             "plan_s": wall,
-            "layouts": {k: v for k, v in plan.parameters.items() if k.startswith("blocks.0.")
-                        and k.endswith("weight") and "ln" not in k},
+            "layouts": {
+                k: v
+                for k, v in plan.parameters.items()
+                if k.startswith("blocks.0.") and k.endswith("weight") and "ln" not in k
+            },
         }
     return results
 

@@ -30,8 +30,14 @@ def main() -> None:
     a = parser.parse_args()
     mesh = {k: int(v) for k, v in (item.split("=") for item in a.mesh.split(","))}
     config = transformers.LlamaConfig(
-        num_hidden_layers=a.layers, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
-        intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096, use_cache=False,
+        num_hidden_layers=a.layers,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        use_cache=False,
     )
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -57,7 +63,9 @@ def main() -> None:
         "warnings": plan.warnings,
     }
     print(json.dumps(result, indent=1))
-    weights = {k: v for k, v in plan.parameters.items() if k.startswith("model.layers.0.") and "norm" not in k}
+    weights = {
+        k: v for k, v in plan.parameters.items() if k.startswith("model.layers.0.") and "norm" not in k
+    }
     print(json.dumps(weights, indent=1))
 
 

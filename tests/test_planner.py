@@ -178,3 +178,16 @@ def test_transformers_models_plan_without_fallbacks(arch):
     assert plan.solver.tied_blocks == 1
     assert plan.prediction.step_time_s > 0
     assert set(plan.parameters) >= {fqn for fqn, _ in model.named_parameters()}
+
+
+def test_plan_prints_the_graph_as_python_with_layouts():
+    model, args = mlp.build(device="meta")
+    autopar.shard(model.layers[0], parameter_plan={"weight": ("tp", None), "bias": ("tp",)})
+    plan = autopar.plan(model, args, {"tp": 2})
+    lines = plan.code.splitlines()
+    assert lines[0] == "# Constructed by autopar.plan on mesh tp=2 (cpu-gloo)"
+    assert lines[1].startswith("def forward(p_layers_0_weight, p_layers_0_bias,")
+    assert "    # p_layers_0_weight: S(0)" in lines
+    first = next(line for line in lines if line.startswith("    linear = aten.linear("))
+    assert first.endswith("# R, S(0), S(0) -> S(1)"), first
+    assert lines[-1].startswith("    return (")

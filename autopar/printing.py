@@ -1,0 +1,59 @@
+"""Graphs print as readable Python, with each value's layout as a comment.
+
+Every stage of autopar can show its graph this way; tests assert on the text.
+A node's layouts are read from ``node.meta["autopar.layouts"]``: a pair of
+(operand layouts, output layouts) in the short form of
+:func:`autopar.layout.format_layout`, where an operand read only for its shape
+shows as ``-``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = "autopar.layouts"
+
+
+def _arg(a: object) -> str:
+    if isinstance(a, torch.fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_arg(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    if isinstance(a, torch.dtype):
+        return str(a)
+    return repr(a)
+
+
+def op_name(target: object) -> str:
+    """``aten.linear`` for ``torch.ops.aten.linear.default``; overloads other than default kept."""
+    name = str(target) if not hasattr(target, "__name__") or "." in str(target) else target.__name__
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        name = target.name()
+    return name.removesuffix(".default")
+
+
+def format_graph(graph: torch.fx.Graph, header: str) -> str:
+    """The graph as a Python function; ``header`` becomes its first comment line."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    lines = [f"# {header}", f"def forward({', '.join(n.name for n in placeholders)}):"]
+    for node in graph.nodes:
+        layouts = node.meta.get(LAYOUTS)
+        if node.op == "placeholder":
+            if layouts:
+                lines.append(f"    # {node.name}: {layouts[1][0]}")
+        elif node.op == "call_function":
+            args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+            call = f"{op_name(node.target)}({', '.join(args)})"
+            line = f"    {node.name} = {call}"
+            if layouts:
+                operands = ", ".join(o or "-" for o in layouts[0])
+                line += (
+                    f"  # {operands} -> {', '.join(layouts[1])}"
+                    if operands
+                    else f"  # {', '.join(layouts[1])}"
+                )
+            lines.append(line)
+        elif node.op == "output":
+            lines.append(f"    return {_arg(node.args[0])}")
+    return "\n".join(lines) + "\n"

@@ -9,7 +9,8 @@ a plain DTensor ``Shard``, so separate projections are what head-parallel attent
 tests, and bigger models come from a preset or keyword overrides, e.g.
 ``build(GPT2_SMALL, batch_size=8, device="meta")`` to plan GPT-2 small (124M) without allocating it.
 
-Run as a script, this builds the default model and prints its parameter count.
+Run as a script, this builds the default model, prints its parameter count and plans it for a
+2 x 2 mesh.
 """
 
 from __future__ import annotations
@@ -177,10 +178,13 @@ def build(
 
 
 def main() -> None:
-    """Build the default model and print its parameter count."""
-    model, _ = build()
+    """Build the default model, print its parameter count and its plan for mesh dp=2 x tp=2."""
+    import autopar
+
+    model, args = build()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"GPT {TINY}: {n_params:,} parameters")
+    print(autopar.plan(model, args, {"dp": 2, "tp": 2}).summary())
 
 
 if __name__ == "__main__":

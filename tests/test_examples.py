@@ -61,7 +61,10 @@ def test_script_prints_the_parameter_count(example: ModuleType, capsys: pytest.C
     model, _ = example.build()
     n_params = sum(p.numel() for p in model.parameters())
     runpy.run_path(example.__file__, run_name="__main__")
-    assert f"{n_params:,} parameters" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{n_params:,} parameters" in out
+    if example.__name__.endswith("gpt"):
+        assert "autopar plan on mesh dp=2×tp=2" in out and "blocks.0.mlp.fc" in out
 
 
 def test_mlp_widths_and_output(mlp: ModuleType):

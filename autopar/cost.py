@@ -118,15 +118,17 @@ _ONE_HOST = 1 << 20
 _PRESETS: dict[str, Cluster] = {
     # Measured on 2026-11-22 by bench/calibrate_cpu_gloo.py with world_size=2 on a 2-core
     # Intel Xeon (KVM guest, AVX-512 + AMX), 24 GiB RAM, torch 2.13.0+cpu: one thread per
-    # rank, both ranks busy at once, gloo over 127.0.0.1. Re-run the script to refresh.
+    # rank, both ranks busy at once, gloo over 127.0.0.1. Each figure is the median of
+    # three runs on an otherwise idle host (docs/cost_model.md lists all three); alpha
+    # varied 117-340 µs and bf16 FLOP/s 0.41-0.98e12 between runs. Re-run the script to refresh.
     "cpu-gloo": Cluster(
         name="cpu-gloo",
-        peak_flops={"float32": 1.0, "bfloat16": 1.0, "float16": 1.0},
-        memory_bandwidth_Bps=1.0,
-        memory_bytes=1,
+        peak_flops={"float32": 132e9, "bfloat16": 838e9, "float16": 144e9},
+        memory_bandwidth_Bps=15.1e9,
+        memory_bytes=12_638_255_104,  # physical RAM / 2 ranks
         devices_per_node=_ONE_HOST,
-        intra_node=LinkSpec(latency_s=1.0, bandwidth_Bps=1.0),
-        inter_node=LinkSpec(latency_s=1.0, bandwidth_Bps=1.0),
+        intra_node=LinkSpec(latency_s=211e-6, bandwidth_Bps=1.28e9),
+        inter_node=LinkSpec(latency_s=211e-6, bandwidth_Bps=1.28e9),
     ),
     # Nodes of 8 H100-80GB SXM5 (DGX/HGX H100). Vendor peaks, not achievable rates:
     # - FLOP/s, HBM: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100),

@@ -1,0 +1,246 @@
+"""Cost model: formulas on hand-computed numbers, link choice, redistribution plans, presets."""
+
+import json
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autopar.cost import Cluster, Collective, CostModel, LinkSpec, dtype_name, get_cluster
+from autopar.mesh import MeshSpec
+
+R, P = Replicate(), Partial()
+S0, S1 = Shard(0), Shard(1)
+
+INTRA = LinkSpec(latency_s=1e-5, bandwidth_Bps=1e9)
+INTER = LinkSpec(latency_s=1e-4, bandwidth_Bps=1e8)
+
+
+def toy_cluster(devices_per_node: int = 4) -> Cluster:
+    return Cluster(
+        name="toy",
+        peak_flops={"float32": 1e12, "bfloat16": 4e12},
+        memory_bandwidth_Bps=1e11,
+        memory_bytes=1 << 30,
+        devices_per_node=devices_per_node,
+        intra_node=INTRA,
+        inter_node=INTER,
+    )
+
+
+def plan(model: CostModel, src, dst, shape=(8, 16), itemsize=4) -> list[tuple[str, str, int]]:
+    """(kind, axis, bytes) of each collective, in issue order."""
+    collectives, _ = model.redistribute(src, dst, shape, itemsize)
+    return [(c.kind, c.mesh_axes[0], c.bytes) for c in collectives]
+
+
+# --- formulas ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        # n = 4, alpha = 1e-5, B / beta = 1000 B / 1e9 B/s = 1e-6 s
+        ("all_gather", 3 * 1e-5 + 3 * 1e-6),
+        ("reduce_scatter", 3 * 1e-5 + 0.75 * 1e-6),
+        ("all_reduce", 6 * 1e-5 + 1.5 * 1e-6),
+        ("all_to_all", 3 * 1e-5 + 0.75 * 1e-6),
+    ],
+)
+def test_collective_time_ring_formulas(kind, expected):
+    model = CostModel(MeshSpec(("x",), (4,)), toy_cluster())
+    assert model.collective_time(Collective(kind, ("x",), 1000)) == pytest.approx(expected)
+
+
+def test_collective_on_inter_node_axis_uses_inter_link():
+    model = CostModel({"dp": 2, "tp": 4}, toy_cluster(devices_per_node=4))
+    # dp crosses nodes: n = 2, alpha = 1e-4, 1000 B / 1e8 B/s = 1e-5 s
+    assert model.collective_time(Collective("all_reduce", ("dp",), 1000)) == pytest.approx(2e-4 + 1e-5)
+
+
+def test_size_one_axis_is_free():
+    model = CostModel({"dp": 1, "tp": 4}, toy_cluster())
+    assert model.collective_time(Collective("all_reduce", ("dp",), 10**9)) == 0.0
+
+
+def test_collective_time_rejects_several_or_unknown_axes():
+    model = CostModel({"dp": 2, "tp": 4}, toy_cluster())
+    with pytest.raises(ValueError, match="one mesh axis"):
+        model.collective_time(Collective("all_reduce", ("dp", "tp"), 8))
+    with pytest.raises(ValueError, match="unknown mesh axis 'pp'"):
+        model.collective_time(Collective("all_reduce", ("pp",), 8))
+
+
+def test_collective_validates_kind_and_bytes():
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
+        Collective("broadcast", ("x",), 8)
+    with pytest.raises(ValueError, match=">= 0"):
+        Collective("all_gather", ("x",), -1)
+
+
+def test_compute_time_roofline():
+    model = CostModel({"x": 2}, toy_cluster())
+    # compute bound: 2e12 FLOP at 1e12 FLOP/s beats 1e9 B at 1e11 B/s
+    assert model.compute_time(2e12, 1e9, torch.float32) == pytest.approx(2.0)
+    # memory bound
+    assert model.compute_time(1e9, 1e11, torch.float32) == pytest.approx(1.0)
+    # per-dtype peak, and the float32 fallback for dtypes without one
+    assert model.compute_time(4e12, 0, torch.bfloat16) == pytest.approx(1.0)
+    assert model.compute_time(4e12, 0, torch.float16) == pytest.approx(4.0)
+    assert model.compute_time(4e12, 0, torch.int64) == pytest.approx(4.0)
+
+
+def test_dtype_name():
+    assert dtype_name(torch.bfloat16) == "bfloat16"
+    assert dtype_name(torch.float32) == "float32"
+
+
+# --- links --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mesh, expected",
+    [
+        ({"dp": 8, "tp": 8}, ("inter", "intra")),
+        # 2 x 4 = 8 devices fill exactly one node, so dp stays inside it too
+        ({"dp": 2, "tp": 4}, ("intra", "intra")),
+        ({"dp": 4, "tp": 4}, ("inter", "intra")),
+        ({"pp": 2, "dp": 4, "tp": 2}, ("inter", "intra", "intra")),
+        ({"tp": 16}, ("inter",)),
+    ],
+)
+def test_h100_link_selection(mesh, expected):
+    h100 = get_cluster("h100")
+    model = CostModel(mesh, h100)
+    links = {"intra": h100.intra_node, "inter": h100.inter_node}
+    assert tuple(model.link(i) for i in range(len(mesh))) == tuple(links[e] for e in expected)
+
+
+def test_cpu_gloo_never_leaves_the_host():
+    cluster = get_cluster("cpu-gloo")
+    model = CostModel({"dp": 64, "tp": 64}, cluster)
+    assert model.link(0) == model.link(1) == cluster.intra_node
+
+
+# --- redistribution: one mesh axis (x = 4), shape (8, 16) fp32 = 512 bytes ---------------
+
+
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        (R, R, []),
+        (S0, S0, []),
+        (P, P, []),
+        (Partial("avg"), P, []),
+        (R, S0, []),
+        (R, P, []),
+        (S0, P, []),
+        (P, R, [("all_reduce", "x", 512)]),
+        (P, S1, [("reduce_scatter", "x", 512)]),
+        (S0, R, [("all_gather", "x", 128)]),
+        (S0, S1, [("all_to_all", "x", 128)]),
+    ],
+)
+def test_redistribute_1d(src, dst, expected):
+    model = CostModel({"x": 4}, toy_cluster())
+    collectives, seconds = model.redistribute((src,), (dst,), (8, 16), 4)
+    assert [(c.kind, c.mesh_axes[0], c.bytes) for c in collectives] == expected
+    assert seconds == pytest.approx(sum(model.collective_time(c) for c in collectives))
+
+
+# --- redistribution: two mesh axes, shape (8, 16) fp32 = 512 bytes -----------------------
+
+
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        # all_reduce on the 1/4 shard before the gather regrows it
+        ((P, S0), (R, R), [("all_reduce", "a", 128), ("all_gather", "b", 128)]),
+        # the slice on a runs first, so the gather on b moves 1/8 of the tensor
+        ((R, S0), (S0, R), [("all_gather", "b", 64)]),
+        # S -> P on a is applied last, so it does not inflate the gather on b
+        ((S0, S0), (P, R), [("all_gather", "b", 64)]),
+        ((S0, R), (P, S1), []),
+        # reduce_scatter shrinks first, then the all_to_all moves 1/8
+        ((P, S0), (S1, S1), [("reduce_scatter", "a", 128), ("all_to_all", "b", 64)]),
+        ((S0, P), (S1, R), [("all_to_all", "a", 256), ("all_reduce", "b", 256)]),
+        ((P, R), (R, P), [("all_reduce", "a", 512)]),
+        # equal links: reduce_scatters inner axis first, all_gathers outer axis first
+        ((P, P), (S0, S1), [("reduce_scatter", "b", 512), ("reduce_scatter", "a", 128)]),
+        ((S0, S1), (R, R), [("all_gather", "a", 64), ("all_gather", "b", 128)]),
+    ],
+)
+def test_redistribute_2d(src, dst, expected):
+    model = CostModel({"a": 2, "b": 4}, toy_cluster(devices_per_node=8))
+    assert plan(model, src, dst) == expected
+
+
+def test_redistribute_orders_axes_by_link_speed():
+    # dp crosses nodes (slow), tp stays inside (fast); tensor of 1024 bf16 = 2048 bytes
+    model = CostModel({"dp": 2, "tp": 8}, get_cluster("h100"))
+    shape, itemsize = (32, 32), 2
+    # shrink on the fast link first, so the slow link carries 1/8 of the data
+    assert plan(model, (P, P), (S0, S1), shape, itemsize) == [
+        ("reduce_scatter", "tp", 2048),
+        ("reduce_scatter", "dp", 256),
+    ]
+    # grow on the slow link first, while the data is still small
+    assert plan(model, (S0, S1), (R, R), shape, itemsize) == [
+        ("all_gather", "dp", 128),
+        ("all_gather", "tp", 256),
+    ]
+
+
+def test_redistribute_total_is_sum_of_steps():
+    model = CostModel({"dp": 2, "tp": 8}, get_cluster("h100"))
+    collectives, seconds = model.redistribute((P, S0), (R, R), (64, 64), 2)
+    assert seconds == pytest.approx(sum(model.collective_time(c) for c in collectives))
+    assert seconds > 0
+
+
+def test_redistribute_is_cached_and_accepts_lists():
+    model = CostModel({"a": 2, "b": 4}, toy_cluster())
+    first = model.redistribute((P, S0), (R, R), (8, 16), 4)
+    assert model.redistribute([P, S0], [R, R], [8, 16], 4) is first
+
+
+def test_redistribute_rejects_bad_layouts():
+    model = CostModel({"a": 2, "b": 4}, toy_cluster())
+    with pytest.raises(ValueError, match="one placement per mesh axis"):
+        model.redistribute((P,), (R, R), (8, 16), 4)
+    with pytest.raises(TypeError, match="unsupported placement"):
+        model.redistribute((P, "S0"), (R, R), (8, 16), 4)
+
+
+# --- presets and serialisation --------------------------------------------------------------
+
+
+def test_presets_load():
+    h100 = get_cluster("h100")
+    assert h100.peak_flops["bfloat16"] == 989e12
+    assert h100.devices_per_node == 8
+    assert h100.inter_node.bandwidth_Bps == 50e9
+    cpu = get_cluster("cpu-gloo")
+    assert cpu.peak_flops["float32"] > 0 and cpu.memory_bytes > 0
+    assert cpu.intra_node.latency_s > 0 and cpu.intra_node.bandwidth_Bps > 0
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ValueError, match=r"'tpu'.*\['cpu-gloo', 'h100'\]"):
+        get_cluster("tpu")
+
+
+@pytest.mark.parametrize("name", ["cpu-gloo", "h100"])
+def test_json_round_trip(name):
+    cluster = get_cluster(name)
+    back = Cluster.from_dict(json.loads(json.dumps(cluster.to_dict())))
+    assert back == cluster
+    assert hash(back) == hash(cluster)
+
+
+def test_cluster_is_immutable_and_validated():
+    cluster = toy_cluster()
+    with pytest.raises(TypeError):
+        cluster.peak_flops["float32"] = 1.0
+    with pytest.raises(ValueError, match="'float32' entry"):
+        Cluster("bad", {"bfloat16": 1.0}, 1.0, 1, 1, INTRA, INTER)

@@ -17,7 +17,10 @@ Objective
 Constraints
     (one-hot)        \sum_i s_{r,i} = 1                                 for every r
     (edge)           e_{uv,ij} \ge s_{u,i} + s_{v,j} - 1               for every R'_{uv,ij} > 0
-    (fixed)          s_{r,i} = 0   for strategies an annotation forbids
+
+Annotated nodes (constrained activations, annotated parameters) have a single
+strategy, so the planner gives them no variable: their edges fold into the cost
+vectors of their neighbours and into a constant.
 
 Alpa writes the edge term as the quadratic ``s_u^T R_{uv} s_v`` and linearises it with
 one-hot edge variables; here the matrix is first reduced so that its entries are
@@ -67,12 +70,10 @@ class StrategyILP:
         node_costs: dict[str, np.ndarray],
         pair_costs: dict[tuple[str, str], np.ndarray],
         constant: float = 0.0,
-        forbidden: dict[str, set[int]] | None = None,
     ) -> None:
         self.node_costs = node_costs
         self.pair_costs = pair_costs
         self.constant = constant
-        self.forbidden = forbidden or {}
 
     # --- evaluation (also the reference for the exhaustive test) -------------------
     def evaluate(self, assignment: dict[str, int]) -> float:
@@ -88,12 +89,10 @@ class StrategyILP:
         best: tuple[dict[str, int], float] | None = None
         for combo in itertools.product(*(range(len(self.node_costs[r])) for r in roots)):
             a = dict(zip(roots, combo))
-            if any(a[r] in self.forbidden.get(r, ()) for r in roots):
-                continue
             cost = self.evaluate(a)
             if best is None or cost < best[1] - 1e-15:
                 best = (a, cost)
-        assert best is not None, "every assignment is forbidden"
+        assert best is not None, "a problem needs at least one root"
         return best
 
     # --- model ----------------------------------------------------------------------
@@ -120,12 +119,6 @@ class StrategyILP:
             model.AddExactlyOne(s[r])
         return s
 
-    def _forbid(self, model: cp_model.CpModel, s: dict[str, list]) -> None:
-        """Fixed constraints: strategies an annotation rules out."""
-        for r, bad in self.forbidden.items():
-            for i in bad:
-                model.Add(s[r][i] == 0)
-
     def _scale(self, nodes: dict[str, np.ndarray], pairs: dict) -> float:
         worst = sum(float(c.max()) for c in nodes.values()) + sum(float(m.max()) for m in pairs.values())
         return min(NANOSECONDS, MAX_OBJECTIVE / worst) if worst > 0 else NANOSECONDS
@@ -146,7 +139,6 @@ class StrategyILP:
         self.scale = self._scale(nodes, pairs)
         model = cp_model.CpModel()
         s = self._choose_one(model, nodes)
-        self._forbid(model, s)
         terms = self._edges(model, s, pairs)
         objective = [(self._int(c[i]), s[r][i]) for r, c in nodes.items() for i in range(len(c)) if c[i] > 0]
         model.Minimize(sum(w * v for w, v in objective + terms))

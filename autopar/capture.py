@@ -30,7 +30,9 @@ class Captured:
     """An exported model and the names planning needs.
 
     ``params`` and ``buffers`` map placeholder names to fully-qualified names in
-    the user's module; ``inputs`` lists the user-input placeholders in order.
+    the user's module; ``aliases`` maps each of those names to every name the same
+    tensor has in the module (tied weights have several); ``inputs`` lists the
+    user-input placeholders in order.
     """
 
     program: torch.export.ExportedProgram
@@ -38,6 +40,7 @@ class Captured:
     buffers: dict[str, str]
     inputs: list[str]
     annotations: ModelAnnotations
+    aliases: dict[str, list[str]] = field(default_factory=dict)
     requires_grad: dict[str, bool] = field(default_factory=dict)
 
     @property
@@ -138,11 +141,14 @@ def capture(
     params = dict(sig.inputs_to_parameters)
     buffers = dict(sig.inputs_to_buffers)
     inputs = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.name in set(sig.user_inputs)]
-    requires_grad = {
-        name: bool(dict(model.named_parameters(remove_duplicate=False))[fqn].requires_grad)
-        for name, fqn in params.items()
-    }
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    names_of: dict[int, list[str]] = {}
+    for fqn, tensor in named.items():
+        names_of.setdefault(id(tensor), []).append(fqn)
+    aliases = {fqn: names_of.get(id(named.get(fqn)), [fqn]) for fqn in (*params.values(), *buffers.values())}
+    requires_grad = {name: bool(named[fqn].requires_grad) for name, fqn in params.items()}
     for node in program.graph.nodes:
         if node.name in inputs and isinstance(node.meta.get("val"), torch.Tensor):
             requires_grad[node.name] = bool(node.meta["val"].requires_grad)
-    return Captured(program, params, buffers, inputs, annotations, requires_grad)
+    return Captured(program, params, buffers, inputs, annotations, aliases, requires_grad)

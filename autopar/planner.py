@@ -554,7 +554,8 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
     for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
         node = next(n for n in g.choices if n.name == name)
         layout = g.strategy(node, assignment).outputs[0]
-        params[fqn] = format_layout(layout)
+        for alias in g.captured.aliases.get(fqn, [fqn]):
+            params[alias] = format_layout(layout)
         if name in g.captured.params:
             size = local_bytes(node, layout, g.mesh)
             param_bytes += size

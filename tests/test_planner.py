@@ -41,6 +41,24 @@ def test_ilp_equals_exhaustive_search_on_random_problems(seed):
     assert stats.objective == pytest.approx(best, abs=1e-8)
 
 
+def test_time_limit_returns_the_best_plan_found_and_its_gap():
+    ilp = _random_problem(np.random.default_rng(0), roots=40, k=12, density=0.2)
+    assignment, stats = ilp.solve(time_limit=0.05)
+    assert stats.status == "FEASIBLE"
+    assert 0 < stats.gap < 1
+    assert stats.bound < stats.objective == pytest.approx(ilp.evaluate(assignment))
+
+
+def test_plans_for_a_named_device_mesh_on_a_fake_process_group(fake_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, args = gpt.build(device="meta")
+    from_mesh = autopar.plan(model, args, device_mesh)
+    from_dict = autopar.plan(model, args, {"dp": 2, "tp": 2})
+    assert from_mesh.parameters == from_dict.parameters
+
+
 def test_ilp_equals_exhaustive_search_on_a_real_graph():
     model, args = mlp.build(device="meta")
     mesh = MeshSpec.of({"dp": 2})

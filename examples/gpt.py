@@ -70,13 +70,14 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.q(x), self.k(x), self.v(x)
         # (batch, seq, d_model) -> (batch, heads, seq, head_dim): SDPA attends over the last two dims.
         head_dim = d_model // self.n_heads
-        q = q.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.n_heads, head_dim).transpose(1, 2)
+        # -1 heads, not n_heads: under tensor parallelism each rank holds only some of them
+        q = q.view(batch, seq, -1, head_dim).transpose(1, 2)
+        k = k.view(batch, seq, -1, head_dim).transpose(1, 2)
+        v = v.view(batch, seq, -1, head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).reshape(batch, seq, d_model)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_drop(self.proj(y))
 
 

@@ -53,8 +53,8 @@ class Choice:
     """The strategies of one node (or of a group of tied nodes, which share it)."""
 
     root: str | None  # variable key; None = a single fixed strategy
-    strategies: list[Strategy]
-    kind: str  # anchor, follow, input, param, fixed, fallback, getitem
+    strategies: list[Strategy]  # [None] for the graph's output node, which needs no strategy
+    kind: str  # anchor, follow, input, param, fixed, fallback, getitem, output
     spec: DimSpec | None = None
     compute: np.ndarray | None = None  # seconds per strategy
 
@@ -351,6 +351,13 @@ class _Builder:
     # --- edges -----------------------------------------------------------------
     def _edges(self) -> list[Edge]:
         edges = []
+        # model outputs are consumers too: a Partial output is reduced to Replicate
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        returned = [a for a in torch.utils._pytree.tree_leaves(out.args) if a in self.choices]
+        if returned:
+            self.choices[out] = Choice(None, [None], "output")
+        for slot, op in enumerate(returned):
+            edges.append(Edge(op, out, slot, 0))
         for node, choice in self.choices.items():
             if node.op != "call_function":
                 continue
@@ -391,15 +398,27 @@ def build_strategy_graph(captured: Captured, mesh: MeshSpec, cost: CostModel) ->
 # --- edge costs ---------------------------------------------------------------------
 
 
-def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy) -> tuple[float, list, list]:
+def edge_layouts(edge: Edge, src: Strategy, dst: Strategy | None) -> tuple[Layout, Layout, Layout | None]:
+    """The producer's layout, the layout the consumer needs, and the consumer's gradient layout.
+
+    A model output (``dst`` None) needs its Partial axes reduced and hands back a
+    gradient in that same layout.
+    """
+    have = src.outputs[edge.index]
+    if dst is None:
+        need = grad_layout(have)
+        return have, need, need
+    return have, dst.operands[edge.slot], dst.grads[edge.slot]
+
+
+def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None) -> tuple[float, list, list]:
     """Seconds and collectives (forward, backward) of one edge under two strategies."""
     val = edge.src.meta["val"]
     val = val[edge.index] if isinstance(val, (tuple, list)) else val
     shape, itemsize = tuple(int(s) for s in val.shape), val.element_size()
-    have, need = src.outputs[edge.index], dst.operands[edge.slot]
+    have, need, grad = edge_layouts(edge, src, dst)
     fwd, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
     bwd, t_bwd = (), 0.0
-    grad = dst.grads[edge.slot]
     if g.requires_grad.get(edge.src, False) and grad is not None:
         bwd, t_bwd = g.cost.redistribute(grad, grad_layout(have), shape, itemsize)
     return t_fwd + t_bwd, list(fwd), list(bwd)
@@ -500,6 +519,8 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
     compute = comm = 0.0
     comm_bytes = 0
     for node, choice in g.choices.items():
+        if choice.kind == "output":
+            continue
         s = g.strategy(node, assignment)
         node.meta[LAYOUTS] = (
             tuple(None if o is None else format_layout(o) for o in s.operands),
@@ -542,8 +563,7 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
                 e.slot,
                 module_path(e.dst),
                 tuple(int(x) for x in val.shape),
-                format_layout(src.outputs[e.index]),
-                format_layout(dst.operands[e.slot]),
+                *(format_layout(lay) for lay in edge_layouts(e, src, dst)[:2]),
                 steps[0],
                 steps[1],
                 seconds,

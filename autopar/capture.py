@@ -152,3 +152,17 @@ def capture(
         if node.name in inputs and isinstance(node.meta.get("val"), torch.Tensor):
             requires_grad[node.name] = bool(node.meta["val"].requires_grad)
     return Captured(program, params, buffers, inputs, annotations, aliases, requires_grad)
+
+
+def gradient_flow(captured: Captured) -> dict[torch.fx.Node, bool]:
+    """Which nodes carry a gradient: floating values computed from a parameter or input that needs one."""
+    flows: dict[torch.fx.Node, bool] = {}
+    for node in captured.graph.nodes:
+        vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        floating = any(v.dtype.is_floating_point for v in vals)
+        if node.op == "placeholder":
+            flows[node] = captured.requires_grad.get(node.name, False) and floating
+        elif node.op == "call_function":
+            no_grad = bool(node.args) and node.args[0] is False and "set_grad_enabled" in str(node.target)
+            flows[node] = floating and not no_grad and any(flows.get(a, False) for a in node.all_input_nodes)
+    return flows

@@ -184,12 +184,7 @@ class Collective:
 # collectives from shrinking to growing, then moves into Partial, which are free but
 # (Shard -> Partial) regrow the local buffer, so they must not inflate any collective.
 _SLICE, _REDUCE_SCATTER, _ALL_TO_ALL, _ALL_REDUCE, _ALL_GATHER, _TO_PARTIAL = range(6)
-_COLLECTIVE_OF_STEP = {
-    _REDUCE_SCATTER: "reduce_scatter",
-    _ALL_TO_ALL: "all_to_all",
-    _ALL_REDUCE: "all_reduce",
-    _ALL_GATHER: "all_gather",
-}
+_STEP_NAMES = ("slice", "reduce_scatter", "all_to_all", "all_reduce", "all_gather", "to_partial")
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -307,12 +302,11 @@ class CostModel:
         for state, size in zip(before, sizes, strict=True):
             if isinstance(state, int):
                 local //= size
-        steps = [(_step(p, q), axis) for axis, (p, q) in enumerate(zip(before, after, strict=True))]
         collectives, total = [], 0.0
-        for kind, axis in sorted((s for s in steps if s[0] is not None), key=self._step_order):
+        for axis, kind in self.steps(src, dst):
             n = sizes[axis]
-            if kind in _COLLECTIVE_OF_STEP:
-                c = Collective(_COLLECTIVE_OF_STEP[kind], (self.mesh.axis_names[axis],), local)
+            if kind in COLLECTIVE_KINDS:
+                c = Collective(kind, (self.mesh.axis_names[axis],), local)
                 collectives.append(c)
                 total += self.collective_time(c)
             # Track the local size: leaving a sharding grows it, entering one shrinks it.
@@ -322,6 +316,19 @@ class CostModel:
             elif is_shard and not was_shard:
                 local //= n
         return tuple(collectives), total
+
+    def steps(self, src: Layout, dst: Layout) -> tuple[tuple[int, str], ...]:
+        """The per-axis steps turning ``src`` into ``dst``, in the order they run.
+
+        Each step is ``(mesh axis index, kind)`` with kind one of ``"slice"``,
+        ``"reduce_scatter"``, ``"all_to_all"``, ``"all_reduce"``, ``"all_gather"``,
+        ``"to_partial"``. The lowering issues exactly these, so runtime bytes equal
+        the prediction.
+        """
+        before, after = _axis_states(src), _axis_states(dst)
+        found = [(_step(p, q), axis) for axis, (p, q) in enumerate(zip(before, after, strict=True))]
+        ordered = sorted((s for s in found if s[0] is not None), key=self._step_order)
+        return tuple((axis, _STEP_NAMES[kind]) for kind, axis in ordered)
 
     def _step_order(self, step: tuple[int, int]) -> tuple[int, float, int]:
         """Sort key: step kind first, then, within a kind, the cheapest axis order.

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.annotations import parse_constraint_spec
-from autopar.capture import Captured, capture, module_path, module_stack
+from autopar.capture import Captured, capture, gradient_flow, module_path, module_stack
 from autopar.cost import Cluster, CostModel, get_cluster
 from autopar.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
 from autopar.mesh import MeshSpec
@@ -143,23 +143,10 @@ class _Builder:
         self.param_nodes = dict.fromkeys(
             n for n in self.graph.nodes if n.name in captured.params or n.name in captured.buffers
         )
-        self.requires_grad = self._requires_grad()
+        self.requires_grad = gradient_flow(captured)
         self.canon, self.tied_blocks = self._tie_blocks()
 
     # --- gradients ---------------------------------------------------------------
-    def _requires_grad(self) -> dict[torch.fx.Node, bool]:
-        rg: dict[torch.fx.Node, bool] = {}
-        for node in self.graph.nodes:
-            val = node.meta.get("val")
-            vals = [v for v in torch.utils._pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
-            floating = any(v.dtype.is_floating_point for v in vals)
-            if node.op == "placeholder":
-                rg[node] = self.captured.requires_grad.get(node.name, False) and floating
-            elif node.op == "call_function":
-                no_grad = node.args and node.args[0] is False and "set_grad_enabled" in str(node.target)
-                rg[node] = floating and not no_grad and any(rg.get(a, False) for a in node.all_input_nodes)
-        return rg
-
     # --- repeated blocks ---------------------------------------------------------
     def _block_of(self, node: torch.fx.Node) -> tuple[str, int] | None:
         for path in module_stack(node):
@@ -510,10 +497,10 @@ def plan(
         gap=stats.gap,
         status=stats.status,
     )
-    return assemble_plan(g, assignment, report, cluster.name)
+    return assemble_plan(g, assignment, report, cluster)
 
 
-def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverReport, cluster: str) -> Plan:
+def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverReport, cluster: Cluster) -> Plan:
     """Turn solver choices into a :class:`Plan` with costs, bytes and memory."""
     nodes, redists, warnings = [], [], []
     compute = comm = 0.0
@@ -522,10 +509,7 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
         if choice.kind == "output":
             continue
         s = g.strategy(node, assignment)
-        node.meta[LAYOUTS] = (
-            tuple(None if o is None else format_layout(o) for o in s.operands),
-            tuple(format_layout(o) for o in s.outputs),
-        )
+        node.meta[LAYOUTS] = (s.operands, s.outputs)
         t = (
             float(choice.compute[assignment[choice.root]] if choice.root else choice.compute[0])
             if choice.compute is not None
@@ -540,6 +524,7 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
                 choice.kind,
                 tuple(None if o is None else format_layout(o) for o in s.operands),
                 tuple(format_layout(o) for o in s.outputs),
+                tuple(None if o is None else format_layout(o) for o in s.grads),
                 t,
             )
         )
@@ -615,8 +600,8 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
         optimizer_bytes=int(2 * numel_fp32),
         activation_bytes=int(activations),
     )
-    code = format_graph(g.captured.graph, f"Constructed by autopar.plan on mesh {g.mesh} ({cluster})")
-    return Plan(g.mesh.to_dict(), cluster, nodes, redists, params, inputs, prediction, report, code, warnings)
+    code = format_graph(g.captured.graph, f"Constructed by autopar.plan on mesh {g.mesh} ({cluster.name})")
+    return Plan(g.mesh.to_dict(), cluster.to_dict(), nodes, redists, params, inputs, prediction, report, code, warnings)
 
 
 def _is_view(node: torch.fx.Node) -> bool:

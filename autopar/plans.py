@@ -32,6 +32,7 @@ class NodeDecision:
     kind: str  # anchor, follow, input, param, fixed, fallback, getitem
     operands: tuple[str | None, ...]
     outputs: tuple[str, ...]
+    grads: tuple[str | None, ...]  # the layout of the gradient each operand receives
     compute_s: float
 
 
@@ -95,7 +96,7 @@ class Plan:
     """A complete parallel plan (see module docstring)."""
 
     mesh: dict[str, int]
-    cluster: str
+    cluster: dict[str, Any]  # Cluster.to_dict(): the lowering orders collectives by its links
     nodes: list[NodeDecision]
     redistributions: list[Redistribution]
     parameters: dict[str, str]  # fqn -> layout
@@ -130,7 +131,7 @@ class Plan:
         console = Console(file=buf, width=width, record=False, color_system=None)
         p = self.prediction
         console.print(
-            f"autopar plan on mesh {self.mesh_spec} ({self.cluster}): "
+            f"autopar plan on mesh {self.mesh_spec} ({self.cluster['name']}): "
             f"predicted step {p.step_time_s * 1e3:.3f} ms "
             f"(compute {p.compute_s * 1e3:.3f} ms, communication {p.comm_s * 1e3:.3f} ms, "
             f"{_bytes(p.comm_bytes)} moved per rank)"
@@ -202,7 +203,7 @@ class Plan:
 
         return cls(
             mesh=dict(data["mesh"]),
-            cluster=data["cluster"],
+            cluster=dict(data["cluster"]),
             nodes=[
                 NodeDecision(
                     n["name"],
@@ -211,6 +212,7 @@ class Plan:
                     n["kind"],
                     tuple(n["operands"]),
                     tuple(n["outputs"]),
+                    tuple(n["grads"]),
                     n["compute_s"],
                 )
                 for n in data["nodes"]

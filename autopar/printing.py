@@ -2,16 +2,19 @@
 
 Every stage of autopar can show its graph this way; tests assert on the text.
 A node's layouts are read from ``node.meta["autopar.layouts"]``: a pair of
-(operand layouts, output layouts) in the short form of
-:func:`autopar.layout.format_layout`, where an operand read only for its shape
-shows as ``-``.
+(operand layouts, output layouts), printed in the short form of
+:func:`autopar.layout.format_layout`; an operand read only for its shape
+(layout ``None``) shows as ``-``.
 """
 
 from __future__ import annotations
 
 import torch
 
-LAYOUTS = "autopar.layouts"
+from autopar.layout import format_layout
+
+LAYOUTS = "autopar.layouts"  # (operand layouts, output layouts) of a node
+GRADS = "autopar.grads"  # the layout of the gradient each operand receives
 
 
 def _arg(a: object) -> str:
@@ -41,7 +44,7 @@ def format_graph(graph: torch.fx.Graph, header: str) -> str:
         layouts = node.meta.get(LAYOUTS)
         if node.op == "placeholder":
             if layouts:
-                lines.append(f"    # {node.name}: {layouts[1][0]}")
+                lines.append(f"    # {node.name}: {format_layout(layouts[1][0])}")
         elif node.op == "call_function":
             args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
             call = f"{op_name(node.target)}({', '.join(args)})"

@@ -1,0 +1,398 @@
+"""Per-axis collectives of the per-rank program, as autograd-aware custom ops.
+
+The compiled program runs on *local* tensors. Wherever a value changes layout, the
+codegen inserts one op from this module per mesh axis that changes (see
+``docs/collectives.md`` for the table and the order). Each op is a
+``torch.library.custom_op`` in namespace ``autopar`` with a fake (shape-only) impl and
+an autograd formula, so the backward communication follows from the forward. Where
+more than one backward is possible, the planner picks it with the op's ``grad``
+argument, because only the planner knows the layout the gradient arrives in.
+
+Ops name their mesh axis by string; :func:`register_mesh` maps axis names to process
+groups for this process. Shapes must divide evenly over the axis (the planner only
+offers even splits), and ``dim`` is a non-negative tensor dimension.
+
+Every collective adds the size in bytes of its input buffer on this rank to a counter
+keyed by ``(kind, axis)``, the quantity :class:`autopar.cost.Collective` predicts:
+:func:`comm_counts` reads bytes, :func:`collective_calls` the number of calls.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class AxisInfo(NamedTuple):
+    """What the ops need to know about one mesh axis on this rank."""
+
+    group: dist.ProcessGroup
+    size: int
+    coordinate: int
+
+
+_AXES: dict[str, AxisInfo] = {}
+_BYTES: Counter[tuple[str, str]] = Counter()
+_CALLS: Counter[tuple[str, str]] = Counter()
+
+
+# --------------------------------------------------------------------------- registry and counters
+
+
+def register_mesh(mesh: DeviceMesh) -> None:
+    """Make the axes of ``mesh`` (which must have ``mesh_dim_names``) known to the ops.
+
+    Replaces whatever was registered before: one process runs one program on one mesh.
+    """
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "the DeviceMesh has no axis names: create it with "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    axes = {}
+    for i, name in enumerate(names):
+        group, coordinate = mesh.get_group(name), mesh.get_local_rank(name)
+        # The collectives order chunks by group rank, the local ops by coordinate.
+        if dist.get_rank(group) != coordinate:
+            raise RuntimeError(
+                f"mesh axis {name!r}: this rank is rank {dist.get_rank(group)} of the axis's process "
+                f"group but has coordinate {coordinate} on the axis"
+            )
+        axes[name] = AxisInfo(group, mesh.size(i), coordinate)
+    _AXES.clear()
+    _AXES.update(axes)
+
+
+def axis_info(axis: str) -> AxisInfo:
+    """``(group, size, coordinate)`` of the registered axis ``axis``."""
+    try:
+        return _AXES[axis]
+    except KeyError:
+        raise ValueError(
+            f"mesh axis {axis!r} is not registered; registered axes are {sorted(_AXES)} "
+            "(call autopar.collectives.register_mesh(mesh) first)"
+        ) from None
+
+
+def count_collective(kind: str, axis: str, nbytes: int) -> None:
+    """Record one collective of ``kind`` over ``axis`` whose input buffer has ``nbytes`` on this rank."""
+    _BYTES[kind, axis] += nbytes
+    _CALLS[kind, axis] += 1
+
+
+def comm_counts() -> dict[tuple[str, str], int]:
+    """Bytes sent into collectives so far, per ``(kind, axis)``; a copy."""
+    return dict(_BYTES)
+
+
+def collective_calls() -> dict[tuple[str, str], int]:
+    """Number of collectives so far, per ``(kind, axis)``; a copy."""
+    return dict(_CALLS)
+
+
+def reset_comm_counts() -> None:
+    """Zero both the byte and the call counters."""
+    _BYTES.clear()
+    _CALLS.clear()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_dim(op: str, x: torch.Tensor, dim: int, axis: str, split: bool) -> None:
+    """``dim`` must be a dimension of ``x``; if ``split``, one that divides evenly over ``axis``."""
+    if not 0 <= dim < x.ndim:
+        raise ValueError(f"autopar::{op}: dim {dim} is not a dimension of a {x.ndim}-d tensor")
+    n = axis_info(axis).size
+    # A symbolic size would add a guard to a traced graph; those are checked when run.
+    if split and isinstance(x.shape[dim], int) and x.shape[dim] % n:
+        raise ValueError(
+            f"autopar::{op}: dim {dim} of shape {tuple(x.shape)} cannot be split into {n} equal "
+            f"parts over mesh axis {axis!r}"
+        )
+
+
+def _check_choice(op: str, name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"autopar::{op}: {name} must be one of {choices}, got {value!r}")
+
+
+def _resized(x: torch.Tensor, dim: int, times: int = 1, over: int = 1) -> list[int]:
+    """Shape of ``x`` with dimension ``dim`` multiplied by ``times`` and divided by ``over``."""
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * times // over
+    return shape
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _stacked_chunks(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` cut into ``n`` chunks along ``dim``, stacked on a new leading dimension, contiguous.
+
+    The collectives move whole leading slices; for ``dim == 0`` this is a view, no copy.
+    """
+    return x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
+
+
+def _concat_stacked(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`_stacked_chunks`: concatenate the leading slices along ``dim``."""
+    return stacked.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _flat_stack(stacked: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``(n, d0, ...)`` stack as the ``(n * d0, ...)`` concatenation, a view.
+
+    Every backend accepts this form of the single-tensor collectives; not all accept the stack.
+    """
+    return stacked.flatten(0, 1)
+
+
+def _chunk(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (a view)."""
+    _, n, c = axis_info(axis)
+    size = x.shape[dim] // n
+    return x.narrow(dim, c * size, size)
+
+
+# --------------------------------------------------------------------------- all_gather
+
+
+@torch.library.custom_op("autopar::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, dim: int, axis: str, grad: str) -> torch.Tensor:
+    """Shard(dim) -> Replicate over ``axis``: the shards concatenated along ``dim`` in coordinate order.
+
+    Backward, per ``grad``: ``"reduce_scatter"`` when the gradient arrives as partial sums,
+    ``"slice"`` when it is already the same on every rank (no communication).
+    """
+    _check_dim("all_gather", x, dim, axis, split=False)
+    _check_choice("all_gather", "grad", grad, ("reduce_scatter", "slice"))
+    group, n, _ = axis_info(axis)
+    x = x.contiguous()
+    out = x.new_empty((n, *x.shape))
+    count_collective("all_gather", axis, _nbytes(x))
+    dist.all_gather_single(_flat_stack(out), x, group=group)
+    return _concat_stacked(out, dim)
+
+
+@all_gather.register_fake
+def _(x: torch.Tensor, dim: int, axis: str, grad: str) -> torch.Tensor:
+    _check_dim("all_gather", x, dim, axis, split=False)
+    _check_choice("all_gather", "grad", grad, ("reduce_scatter", "slice"))
+    return x.new_empty(_resized(x, dim, axis_info(axis).size))
+
+
+def _all_gather_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    if ctx.grad == "reduce_scatter":
+        return reduce_scatter(g, ctx.dim, ctx.axis), None, None, None
+    # aten's narrow, not autopar::shard: its own backward (zero padding) is the exact adjoint.
+    return _chunk(g, ctx.dim, ctx.axis), None, None, None
+
+
+# --------------------------------------------------------------------------- reduce_scatter
+
+
+@torch.library.custom_op("autopar::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Partial -> Shard(dim) over ``axis``: the sum over the axis, chunk ``coordinate`` along ``dim``.
+
+    Backward: ``all_gather(g, dim, axis, "reduce_scatter")``.
+    """
+    _check_dim("reduce_scatter", x, dim, axis, split=True)
+    group, n, _ = axis_info(axis)
+    count_collective("reduce_scatter", axis, _nbytes(x))
+    chunks = _stacked_chunks(x, dim, n)
+    # Chunk r of a C-contiguous (n, ...) stack is C-contiguous, so the result needs no reordering.
+    out = x.new_empty(chunks.shape[1:])
+    dist.reduce_scatter_single(out, _flat_stack(chunks), group=group)
+    return out
+
+
+@reduce_scatter.register_fake
+def _(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    _check_dim("reduce_scatter", x, dim, axis, split=True)
+    return x.new_empty(_resized(x, dim, over=axis_info(axis).size))
+
+
+def _reduce_scatter_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter"), None, None
+
+
+# --------------------------------------------------------------------------- all_reduce
+
+
+@torch.library.custom_op("autopar::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, axis: str, grad: str) -> torch.Tensor:
+    """Partial -> Replicate over ``axis``: the sum over the axis.
+
+    Backward, per ``grad``: ``"identity"`` (Megatron's "g": the gradient is already the
+    same on every rank) or ``"all_reduce"`` (it arrives as partial sums).
+    """
+    _check_choice("all_reduce", "grad", grad, ("identity", "all_reduce"))
+    group = axis_info(axis).group
+    count_collective("all_reduce", axis, _nbytes(x))
+    # gloo reduces in place; the copy keeps the input intact, as a custom op must.
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+@all_reduce.register_fake
+def _(x: torch.Tensor, axis: str, grad: str) -> torch.Tensor:
+    _check_choice("all_reduce", "grad", grad, ("identity", "all_reduce"))
+    axis_info(axis)  # fails on an unknown axis, as the real op does
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_reduce_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    if ctx.grad == "identity":
+        return g, None, None
+    return all_reduce(g, ctx.axis, "all_reduce"), None, None
+
+
+# --------------------------------------------------------------------------- all_to_all
+
+
+@torch.library.custom_op("autopar::all_to_all", mutates_args=())
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str) -> torch.Tensor:
+    """Shard(src_dim) -> Shard(dst_dim) over ``axis``: full ``src_dim``, chunk ``coordinate`` of ``dst_dim``.
+
+    Backward: ``all_to_all(g, dst_dim, src_dim, axis)``.
+    """
+    _check_all_to_all(x, src_dim, dst_dim, axis)
+    group, n, _ = axis_info(axis)
+    count_collective("all_to_all", axis, _nbytes(x))
+    # Slice j of the stack is chunk j of dst_dim, sent to coordinate j; slice j received
+    # is coordinate j's shard of src_dim.
+    send = _stacked_chunks(x, dst_dim, n)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return _concat_stacked(received, src_dim)
+
+
+def _check_all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str) -> None:
+    _check_dim("all_to_all", x, src_dim, axis, split=False)
+    _check_dim("all_to_all", x, dst_dim, axis, split=True)
+    if src_dim == dst_dim:
+        raise ValueError(f"autopar::all_to_all: src_dim and dst_dim are both {src_dim}")
+
+
+@all_to_all.register_fake
+def _(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str) -> torch.Tensor:
+    _check_all_to_all(x, src_dim, dst_dim, axis)
+    n = axis_info(axis).size
+    shape = list(x.shape)
+    shape[src_dim] *= n
+    shape[dst_dim] //= n
+    return x.new_empty(shape)
+
+
+def _all_to_all_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    return all_to_all(g, ctx.dst_dim, ctx.src_dim, ctx.axis), None, None, None
+
+
+# --------------------------------------------------------------------------- local ops
+
+
+@torch.library.custom_op("autopar::shard", mutates_args=())
+def shard(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Replicate -> Shard(dim) over ``axis``, locally: chunk ``coordinate`` along ``dim``, contiguous.
+
+    Backward: ``all_gather(g, dim, axis, "reduce_scatter")``.
+    """
+    _check_dim("shard", x, dim, axis, split=True)
+    return _chunk(x, dim, axis).clone(memory_format=torch.contiguous_format)
+
+
+@shard.register_fake
+def _(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    _check_dim("shard", x, dim, axis, split=True)
+    return x.new_empty(_resized(x, dim, over=axis_info(axis).size))
+
+
+def _shard_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    # Rank c used only chunk c of the replicated input, so its gradient (Shard(dim)) covers
+    # chunk c alone, and the input's gradient must be Replicate: the chunks concatenated,
+    # an all_gather. Its own backward only matters when differentiating twice, where it
+    # is reduce_scatter, the exact adjoint of an all_gather: no assumption about how the
+    # incoming cotangents are spread over the ranks, which the planner does not plan.
+    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter"), None, None
+
+
+@torch.library.custom_op("autopar::grad_all_reduce", mutates_args=())
+def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Identity forward (a copy), all_reduce over ``axis`` backward: Megatron's "f"."""
+    axis_info(axis)
+    return x.clone()
+
+
+@grad_all_reduce.register_fake
+def _(x: torch.Tensor, axis: str) -> torch.Tensor:
+    axis_info(axis)  # fails on an unknown axis, as the real op does
+    return torch.empty_like(x)
+
+
+def _grad_all_reduce_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    # As in shard's backward, the backward collective carries its exact adjoint.
+    return all_reduce(g, ctx.axis, "all_reduce"), None
+
+
+@torch.library.custom_op("autopar::to_partial", mutates_args=())
+def to_partial(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    """To Partial over ``axis``, locally; the sum over the axis is the value before.
+
+    ``dim == -1``: from Replicate, coordinate 0 keeps ``x`` and the others hold zeros.
+    ``dim >= 0``: from Shard(dim), zeros ``size`` times larger along ``dim`` with ``x`` at
+    chunk ``coordinate``. Backward: identity for ``dim == -1``, chunk ``coordinate`` of
+    the gradient along ``dim`` otherwise (local in both cases).
+    """
+    _, n, c = axis_info(axis)
+    if dim == -1:
+        return x.clone() if c == 0 else torch.zeros_like(x)
+    _check_dim("to_partial", x, dim, axis, split=False)
+    out = x.new_zeros(_resized(x, dim, n))
+    _chunk(out, dim, axis).copy_(x)
+    return out
+
+
+@to_partial.register_fake
+def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+    n = axis_info(axis).size
+    if dim == -1:
+        return torch.empty_like(x)
+    _check_dim("to_partial", x, dim, axis, split=False)
+    return x.new_empty(_resized(x, dim, n))
+
+
+def _to_partial_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    if ctx.dim == -1:
+        return g, None, None
+    return _chunk(g, ctx.dim, ctx.axis), None, None
+
+
+# --------------------------------------------------------------------------- autograd wiring
+
+
+def _save_args(*names: str) -> Any:
+    """A ``setup_context`` that stores the op's non-tensor arguments on ``ctx`` under ``names``."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        for name, value in zip(names, inputs[1:]):
+            setattr(ctx, name, value)
+
+    return setup_context
+
+
+all_gather.register_autograd(_all_gather_backward, setup_context=_save_args("dim", "axis", "grad"))
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_args("dim", "axis"))
+all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_args("axis", "grad"))
+all_to_all.register_autograd(_all_to_all_backward, setup_context=_save_args("src_dim", "dst_dim", "axis"))
+shard.register_autograd(_shard_backward, setup_context=_save_args("dim", "axis"))
+grad_all_reduce.register_autograd(_grad_all_reduce_backward, setup_context=_save_args("axis"))
+to_partial.register_autograd(_to_partial_backward, setup_context=_save_args("axis", "dim"))

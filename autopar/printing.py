@@ -50,12 +50,9 @@ def format_graph(graph: torch.fx.Graph, header: str) -> str:
             call = f"{op_name(node.target)}({', '.join(args)})"
             line = f"    {node.name} = {call}"
             if layouts:
-                operands = ", ".join(o or "-" for o in layouts[0])
-                line += (
-                    f"  # {operands} -> {', '.join(layouts[1])}"
-                    if operands
-                    else f"  # {', '.join(layouts[1])}"
-                )
+                operands = ", ".join("-" if o is None else format_layout(o) for o in layouts[0])
+                outputs = ", ".join(format_layout(o) for o in layouts[1])
+                line += f"  # {operands} -> {outputs}" if operands else f"  # {outputs}"
             lines.append(line)
         elif node.op == "output":
             lines.append(f"    return {_arg(node.args[0])}")

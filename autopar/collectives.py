@@ -20,6 +20,7 @@ keyed by ``(kind, axis)``, the quantity :class:`autopar.cost.Collective` predict
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -185,7 +186,7 @@ def all_gather(x: torch.Tensor, dim: int, axis: str, grad: str) -> torch.Tensor:
 def _(x: torch.Tensor, dim: int, axis: str, grad: str) -> torch.Tensor:
     _check_dim("all_gather", x, dim, axis, split=False)
     _check_choice("all_gather", "grad", grad, ("reduce_scatter", "slice"))
-    return x.new_empty(_resized(x, dim, axis_info(axis).size))
+    return x.new_empty(_resized(x, dim, times=axis_info(axis).size))
 
 
 def _all_gather_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -237,7 +238,7 @@ def all_reduce(x: torch.Tensor, axis: str, grad: str) -> torch.Tensor:
     _check_choice("all_reduce", "grad", grad, ("identity", "all_reduce"))
     group = axis_info(axis).group
     count_collective("all_reduce", axis, _nbytes(x))
-    # gloo reduces in place; the copy keeps the input intact, as a custom op must.
+    # dist.all_reduce works in place; the copy keeps the input intact, as a custom op must.
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
@@ -318,17 +319,17 @@ def _(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
 
 def _shard_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     # Rank c used only chunk c of the replicated input, so its gradient (Shard(dim)) covers
-    # chunk c alone, and the input's gradient must be Replicate: the chunks concatenated,
-    # an all_gather. Its own backward only matters when differentiating twice, where it
-    # is reduce_scatter, the exact adjoint of an all_gather: no assumption about how the
-    # incoming cotangents are spread over the ranks, which the planner does not plan.
+    # chunk c alone, while the input's gradient must be Replicate: the chunks concatenated,
+    # an all_gather. That all_gather's own backward only matters when differentiating
+    # twice, which the planner does not plan; reduce_scatter is its exact adjoint, right
+    # without knowing how those cotangents are spread over the ranks.
     return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter"), None, None
 
 
 @torch.library.custom_op("autopar::grad_all_reduce", mutates_args=())
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Identity forward (a copy), all_reduce over ``axis`` backward: Megatron's "f"."""
-    axis_info(axis)
+    axis_info(axis)  # fails on an unknown axis now rather than in the backward
     return x.clone()
 
 
@@ -356,7 +357,7 @@ def to_partial(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     if dim == -1:
         return x.clone() if c == 0 else torch.zeros_like(x)
     _check_dim("to_partial", x, dim, axis, split=False)
-    out = x.new_zeros(_resized(x, dim, n))
+    out = x.new_zeros(_resized(x, dim, times=n))
     _chunk(out, dim, axis).copy_(x)
     return out
 
@@ -367,7 +368,7 @@ def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
     if dim == -1:
         return torch.empty_like(x)
     _check_dim("to_partial", x, dim, axis, split=False)
-    return x.new_empty(_resized(x, dim, n))
+    return x.new_empty(_resized(x, dim, times=n))
 
 
 def _to_partial_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -379,7 +380,7 @@ def _to_partial_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None
 # --------------------------------------------------------------------------- autograd wiring
 
 
-def _save_args(*names: str) -> Any:
+def _save_args(*names: str) -> Callable[[Any, tuple[Any, ...], torch.Tensor], None]:
     """A ``setup_context`` that stores the op's non-tensor arguments on ``ctx`` under ``names``."""
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:

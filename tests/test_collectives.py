@@ -1,0 +1,297 @@
+"""The per-axis collectives of ``autopar.collectives``.
+
+One spawned world of 4 gloo ranks on a named 2x2 mesh checks every op on both axes, then
+on a 1-D mesh of all 4 ranks: forward result, backward gradient and byte counters,
+against expectations computed by hand from global tensors that every rank draws from the
+same seed. A rank records every mismatch and raises them all at the end, so each rank
+issues the same collectives whatever fails, and ``mp.spawn`` re-raises the message here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar import collectives as C
+
+SHAPE = (4, 8, 12)  # every dimension divides by 2 and by 4
+
+
+def _chunk(t: torch.Tensor, dim: int, n: int, c: int) -> torch.Tensor:
+    return t.chunk(n, dim)[c]
+
+
+def _share(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Coordinate k's local value of a Partial tensor; distinct per coordinate."""
+    return t * (k + 1)
+
+
+def _total(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The value of a Partial tensor whose coordinate k holds ``_share(t, k)``."""
+    return sum((_share(t, k) for k in range(n)), torch.zeros_like(t))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Case:
+    """One op call: local input and upstream gradient, expected output, gradient and bytes."""
+
+    name: str
+    op: Callable[..., torch.Tensor]
+    args: tuple
+    x: torch.Tensor
+    upstream: torch.Tensor
+    out: torch.Tensor
+    grad: torch.Tensor
+    forward_bytes: dict[str, int] = field(default_factory=dict)
+    backward_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def _cases(axis: str, g: torch.Tensor, h: torch.Tensor) -> list[Case]:
+    """Every op on ``axis``; ``g`` is the global value, ``h`` the global upstream gradient."""
+    _, n, c = C.axis_info(axis)
+
+    def part(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _chunk(t, dim, n, c)
+
+    spread = torch.zeros_like(g)
+    part(spread, 1).copy_(part(g, 1))
+    cases = []
+    for dim in (0, 2):  # dim 0 takes the collectives' no-copy path
+        cases += [
+            Case(
+                f"all_gather dim {dim} grad reduce_scatter",
+                C.all_gather,
+                (dim, axis, "reduce_scatter"),
+                part(g, dim),
+                _share(h, c),
+                g,
+                part(_total(h, n), dim),
+                {"all_gather": _nbytes(part(g, dim))},
+                {"reduce_scatter": _nbytes(h)},
+            ),
+            Case(
+                f"reduce_scatter dim {dim}",
+                C.reduce_scatter,
+                (dim, axis),
+                _share(g, c),
+                part(h, dim),
+                part(_total(g, n), dim),
+                h,
+                {"reduce_scatter": _nbytes(g)},
+                {"all_gather": _nbytes(part(h, dim))},
+            ),
+        ]
+    return cases + [
+        Case(
+            "all_gather dim 1 grad slice",
+            C.all_gather,
+            (1, axis, "slice"),
+            part(g, 1),
+            h,
+            g,
+            part(h, 1),
+            {"all_gather": _nbytes(part(g, 1))},
+        ),
+        Case(
+            "all_reduce grad identity",
+            C.all_reduce,
+            (axis, "identity"),
+            _share(g, c),
+            h,
+            _total(g, n),
+            h,
+            {"all_reduce": _nbytes(g)},
+        ),
+        Case(
+            "all_reduce grad all_reduce",
+            C.all_reduce,
+            (axis, "all_reduce"),
+            _share(g, c),
+            _share(h, c),
+            _total(g, n),
+            _total(h, n),
+            {"all_reduce": _nbytes(g)},
+            {"all_reduce": _nbytes(h)},
+        ),
+        Case(
+            "all_to_all 0 -> 2",
+            C.all_to_all,
+            (0, 2, axis),
+            part(g, 0),
+            part(h, 2),
+            part(g, 2),
+            part(h, 0),
+            {"all_to_all": _nbytes(part(g, 0))},
+            {"all_to_all": _nbytes(part(h, 2))},
+        ),
+        Case(
+            "all_to_all 2 -> 1",
+            C.all_to_all,
+            (2, 1, axis),
+            part(g, 2),
+            part(h, 1),
+            part(g, 1),
+            part(h, 2),
+            {"all_to_all": _nbytes(part(g, 2))},
+            {"all_to_all": _nbytes(part(h, 1))},
+        ),
+        Case(
+            "shard dim 1",
+            C.shard,
+            (1, axis),
+            g,
+            part(h, 1),
+            part(g, 1),
+            h,
+            {},
+            {"all_gather": _nbytes(part(h, 1))},
+        ),
+        Case(
+            "grad_all_reduce",
+            C.grad_all_reduce,
+            (axis,),
+            g,
+            _share(h, c),
+            g,
+            _total(h, n),
+            {},
+            {"all_reduce": _nbytes(h)},
+        ),
+        Case("to_partial from Replicate", C.to_partial, (axis, -1), g, h, g if c == 0 else 0 * g, h),
+        Case("to_partial from Shard(1)", C.to_partial, (axis, 1), part(g, 1), h, spread, part(h, 1)),
+    ]
+
+
+def _run(case: Case, axis: str) -> list[str]:
+    """Run ``case``'s forward and backward; one message per mismatch."""
+    failures = []
+
+    def check(what: str, actual: object, expected: object) -> None:
+        if not isinstance(expected, torch.Tensor):
+            problem = f"is {actual}, expected {expected}" if actual != expected else ""
+        elif actual.shape != expected.shape:
+            problem = f"has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+        else:
+            error = (actual - expected).abs().max().item()
+            problem = f"is off by up to {error:.3g}" if error > 1e-9 else ""
+        if problem:
+            failures.append(f"{case.name} on {axis!r}: {what} {problem}")
+
+    C.reset_comm_counts()
+    x = case.x.clone().requires_grad_()
+    out = case.op(x, *case.args)
+    check("output", out.detach(), case.out)
+    check("forward bytes", C.comm_counts(), {(k, axis): b for k, b in case.forward_bytes.items()})
+    C.reset_comm_counts()
+    out.backward(case.upstream)
+    check("gradient", x.grad, case.grad)
+    check("backward bytes", C.comm_counts(), {(k, axis): b for k, b in case.backward_bytes.items()})
+    check("backward calls", C.collective_calls(), {(k, axis): 1 for k in case.backward_bytes})
+    return failures
+
+
+def _rank_main(rank: int, port: int, world_size: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        # A rank that stops issuing collectives fails the others soon instead of hanging the suite.
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        gen = torch.Generator().manual_seed(0)
+        g = torch.randn(SHAPE, dtype=torch.float64, generator=gen)
+        h = torch.randn(SHAPE, dtype=torch.float64, generator=gen)
+        failures = []
+        C.register_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+        for axis in ("dp", "tp"):
+            failures += [f for case in _cases(axis, g, h) for f in _run(case, axis)]
+        C.register_mesh(init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",)))
+        if C.axis_info("world")[1:] != (world_size, rank):
+            failures.append(f"axis_info('world') is {C.axis_info('world')}")
+        failures += [f for case in _cases("world", g, h) for f in _run(case, "world")]
+    finally:
+        dist.destroy_process_group()
+    if failures:
+        raise AssertionError(f"rank {rank}:\n" + "\n".join(failures))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_collectives_on_gloo_ranks():
+    # A fork server that imports torch and autopar once (and torch._dynamo, which a custom op's
+    # first call imports) starts the ranks ~3x faster than spawn, which imports them in every
+    # rank; it forks before any torch thread pool exists, which forking pytest would not.
+    # Modules of the environment, not this file: Python 3.11's fork server ignores sys.path.
+    # Were a fork server already running, the ranks would import on their own: slower, same result.
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["autopar.collectives", "torch._dynamo"])
+    # A rank's exception (with its message) is re-raised here and the other ranks are stopped.
+    mp.start_processes(_rank_main, args=(_free_port(), 4), nprocs=4, start_method="forkserver")
+
+
+# --------------------------------------------------------------------------- without communication
+
+
+def test_registry_counters_and_fake_shapes(fake_process_group):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    C.register_mesh(mesh)
+    assert C.axis_info("dp")[1:] == (2, 0) and C.axis_info("tp").size == 2
+    with pytest.raises(ValueError, match=r"'pp' is not registered; registered axes are \['dp', 'tp'\]"):
+        C.axis_info("pp")
+
+    with FakeTensorMode():
+        x = torch.empty(4, 6, 8)
+        assert C.all_gather(x, 1, "dp", "slice").shape == (4, 12, 8)
+        assert C.reduce_scatter(x, 2, "tp").shape == (4, 6, 4)
+        assert C.all_reduce(x, "dp", "identity").shape == (4, 6, 8)
+        assert C.all_to_all(x, 0, 2, "tp").shape == (8, 6, 4)
+        assert C.shard(x, 0, "dp").shape == (2, 6, 8)
+        assert C.grad_all_reduce(x, "tp").shape == (4, 6, 8)
+        assert C.to_partial(x, "dp", -1).shape == (4, 6, 8)
+        assert C.to_partial(x, "dp", 1).shape == (4, 12, 8)
+        with pytest.raises(ValueError, match="cannot be split into 2 equal parts over mesh axis 'tp'"):
+            C.reduce_scatter(torch.empty(4, 5), 1, "tp")
+        with pytest.raises(ValueError, match="dim 3 is not a dimension of a 3-d tensor"):
+            C.shard(x, 3, "dp")
+        with pytest.raises(ValueError, match="grad must be one of"):
+            C.all_gather(x, 0, "dp", "identity")
+        with pytest.raises(ValueError, match="src_dim and dst_dim are both 1"):
+            C.all_to_all(x, 1, 1, "dp")
+        with pytest.raises(ValueError, match="'pp' is not registered"):
+            C.grad_all_reduce(x, "pp")
+
+    C.register_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("world",)))
+    with pytest.raises(ValueError, match=r"registered axes are \['world'\]"):
+        C.axis_info("dp")
+    with pytest.raises(ValueError, match="has no axis names"):
+        C.register_mesh(init_device_mesh("cpu", (4,)))
+
+    C.reset_comm_counts()
+    C.count_collective("all_reduce", "dp", 100)
+    C.count_collective("all_reduce", "dp", 20)
+    counts = C.comm_counts()
+    counts.clear()  # a copy: the module's counter is untouched
+    assert C.comm_counts() == {("all_reduce", "dp"): 120}
+    assert C.collective_calls() == {("all_reduce", "dp"): 2}
+    C.reset_comm_counts()
+    assert C.comm_counts() == {} and C.collective_calls() == {}

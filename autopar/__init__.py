@@ -4,11 +4,17 @@ Annotate a few modules in MindSpore's style (or none), then plan::
 
     plan = autopar.plan(model, example_args, {"dp": 2, "tp": 4})
     print(plan.summary())
+
+or, on every rank of a job with a named ``DeviceMesh``, compile and train::
+
+    dmodel = autopar.compile(model, mesh, example_args)
+    loss = dmodel(*dmodel.shard_inputs(*batch)[0])
 """
 
 from autopar.annotations import constrain, pipeline_stage, recompute, shard
+from autopar.compiler import compile
 from autopar.cost import Cluster, LinkSpec, get_cluster
-from autopar.errors import AnnotationError, AutoparError, CaptureError, PlanError
+from autopar.errors import AnnotationError, AutoparError, CaptureError, CompileError, PlanError, ShapeError
 from autopar.mesh import MeshSpec
 from autopar.planner import plan
 from autopar.plans import Plan, load_plan
@@ -18,10 +24,13 @@ __all__ = [
     "AutoparError",
     "CaptureError",
     "Cluster",
+    "CompileError",
     "LinkSpec",
     "MeshSpec",
     "Plan",
     "PlanError",
+    "ShapeError",
+    "compile",
     "constrain",
     "get_cluster",
     "load_plan",

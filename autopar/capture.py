@@ -106,6 +106,22 @@ def _track_modules(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
             h.remove()
 
 
+def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Copies of repeated input tensors: export would give one tensor passed twice (say
+    ``input_ids`` as ``labels`` too) a single placeholder, and the program would then
+    read one input where the model reads two."""
+    seen: set[int] = set()
+
+    def distinct(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            if id(t) in seen:
+                return t.clone()
+            seen.add(id(t))
+        return t
+
+    return torch.utils._pytree.tree_map(distinct, (args, kwargs))
+
+
 def capture(
     model: torch.nn.Module,
     args: tuple[Any, ...],
@@ -117,9 +133,10 @@ def capture(
         raise CaptureError(f"autopar plans an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         args = (args,)
+    args, kwargs = _distinct_inputs(args, dict(kwargs or {}))
     with annotation_hooks(model, mesh) as annotations, _track_modules(model) as running:
         try:
-            program = torch.export.export(model, args, dict(kwargs or {}), strict=False)
+            program = torch.export.export(model, args, kwargs, strict=False)
         except AnnotationError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with context below
@@ -158,7 +175,9 @@ def gradient_flow(captured: Captured) -> dict[torch.fx.Node, bool]:
     """Which nodes carry a gradient: floating values computed from a parameter or input that needs one."""
     flows: dict[torch.fx.Node, bool] = {}
     for node in captured.graph.nodes:
-        vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        vals = [
+            v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)
+        ]
         floating = any(v.dtype.is_floating_point for v in vals)
         if node.op == "placeholder":
             flows[node] = captured.requires_grad.get(node.name, False) and floating

@@ -328,6 +328,19 @@ class CostModel:
         before, after = _axis_states(src), _axis_states(dst)
         found = [(_step(p, q), axis) for axis, (p, q) in enumerate(zip(before, after, strict=True))]
         ordered = sorted((s for s in found if s[0] is not None), key=self._step_order)
+        # One dim split over several axes is split outer axis first (DTensor's order), so
+        # entering such splits must go outer axis first and leaving them inner axis first,
+        # whatever the links say.
+        groups: dict[tuple[int, int | str, bool], list[int]] = {}
+        for i, (kind, axis) in enumerate(ordered):
+            entering = kind in (_SLICE, _REDUCE_SCATTER)
+            dim = after[axis] if entering else before[axis]
+            if kind in (_SLICE, _REDUCE_SCATTER, _ALL_GATHER):
+                groups.setdefault((kind, dim, entering), []).append(i)
+        for (kind, _, entering), slots in groups.items():
+            axes = sorted((ordered[i][1] for i in slots), reverse=not entering)
+            for i, axis in zip(slots, axes):
+                ordered[i] = (kind, axis)
         return tuple((axis, _STEP_NAMES[kind]) for kind, axis in ordered)
 
     def _step_order(self, step: tuple[int, int]) -> tuple[int, float, int]:

@@ -19,3 +19,11 @@ class CaptureError(AutoparError, RuntimeError):
 
 class PlanError(AutoparError, RuntimeError):
     """No plan satisfies the annotations, or a saved plan cannot be read."""
+
+
+class CompileError(AutoparError, RuntimeError):
+    """The plan cannot be turned into a per-rank program, or the program disagrees with the plan."""
+
+
+class ShapeError(AutoparError, ValueError):
+    """A compiled module was called with inputs whose shapes differ from what it was compiled for."""

@@ -23,6 +23,7 @@ consumer's gradient into the layout the producer's gradient must have.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -35,8 +36,16 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.annotations import parse_constraint_spec
 from autopar.capture import Captured, capture, gradient_flow, module_path, module_stack
-from autopar.cost import Cluster, CostModel, get_cluster
-from autopar.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
+from autopar.cost import Cluster, Collective, CostModel, get_cluster
+from autopar.layout import (
+    Layout,
+    format_layout,
+    grad_layout,
+    is_valid_for,
+    local_fraction,
+    reduction_only_axes,
+    replicated,
+)
 from autopar.mesh import MeshSpec
 from autopar.plans import CollectiveStep, NodeDecision, Plan, Prediction, Redistribution, SolverReport
 from autopar.printing import LAYOUTS, format_graph
@@ -259,7 +268,7 @@ class _Builder:
         if str(node.target) == LAYOUT_CONSTRAINT:
             layout, _ = parse_constraint_spec(node.args[1])
             return Choice(None, [_fixed(layout, operands=1)], "fixed")
-        if node.target is _getitem:
+        if node.target is operator.getitem:
             src = self.choices[node.args[0]]
             k = node.args[1]
             return Choice(
@@ -355,15 +364,6 @@ class _Builder:
                 if op in self.choices and choice.strategies[0].operands[slot] is not None:
                     edges.append(Edge(op, node, slot, 0))
         return edges
-
-
-def _getitem_target():
-    import operator
-
-    return operator.getitem
-
-
-_getitem = _getitem_target()
 
 
 def _replicated_strategy(spec: DimSpec, mesh: MeshSpec) -> Strategy:
@@ -476,10 +476,25 @@ def plan(
     ``seed`` every call, on every rank, returns the same plan.
     """
     mesh = MeshSpec.of(mesh)
-    cluster = get_cluster(cluster or "cpu-gloo") if not isinstance(cluster, Cluster) else cluster
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     t0 = time.perf_counter()
     captured = capture(model, args, example_kwargs, mesh)
+    return plan_captured(
+        captured, mesh, cluster=cluster, time_limit=time_limit, seed=seed, capture_s=time.perf_counter() - t0
+    )
+
+
+def plan_captured(
+    captured: Captured,
+    mesh: MeshSpec,
+    *,
+    cluster: str | Cluster | None = None,
+    time_limit: float = 30.0,
+    seed: int = 0,
+    capture_s: float = 0.0,
+) -> Plan:
+    """:func:`plan` for a model already captured (``autopar.compile`` captures once)."""
+    cluster = get_cluster(cluster or "cpu-gloo") if not isinstance(cluster, Cluster) else cluster
     t1 = time.perf_counter()
     g = build_strategy_graph(captured, mesh, CostModel(mesh, cluster))
     node_costs, pair_costs, constant = cost_tables(g)
@@ -491,7 +506,7 @@ def plan(
         constraints=stats.constraints,
         roots=len(g.roots),
         tied_blocks=g.tied_blocks,
-        capture_s=t1 - t0,
+        capture_s=capture_s,
         build_s=(t2 - t1) + stats.build_seconds,
         solve_s=stats.solve_seconds,
         gap=stats.gap,
@@ -500,11 +515,12 @@ def plan(
     return assemble_plan(g, assignment, report, cluster)
 
 
-def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverReport, cluster: Cluster) -> Plan:
+def assemble_plan(
+    g: StrategyGraph, assignment: dict[str, int], report: SolverReport, cluster: Cluster
+) -> Plan:
     """Turn solver choices into a :class:`Plan` with costs, bytes and memory."""
     nodes, redists, warnings = [], [], []
-    compute = comm = 0.0
-    comm_bytes = 0
+    compute = 0.0
     for node, choice in g.choices.items():
         if choice.kind == "output":
             continue
@@ -528,32 +544,42 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
                 t,
             )
         )
+    sums: dict[torch.fx.Node, set[int]] = {}  # parameter -> axes its gradient is summed over
     for e in g.edges:
         src, dst = g.strategy(e.src, assignment), g.strategy(e.dst, assignment)
+        if e.src.name in g.captured.params and g.requires_grad.get(e.src):
+            have, need, grad = edge_layouts(e, src, dst)
+            axes = None if grad is None else reduction_only_axes(have, need, grad, grad_layout(have))
+            if axes is not None:  # the runtime sums each parameter's gradient once, over all its axes
+                sums.setdefault(e.src, set()).update(axes)
+                continue
         seconds, fwd, bwd = edge_cost(g, e, src, dst)
-        if not fwd and not bwd:
-            continue
-        comm += seconds
-        steps = [
-            tuple(CollectiveStep(c.kind, c.mesh_axes, c.bytes, g.cost.collective_time(c)) for c in cs)
-            for cs in (fwd, bwd)
-        ]
-        comm_bytes += sum(c.bytes for c in (*fwd, *bwd))
-        val = e.src.meta["val"]
-        val = val[e.index] if isinstance(val, (tuple, list)) else val
-        redists.append(
-            Redistribution(
-                e.src.name,
-                e.dst.name,
-                e.slot,
-                module_path(e.dst),
-                tuple(int(x) for x in val.shape),
-                *(format_layout(lay) for lay in edge_layouts(e, src, dst)[:2]),
-                steps[0],
-                steps[1],
-                seconds,
+        if fwd or bwd:
+            redists.append(
+                _redistribution(
+                    g,
+                    e.src,
+                    e.dst.name,
+                    module_path(e.dst),
+                    e.slot,
+                    e.index,
+                    *edge_layouts(e, src, dst)[:2],
+                    fwd,
+                    bwd,
+                    seconds,
+                )
             )
-        )
+    for node, axes in sums.items():
+        layout = g.strategy(node, assignment).outputs[0]
+        size = int(local_bytes(node, layout, g.mesh))
+        bwd = [Collective("all_reduce", (g.mesh.axis_names[a],), size) for a in sorted(axes)]
+        if bwd:
+            seconds = sum(g.cost.collective_time(c) for c in bwd)
+            redists.append(
+                _redistribution(g, node, "<gradient sum>", "", 0, 0, layout, layout, [], bwd, seconds)
+            )
+    comm = sum(r.seconds for r in redists)
+    comm_bytes = sum(c.bytes for r in redists for c in (*r.forward, *r.backward))
     params: dict[str, str] = {}
     param_bytes = grad_bytes = 0.0
     for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
@@ -601,7 +627,51 @@ def assemble_plan(g: StrategyGraph, assignment: dict[str, int], report: SolverRe
         activation_bytes=int(activations),
     )
     code = format_graph(g.captured.graph, f"Constructed by autopar.plan on mesh {g.mesh} ({cluster.name})")
-    return Plan(g.mesh.to_dict(), cluster.to_dict(), nodes, redists, params, inputs, prediction, report, code, warnings)
+    return Plan(
+        g.mesh.to_dict(),
+        cluster.to_dict(),
+        nodes,
+        redists,
+        params,
+        inputs,
+        prediction,
+        report,
+        code,
+        warnings,
+    )
+
+
+def _redistribution(
+    g: StrategyGraph,
+    src: torch.fx.Node,
+    dst: str,
+    module: str,
+    slot: int,
+    index: int,
+    have: Layout,
+    need: Layout,
+    fwd: list,
+    bwd: list,
+    seconds: float,
+) -> Redistribution:
+    val = src.meta["val"]
+    val = val[index] if isinstance(val, (tuple, list)) else val
+    steps = [
+        tuple(CollectiveStep(c.kind, c.mesh_axes, c.bytes, g.cost.collective_time(c)) for c in cs)
+        for cs in (fwd, bwd)
+    ]
+    return Redistribution(
+        src.name,
+        dst,
+        slot,
+        module,
+        tuple(int(x) for x in val.shape),
+        format_layout(have),
+        format_layout(need),
+        steps[0],
+        steps[1],
+        seconds,
+    )
 
 
 def _is_view(node: torch.fx.Node) -> bool:

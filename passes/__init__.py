@@ -1,1 +1,26 @@
-"""Graph passes of autopar, one per file; each module exposes run(gm, ctx) -> gm."""
+"""Graph passes of autopar, one per file; each module exposes ``run(gm, ctx) -> gm``.
+
+:data:`PIPELINE` is the order ``autopar.compile`` runs them in: from the captured
+graph plus a plan to the per-rank program. Each pass's docstring names the
+``node.meta`` keys it reads and writes.
+"""
+
+from autopar.passes import (
+    apply_plan,
+    drop_layout_constraints,
+    insert_redistributions,
+    localize_shapes,
+    lower_collectives,
+    strip_export_checks,
+    verify_layouts,
+)
+
+PIPELINE = (
+    strip_export_checks,  # drop export's checks of global shapes and devices
+    apply_plan,  # the plan's layouts onto the nodes; the plan must fit the model
+    insert_redistributions,  # a redistribute wherever a value's or gradient's layout changes
+    lower_collectives,  # each redistribute -> one autograd-aware collective per mesh axis
+    drop_layout_constraints,  # pinned layouts are in place: the constraints are identities now
+    localize_shapes,  # size arguments -> local sizes; split means rescaled
+    verify_layouts,  # every edge: producer layout == consumer expectation
+)

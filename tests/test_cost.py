@@ -191,6 +191,14 @@ def test_redistribute_orders_axes_by_link_speed():
     ]
 
 
+def test_one_dim_split_over_two_axes_is_entered_outer_first_and_left_inner_first():
+    # DTensor splits a dim over axes in mesh order; the links would suggest the opposite order
+    model = CostModel({"dp": 2, "tp": 8}, get_cluster("h100"))
+    assert model.steps((P, P), (S0, S0)) == ((0, "reduce_scatter"), (1, "reduce_scatter"))
+    assert model.steps((S0, S0), (R, R)) == ((1, "all_gather"), (0, "all_gather"))
+    assert model.steps((R, R), (S0, S0)) == ((0, "slice"), (1, "slice"))
+
+
 def test_redistribute_total_is_sum_of_steps():
     model = CostModel({"dp": 2, "tp": 8}, get_cluster("h100"))
     collectives, seconds = model.redistribute((P, S0), (R, R), (64, 64), 2)

@@ -1,0 +1,96 @@
+"""Find where a compiled module's numbers leave the single-device ones.
+
+:func:`first_divergence` runs the original model's graph on one device and this
+rank's compiled program side by side on the same global batch, and compares every
+value the two share by name: the compiled value must equal this rank's piece of the
+single-device value (Partial values are summed over their axes first, which is a
+collective: call it on every rank). It returns a description of the first value
+that differs, or None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial
+from torch.utils import _pytree as pytree
+
+from autopar import collectives
+from autopar.capture import capture
+from autopar.layout import format_layout
+from autopar.passes.localize_shapes import MEAN_SPLIT
+from autopar.printing import LAYOUTS
+from autopar.runtime import DistributedModule, local_piece
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+def first_divergence(
+    dmodel: DistributedModule,
+    model: torch.nn.Module,
+    *args: Any,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    **kwargs: Any,
+) -> str | None:
+    """See the module docstring; ``args``/``kwargs`` are the global batch, the same on every rank."""
+    program = capture(model, args, kwargs, dmodel.plan.mesh_spec).program
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+    user = iter(pytree.tree_leaves((args, kwargs)))
+    flat = [
+        state[s.target]
+        if s.target in state
+        else program.constants.get(s.target, None)
+        if s.kind.name != "USER_INPUT"
+        else next(user)
+        for s in program.graph_signature.input_specs
+    ]
+    reference = _Recorder(program.graph_module)
+    with torch.no_grad():
+        reference.run(*flat)
+    local_args, local_kwargs = dmodel.shard_inputs(*args, **kwargs)
+    compiled = _Recorder(dmodel._program)
+    with torch.no_grad():
+        compiled.run(*dmodel.program_inputs(local_args, local_kwargs))
+    for node in dmodel._program.graph.nodes:
+        want, got = reference.values.get(node.name), compiled.values.get(node.name)
+        if (
+            not isinstance(want, torch.Tensor)
+            or not isinstance(got, torch.Tensor)
+            or LAYOUTS not in node.meta
+        ):
+            continue
+        layout = node.meta[LAYOUTS][1][0]
+        got = got / node.meta.get(MEAN_SPLIT, 1)
+        for axis, p in enumerate(layout):
+            if isinstance(p, Partial):
+                got = got.clone()
+                dist.all_reduce(got, group=collectives.axis_info(dmodel.plan.mesh_spec.axis_names[axis])[0])
+        whole = tuple(
+            p if not isinstance(p, Partial) else torch.distributed.tensor.Replicate() for p in layout
+        )
+        expected = local_piece(want, whole, dmodel.device_mesh)
+        if expected.shape != got.shape or not torch.allclose(
+            got.to(expected.dtype), expected, atol=atol, rtol=rtol
+        ):
+            diff = (
+                "shape"
+                if expected.shape != got.shape
+                else f"max |diff| {(got - expected).abs().max().item():.3g}"
+            )
+            return (
+                f"{node.name} = {node.target} ({format_layout(layout)}): expected local shape "
+                f"{tuple(expected.shape)}, got {tuple(got.shape)}; {diff}"
+            )
+    return None

@@ -1,0 +1,47 @@
+"""Attach the plan's layouts to the captured graph, checking the plan fits the model.
+
+Reads: ``ctx.plan.nodes`` (matched by node name). Writes: ``node.meta["autopar.layouts"]``
+(operand and output layouts) and ``node.meta["autopar.grads"]`` (gradient layout of
+each operand) on every placeholder and op the plan decided.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.compiler import PassContext
+from autopar.errors import PlanError
+from autopar.layout import parse_layout
+from autopar.printing import GRADS, LAYOUTS
+
+
+def _parse(items: tuple[str | None, ...]) -> tuple:
+    return tuple(None if s is None else parse_layout(s) for s in items)
+
+
+def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    if ctx.plan.mesh != ctx.mesh.to_dict():
+        raise PlanError(
+            f"the plan is for mesh {ctx.plan.mesh_spec}, but the module is compiled for {ctx.mesh}"
+        )
+    decisions = {d.name: d for d in ctx.plan.nodes}
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        op = str(node.target) if node.op == "call_function" else "placeholder"
+        decision = decisions.get(node.name)
+        if decision is None:
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                raise PlanError(
+                    f"the plan decides nothing for node {node.name} ({op}); it was made for another model "
+                    "or other input shapes: plan again with this model and these example inputs"
+                )
+            continue
+        if decision.op != op:
+            raise PlanError(
+                f"node {node.name} is {op} in the model but {decision.op} in the plan; "
+                "the plan was made for another model: plan again"
+            )
+        node.meta[LAYOUTS] = (_parse(decision.operands), _parse(decision.outputs))
+        node.meta[GRADS] = _parse(decision.grads)
+    return gm

@@ -1,0 +1,80 @@
+"""Make shapes per rank: size arguments become local sizes, split means are rescaled.
+
+* An op's ``size``/``shape`` argument (view, reshape, expand, new_ones, ...) describes
+  the global output; it becomes the local output shape under the node's layout.
+* A mean over a dimension split across ranks (``mean``, a mean-reduced loss; the
+  rule's ``mean_over`` labels) is computed locally over 1/c of the items, so its
+  result is multiplied by 1/c to become a correct partial sum.
+
+Reads: ``autopar.layouts``, ``val``. Writes: node arguments; ``mul`` nodes after
+rescaled means (with ``autopar.layouts``); ``autopar.mean_split`` on the means.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Shard
+
+from autopar.compiler import PassContext
+from autopar.layout import local_shape
+from autopar.printing import LAYOUTS
+from autopar.rules import OpCall, lookup
+
+_SIZE_ARGS = ("size", "shape")
+MEAN_SPLIT = "autopar.mean_split"  # on a split mean: how many ways; its result is rescaled by the next node
+
+
+def _localize_size(node: torch.fx.Node, ctx: PassContext) -> None:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return
+    out = node.meta["val"]
+    local = list(local_shape(tuple(out.shape), node.meta[LAYOUTS][1][0], ctx.mesh))
+    args = list(node.args)
+    for i, a in enumerate(schema.arguments[: len(args)]):
+        if a.name in _SIZE_ARGS and isinstance(args[i], (list, tuple)):
+            args[i] = local
+    node.args = tuple(args)
+    for name in _SIZE_ARGS:
+        if isinstance(node.kwargs.get(name), (list, tuple)):
+            node.kwargs = {**node.kwargs, name: local}
+
+
+def _mean_split(node: torch.fx.Node, ctx: PassContext) -> int:
+    """How many ways a mean's items are split across ranks (1 if not a split mean)."""
+    rule = lookup(node.target)
+    if rule is None:
+        return 1
+    spec = rule.fn(OpCall.of(node))
+    if not spec.mean_over:
+        return 1
+    count = 1
+    for a, size in enumerate(ctx.mesh.axis_sizes):
+        for labels, layout in zip(spec.operands, node.meta[LAYOUTS][0]):
+            p = None if labels is None or layout is None else layout[a]
+            if isinstance(p, Shard) and labels[p.dim] in spec.mean_over:
+                count *= size
+                break
+    return count
+
+
+def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if (
+            node.op != "call_function"
+            or LAYOUTS not in node.meta
+            or not isinstance(node.meta.get("val"), torch.Tensor)
+        ):
+            continue
+        _localize_size(node, ctx)
+        split = _mean_split(node, ctx)
+        if split > 1:
+            with graph.inserting_after(node):
+                scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 / split))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user, scaled=scaled: user is not scaled)
+            scaled.meta["val"] = node.meta["val"]
+            out = node.meta[LAYOUTS][1][0]
+            scaled.meta[LAYOUTS] = ((out,), (out,))
+            node.meta[MEAN_SPLIT] = split
+    return gm

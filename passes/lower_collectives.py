@@ -1,0 +1,94 @@
+"""Lower each ``redistribute`` to one autograd-aware collective op per mesh axis.
+
+The forward steps and their order come from the cost model (``CostModel.steps``),
+so the bytes moved at run time are the bytes the plan predicted. Each op's backward
+is chosen from the gradient's transition on the same axis:
+
+| forward (have -> need) | op | gradient (grad_need -> grad_have) | backward |
+| --- | --- | --- | --- |
+| R -> S(d) | ``shard`` | S(d) -> R | all-gather |
+| P -> S(d) | ``reduce_scatter`` | S(d) -> R | all-gather |
+| S(d) -> S(e) | ``all_to_all`` | S(e) -> S(d) | all-to-all |
+| P -> R | ``all_reduce`` | R -> R or P -> R | identity or all-reduce |
+| S(d) -> R | ``all_gather`` | P -> S(d) or R -> S(d) | reduce-scatter or slice |
+| R or S(d) -> P | ``to_partial`` | R -> R or R -> S(d) | identity or slice |
+| R -> R | ``grad_all_reduce`` | P -> R | all-reduce |
+
+Reads: ``autopar.redistribution``. Writes: collective nodes with ``autopar.layouts``
+(the layout before and after their axis step); removes the ``redistribute`` nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+from autopar.passes.insert_redistributions import REDISTRIBUTION, redistribute
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import autopar.collectives  # noqa: F401  (registers torch.ops.autopar)
+from autopar.compiler import PassContext
+from autopar.errors import CompileError
+from autopar.printing import LAYOUTS
+
+ops = torch.ops.autopar
+
+
+def _step(kind: str, x: torch.fx.Node, axis: str, before, after, grad_need) -> tuple[object, tuple]:
+    """The op and its arguments for one axis step."""
+    if kind == "slice":
+        return ops.shard.default, (x, after.dim, axis)
+    if kind == "reduce_scatter":
+        return ops.reduce_scatter.default, (x, after.dim, axis)
+    if kind == "all_to_all":
+        return ops.all_to_all.default, (x, before.dim, after.dim, axis)
+    if kind == "all_reduce":
+        return ops.all_reduce.default, (
+            x,
+            axis,
+            "all_reduce" if isinstance(grad_need, Partial) else "identity",
+        )
+    if kind == "all_gather":
+        return ops.all_gather.default, (
+            x,
+            before.dim,
+            axis,
+            "reduce_scatter" if isinstance(grad_need, Partial) else "slice",
+        )
+    if kind == "to_partial":
+        return ops.to_partial.default, (x, axis, before.dim if isinstance(before, Shard) else -1)
+    raise CompileError(f"no collective for step {kind!r}")
+
+
+def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is not redistribute:
+            continue
+        have, need, grad_need, grad_have = node.meta[REDISTRIBUTION]
+        current = list(have)
+        x = node.args[0]
+        steps: list[tuple[int, str]] = []
+        for a, (h, n, g, gh) in enumerate(zip(have, need, grad_need, grad_have)):
+            if h == n and g != gh:
+                if not (isinstance(g, Partial) and isinstance(gh, Replicate)):
+                    raise CompileError(
+                        f"{node.name}: no collective turns a {g} gradient into {gh} on mesh axis "
+                        f"{ctx.mesh.axis_names[a]} while the value stays {h}"
+                    )
+                steps.append((a, "grad_all_reduce"))
+        steps.extend(ctx.cost.steps(have, need))
+        with graph.inserting_before(node):
+            for a, kind in steps:
+                axis = ctx.mesh.axis_names[a]
+                before = tuple(current)
+                if kind == "grad_all_reduce":
+                    target, args = ops.grad_all_reduce.default, (x, axis)
+                else:
+                    target, args = _step(kind, x, axis, current[a], need[a], grad_need[a])
+                    current[a] = need[a]
+                y = graph.call_function(target, args)
+                y.meta["val"] = node.meta["val"]
+                y.meta[LAYOUTS] = ((before,), (tuple(current),))
+                x = y
+        node.replace_all_uses_with(x)
+        graph.erase_node(node)
+    return gm

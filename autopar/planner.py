@@ -243,8 +243,19 @@ class _Builder:
         )
 
     def _input(self, node: torch.fx.Node) -> None:
+        # loading an input costs its local bytes once, so of equally good plans the one
+        # that splits the batch at the source wins
         layouts = all_layouts(shape_of(node), self.mesh)
-        self.choices[node] = Choice(node.name, [_fixed(lay) for lay in layouts], "input")
+        val = node.meta["val"]
+        load = [
+            self.cost.compute_time(
+                0.0, val.numel() * val.element_size() * local_fraction(lay, self.mesh), val.dtype
+            )
+            for lay in layouts
+        ]
+        self.choices[node] = Choice(
+            node.name, [_fixed(lay) for lay in layouts], "input", compute=np.array(load)
+        )
 
     def _param(self, node: torch.fx.Node) -> Choice:
         fqn = self.captured.params.get(node.name) or self.captured.buffers.get(node.name)

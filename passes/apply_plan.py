@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.capture import module_path
 from autopar.compiler import PassContext
 from autopar.errors import PlanError
 from autopar.layout import parse_layout
@@ -25,6 +26,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             f"the plan is for mesh {ctx.plan.mesh_spec}, but the module is compiled for {ctx.mesh}"
         )
     decisions = {d.name: d for d in ctx.plan.nodes}
+    seen: set[str] = set()
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
@@ -37,11 +39,19 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
                     "or other input shapes: plan again with this model and these example inputs"
                 )
             continue
-        if decision.op != op:
+        module = module_path(node) if node.op == "call_function" else decision.module
+        if (decision.op, decision.module) != (op, module):
             raise PlanError(
-                f"node {node.name} is {op} in the model but {decision.op} in the plan; "
-                "the plan was made for another model: plan again"
+                f"node {node.name} is {op} in module '{module}' in the model but {decision.op} in module "
+                f"'{decision.module}' in the plan; the plan was made for another model: plan again"
             )
+        seen.add(node.name)
         node.meta[LAYOUTS] = (_parse(decision.operands), _parse(decision.outputs))
         node.meta[GRADS] = _parse(decision.grads)
+    missing = sorted(set(decisions) - seen)
+    if missing:
+        raise PlanError(
+            f"the plan decides {len(missing)} nodes the model does not have (e.g. {missing[0]}); "
+            "the plan was made for another model: plan again"
+        )
     return gm

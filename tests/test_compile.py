@@ -1,0 +1,114 @@
+"""autopar.compile on torch's fake process group: the program, the module, and bad input.
+
+Nothing here communicates: the fake backend gives a world of ranks without peers,
+enough to build meshes, DTensors and the per-rank program.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_distributed import FAST_LINKS
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import autopar
+from examples import gpt
+
+COLUMN = {"weight": ("tp", None), "bias": ("tp",)}
+ROW = {"weight": (None, "tp")}
+
+
+def _megatron_gpt():
+    model, args = gpt.build(batch_size=4)
+    for block in model.blocks:
+        for name in ("q", "k", "v"):
+            autopar.shard(getattr(block.attn, name), parameter_plan=COLUMN)
+        autopar.shard(block.mlp.fc, parameter_plan=COLUMN)
+        autopar.shard(block.attn.proj, parameter_plan=ROW)
+        autopar.shard(block.mlp.proj, parameter_plan=ROW)
+    autopar.shard(model, in_strategy=(("dp", None), ("dp", None)))
+    return model, args
+
+
+@pytest.fixture
+def mesh(fake_process_group):
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
+    model, args = _megatron_gpt()
+    dmodel = autopar.compile(model, mesh, args, cluster=autopar.Cluster(**FAST_LINKS))
+    code = dmodel.code
+    assert code.startswith("# Constructed by autopar.compile on mesh dp=2×tp=2\ndef forward(")
+    # row-parallel linear: partial sums all-reduced in forward, identity in backward ("g") ...
+    assert (
+        "linear_5 = aten.linear(gelu, p_blocks_0_mlp_proj_weight, to_partial_default)  # S(0)S(2), RS(1), RP -> S(0)P"
+        in code
+    )
+    assert "autopar.all_reduce(linear_5, 'tp', 'identity')  # S(0)P -> S(0)R" in code
+    # ... identity forward, all-reduce backward ("f") ...
+    assert "autopar.grad_all_reduce(" in code
+    # ... and gathers whose backward reduce-scatters the partial gradients
+    assert "autopar.all_gather(layer_norm, 0, 'tp', 'reduce_scatter')  # S(0)S(0) -> S(0)R" in code
+    # local sizes: 4 heads split over tp=2, batch 4 over dp=2
+    assert "aten.view(linear, [2, 32, 2, 16])" in code
+    assert "layout_constraint" not in code and "redistribute" not in code
+    # parameters: DTensors in the planned placements, original names, state_dict keys unchanged
+    fc = dmodel.get_parameter("blocks.0.mlp.fc.weight")
+    assert isinstance(fc, DTensor) and fc.placements == (Replicate(), Shard(0))
+    assert fc.to_local().shape == (128, 64) and fc.shape == (256, 64)
+    assert set(dmodel.state_dict()) == set(model.state_dict())
+    # data-parallel gradient sums, bucketed: fc's weight over dp; the norms' (replicated on tp
+    # too, and fed sharded activations there) over both axes
+    axes = {
+        id(p): a for bucket, a in zip(dmodel.grad_reducer.buckets, dmodel.grad_reducer.axes) for p in bucket
+    }
+    assert axes[id(fc)] == ("dp",)
+    assert axes[id(dmodel.get_parameter("blocks.0.ln_1.weight"))] == ("dp", "tp")
+    assert len(dmodel.grad_reducer.buckets) == 2
+    # every pass's graph can be read
+    assert list(dmodel.pass_snapshots) == [
+        "strip_export_checks",
+        "apply_plan",
+        "insert_redistributions",
+        "lower_collectives",
+        "drop_layout_constraints",
+        "localize_shapes",
+        "verify_layouts",
+    ]
+    assert "redistribute(" in dmodel.pass_snapshots["insert_redistributions"]
+
+
+def test_inputs_of_the_wrong_shape_get_a_clear_error(mesh):
+    model, args = _megatron_gpt()
+    dmodel = autopar.compile(model, mesh, args)
+    local_args, _ = dmodel.shard_inputs(*args)
+    assert local_args[0].shape == (2, 32)
+    with pytest.raises(autopar.ShapeError, match=r"input 'idx' has shape \(4, 32\).*local piece \(2, 32\)"):
+        dmodel(*args)
+
+
+def test_a_plan_for_another_mesh_or_model_is_refused(mesh):
+    model, args = gpt.build(batch_size=4)
+    other_mesh = autopar.plan(model, args, {"dp": 4})
+    with pytest.raises(autopar.PlanError, match="plan is for mesh dp=4"):
+        autopar.compile(model, mesh, args, plan=other_mesh)
+    bigger, bigger_args = gpt.build(batch_size=4, n_layers=3)
+    other_model = autopar.plan(bigger, bigger_args, {"dp": 2, "tp": 2})
+    with pytest.raises(autopar.PlanError, match="another model"):
+        autopar.compile(model, mesh, args, plan=other_model)
+
+
+def test_a_saved_plan_compiles_to_the_same_program(mesh, tmp_path):
+    model, args = _megatron_gpt()
+    plan = autopar.plan(model, args, {"dp": 2, "tp": 2})
+    plan.save(tmp_path / "plan.json")
+    from_file = autopar.compile(model, mesh, args, plan=autopar.load_plan(tmp_path / "plan.json"))
+    planned_here = autopar.compile(model, mesh, args)
+    assert from_file.code == planned_here.code
+
+
+def test_compile_needs_a_named_device_mesh():
+    model, args = gpt.build(batch_size=4)
+    with pytest.raises(autopar.CompileError, match="DeviceMesh"):
+        autopar.compile(model, {"dp": 2}, args)

@@ -9,8 +9,8 @@ a plain DTensor ``Shard``, so separate projections are what head-parallel attent
 tests, and bigger models come from a preset or keyword overrides, e.g.
 ``build(GPT2_SMALL, batch_size=8, device="meta")`` to plan GPT-2 small (124M) without allocating it.
 
-Run as a script, this builds the default model, prints its parameter count and plans it for a
-2 x 2 mesh.
+Run under ``torchrun --nproc-per-node 4``, the script compiles and trains it on a 2 x 2 mesh of gloo
+ranks (see :func:`main`).
 """
 
 from __future__ import annotations
@@ -178,14 +178,61 @@ def build(
     return model, (idx, targets)
 
 
+DEMO = GPTConfig(vocab_size=4096, seq_len=128, d_model=256, n_heads=4, n_layers=4, d_ff=1024)
+
+
 def main() -> None:
-    """Build the default model, print its parameter count and its plan for mesh dp=2 x tp=2."""
+    """The demo: compile and train the GPT on every rank of a ``torchrun`` job.
+
+    ``torchrun --nproc-per-node 4 examples/gpt.py`` trains :data:`DEMO` on a 2 x 2
+    mesh ("dp", "tp") of gloo ranks and prints the plan and the losses. Run without
+    ``torchrun``, it prints the parameter count and the plan only (no ranks needed).
+    """
+    import argparse
+    import os
+
     import autopar
 
-    model, args = build()
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--mesh", default="dp=2,tp=2", help="mesh axes and sizes, e.g. dp=4 or dp=2,tp=2")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--tiny", action="store_true", help="the small test model instead of the demo one")
+    a = parser.parse_args()
+    axes = dict(item.split("=") for item in a.mesh.split(","))
+    mesh_sizes = {name: int(size) for name, size in axes.items()}
+    config = TINY if a.tiny else DEMO
+    torch.manual_seed(0)
+    model, batch = build(config, batch_size=a.batch_size)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"GPT {TINY}: {n_params:,} parameters")
-    print(autopar.plan(model, args, {"dp": 2, "tp": 2}).summary())
+    if os.environ.get("RANK", "0") == "0":
+        print(f"GPT {config}: {n_params:,} parameters")
+    if "RANK" not in os.environ:
+        print(autopar.plan(model, batch, mesh_sizes).summary())
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    mesh = init_device_mesh("cpu", tuple(mesh_sizes.values()), mesh_dim_names=tuple(mesh_sizes))
+    dmodel = autopar.compile(model, mesh, batch)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(dmodel.plan.summary())
+    optimizer = torch.optim.AdamW(dmodel.parameters(), lr=2e-3)
+    # one fixed batch (the same on every rank) to memorise: the loss must fall fast
+    idx = torch.randint(0, config.vocab_size, batch[0].shape, generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(idx, -1, dims=1)
+    local_args, _ = dmodel.shard_inputs(idx, targets)
+    for step in range(a.steps):
+        loss = dmodel(*local_args)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if rank0:
+            print(f"step {step}: loss {loss.item():.4f}")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -57,9 +57,13 @@ def test_export_on_meta_captures_the_loss(name: str, overrides: dict[str, bool])
     assert set(ep.graph_signature.parameters) == set(dict(model.named_parameters(remove_duplicate=False)))
 
 
-def test_script_prints_the_parameter_count(example: ModuleType, capsys: pytest.CaptureFixture[str]):
-    model, _ = example.build()
+def test_script_prints_the_parameter_count(
+    example: ModuleType, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    model, _ = example.build(getattr(example, "DEMO", example.TINY))
     n_params = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr("sys.argv", [example.__file__])
+    monkeypatch.delenv("RANK", raising=False)
     runpy.run_path(example.__file__, run_name="__main__")
     out = capsys.readouterr().out
     assert f"{n_params:,} parameters" in out

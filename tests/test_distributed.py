@@ -11,6 +11,9 @@ a single-device copy, and checked step by step:
   a few layers that stays below ``atol=1e-5, rtol=1e-4`` (observed: ~1e-7);
 * the bytes each rank's collectives moved equal the plan's prediction exactly.
 
+The 4-rank world also gathers a DP x TP module's logits and compares them with one
+device's, and saves and loads its state with ``torch.distributed.checkpoint``.
+
 The solver's own plans use a cluster model with slow compute and fast links, so
 that splitting pays and the plans exercise real communication; with the measured
 ``cpu-gloo`` numbers the solver keeps models this small on one rank.
@@ -153,8 +156,39 @@ def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> di
     return {"moved": moved, "params": dict(dmodel.plan.parameters)}
 
 
-def _world(cases: list[tuple]) -> list[dict]:
-    return [_run_case(*case) for case in cases]
+def _outputs_and_checkpoint(checkpoint_dir: str) -> None:
+    """Logits gathered from a DP x TP module equal one device's; its state survives a DCP round trip."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples import gpt
+
+    def annotated(seed: int):
+        torch.manual_seed(seed)
+        model, (idx, _) = gpt.build(batch_size=4)
+        _megatron(model, sequence_parallel=False)
+        autopar.shard(model, in_strategy=(("dp", None),))
+        return model, idx
+
+    model, idx = annotated(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dmodel = autopar.compile(model, mesh, (idx,), cluster=autopar.Cluster(**FAST_LINKS))
+    logits = dmodel.gather_outputs(dmodel(*dmodel.shard_inputs(idx)[0]))
+    torch.testing.assert_close(logits, model(idx), atol=ATOL, rtol=RTOL)
+    dcp.save(dmodel.state_dict(), checkpoint_id=checkpoint_dir)
+    fresh = autopar.compile(annotated(1)[0], mesh, (idx,), plan=dmodel.plan)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    fresh.load_state_dict(state)
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), model.get_parameter(name), msg=f"{name} after DCP load")
+
+
+def _world(cases: list[tuple], checkpoint_dir: str | None) -> list[dict]:
+    results = [_run_case(*case) for case in cases]
+    if checkpoint_dir is not None:
+        _outputs_and_checkpoint(checkpoint_dir)
+    return results
 
 
 WORLD_2 = [
@@ -176,8 +210,8 @@ WORLD_4 = [
 
 
 @pytest.mark.parametrize("world,cases", [(2, WORLD_2), (4, WORLD_4)], ids=["2-ranks", "4-ranks"])
-def test_training_on_gloo_ranks_equals_one_device(world, cases):
-    results = spawn(_world, world, cases)
+def test_training_on_gloo_ranks_equals_one_device(world, cases, tmp_path):
+    results = spawn(_world, world, cases, str(tmp_path) if world == 4 else None)
     by_case = results[0]
     for (model, _, _, mode), r in zip(cases, by_case):
         if mode == "dp":

@@ -23,18 +23,6 @@ import time
 import autopar
 from examples import gpt
 
-COLUMN = {"weight": ("tp", None), "bias": ("tp",)}
-ROW = {"weight": (None, "tp")}
-
-
-def megatron_annotations(model) -> None:
-    for block in model.blocks:
-        for name in ("q", "k", "v"):
-            autopar.shard(getattr(block.attn, name), parameter_plan=COLUMN)
-        autopar.shard(block.mlp.fc, parameter_plan=COLUMN)
-        autopar.shard(block.attn.proj, parameter_plan=ROW)
-        autopar.shard(block.mlp.proj, parameter_plan=ROW)
-
 
 def run(cluster: autopar.Cluster, batch: int, seq: int, d_model: int, heads: int) -> dict:
     """Plan auto and Megatron; their predictions and the auto plan's weight layouts."""
@@ -44,7 +32,7 @@ def run(cluster: autopar.Cluster, batch: int, seq: int, d_model: int, heads: int
     for name in ("auto", "megatron"):
         model, args = gpt.build(device="meta", batch_size=batch, **config)
         if name == "megatron":
-            megatron_annotations(model)
+            gpt.annotate(model, "tp")
         t0 = time.perf_counter()
         plan = autopar.plan(model, args, mesh, cluster=cluster)
         wall = time.perf_counter() - t0

@@ -178,6 +178,46 @@ def build(
     return model, (idx, targets)
 
 
+STYLES = ("dp", "tp", "sp", "dp-tp")
+
+
+def annotate(model: GPT, style: str) -> GPT:
+    """Hand-written parallel plans for this model, as autopar annotations; returns ``model``.
+
+    ``"dp"``: data parallel over ``dp`` (every parameter replicated, the batch split).
+    ``"tp"``: Megatron-LM tensor parallelism over ``tp``: ``q``, ``k``, ``v`` and ``mlp.fc``
+    split by output features (column-parallel), ``attn.proj`` and ``mlp.proj`` by input
+    features (row-parallel). ``"sp"``: ``"tp"`` plus Megatron sequence parallelism: the
+    residual stream between and inside blocks split along the sequence over ``tp``, so the
+    row-parallel outputs are reduce-scattered and the norms run on sequence shards.
+    ``"dp-tp"``: ``"tp"`` with the batch split over ``dp``. Anything left open is the
+    solver's to fill.
+    """
+    import autopar
+
+    if style not in STYLES:
+        raise ValueError(f"unknown plan style {style!r}; styles are {STYLES}")
+    if style == "dp":
+        for module in model.modules():
+            direct = dict(module.named_parameters(recurse=False))
+            if direct:
+                autopar.shard(module, parameter_plan={n: (None,) * p.dim() for n, p in direct.items()})
+    else:
+        column = {"weight": ("tp", None), "bias": ("tp",)}
+        row = {"weight": (None, "tp")}
+        sequence = ((None, "tp", None),)
+        for block in model.blocks:
+            for linear in (block.attn.q, block.attn.k, block.attn.v, block.mlp.fc):
+                autopar.shard(linear, parameter_plan=column)
+            for linear in (block.attn.proj, block.mlp.proj):
+                autopar.shard(linear, parameter_plan=row, out_strategy=sequence if style == "sp" else None)
+            if style == "sp":
+                autopar.shard(block, in_strategy=sequence, out_strategy=sequence)
+    if style in ("dp", "dp-tp"):
+        autopar.shard(model, in_strategy=(("dp", None), ("dp", None)))
+    return model
+
+
 DEMO = GPTConfig(vocab_size=4096, seq_len=128, d_model=256, n_heads=4, n_layers=4, d_ff=1024)
 
 

@@ -14,20 +14,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import autopar
 from examples import gpt
 
-COLUMN = {"weight": ("tp", None), "bias": ("tp",)}
-ROW = {"weight": (None, "tp")}
-
 
 def _megatron_gpt():
     model, args = gpt.build(batch_size=4)
-    for block in model.blocks:
-        for name in ("q", "k", "v"):
-            autopar.shard(getattr(block.attn, name), parameter_plan=COLUMN)
-        autopar.shard(block.mlp.fc, parameter_plan=COLUMN)
-        autopar.shard(block.attn.proj, parameter_plan=ROW)
-        autopar.shard(block.mlp.proj, parameter_plan=ROW)
-    autopar.shard(model, in_strategy=(("dp", None), ("dp", None)))
-    return model, args
+    return gpt.annotate(model, "dp-tp"), args
 
 
 @pytest.fixture
@@ -43,8 +33,7 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
     # row-parallel linear: partial sums all-reduced in forward, identity in backward ("g") ...
     assert (
         "linear_5 = aten.linear(gelu, p_blocks_0_mlp_proj_weight, to_partial_default)"
-        "  # S(0)S(2), RS(1), RP -> S(0)P"
-        in code
+        "  # S(0)S(2), RS(1), RP -> S(0)P" in code
     )
     assert "autopar.all_reduce(linear_5, 'tp', 'identity')  # S(0)P -> S(0)R" in code
     # ... identity forward, all-reduce backward ("f") ...

@@ -37,28 +37,6 @@ FAST_LINKS = dict(
     intra_node=autopar.LinkSpec(1e-6, 1e10),
     inter_node=autopar.LinkSpec(1e-6, 1e10),
 )
-COLUMN = {"weight": ("tp", None), "bias": ("tp",)}
-ROW = {"weight": (None, "tp")}
-SEQ = ((None, "tp", None),)
-
-
-def _megatron(model, sequence_parallel: bool) -> None:
-    for block in model.blocks:
-        for name in ("q", "k", "v"):
-            autopar.shard(getattr(block.attn, name), parameter_plan=COLUMN)
-        autopar.shard(block.mlp.fc, parameter_plan=COLUMN)
-        out = {"out_strategy": SEQ} if sequence_parallel else {}
-        autopar.shard(block.attn.proj, parameter_plan=ROW, **out)
-        autopar.shard(block.mlp.proj, parameter_plan=ROW, **out)
-        if sequence_parallel:  # the residual stream between blocks stays split along the sequence
-            autopar.shard(block, in_strategy=SEQ, out_strategy=SEQ)
-
-
-def _replicate_parameters(model) -> None:
-    for module in model.modules():
-        direct = dict(module.named_parameters(recurse=False))
-        if direct:
-            autopar.shard(module, parameter_plan={n: (None,) * p.dim() for n, p in direct.items()})
 
 
 def _hf_gpt2():
@@ -97,18 +75,18 @@ def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> di
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar import collectives
+    from examples import gpt
 
     torch.manual_seed(0)
     model, args, kwargs = _build(model_name)
     reference = _build(model_name)[0]
     reference.load_state_dict(model.state_dict())
-    if mode in ("tp", "sp", "dp-tp"):
-        _megatron(model, sequence_parallel=mode == "sp")
-    if mode in ("dp", "dp-tp"):
-        if mode == "dp":
-            _replicate_parameters(model)
-        batch = (("dp", None),) * len(args)
-        autopar.shard(model, in_strategy=batch)
+    if mode == "dp" and model_name == "mlp":
+        for layer in model.layers:
+            autopar.shard(layer, parameter_plan={"weight": (None, None), "bias": (None,)})
+        autopar.shard(model, in_strategy=(("dp", None), ("dp", None)))
+    elif mode != "auto":
+        gpt.annotate(model, mode)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     dmodel = autopar.compile(model, mesh, args, example_kwargs=kwargs, cluster=autopar.Cluster(**FAST_LINKS))
     assert set(dmodel.state_dict()) == set(model.state_dict())
@@ -166,7 +144,7 @@ def _outputs_and_checkpoint(checkpoint_dir: str) -> None:
     def annotated(seed: int):
         torch.manual_seed(seed)
         model, (idx, _) = gpt.build(batch_size=4)
-        _megatron(model, sequence_parallel=False)
+        gpt.annotate(model, "tp")
         autopar.shard(model, in_strategy=(("dp", None),))
         return model, idx
 

@@ -47,28 +47,38 @@ def local_piece(t: torch.Tensor, layout: Layout, mesh: Any) -> torch.Tensor:
 
 
 class GradReducer:
-    """Sums gradients over mesh axes in buckets of about ``bucket_bytes``, overlapped with backward.
+    """Delivers gradients to the DTensor parameters, summing them over mesh axes where needed.
 
-    Each parameter is reduced over the axes the plan gives it (its gradient is a
-    partial sum there). Parameters are bucketed per axis set in reverse registration
-    order (roughly the order backward produces them); a bucket is flattened and
-    all-reduced asynchronously when its last gradient is accumulated, and the last
-    bucket of a backward pass waits for all of them and writes the sums back.
+    The program computes with plain local leaves (see :class:`DistributedModule`); when a
+    leaf's gradient is complete, its post-accumulate hook takes it. A gradient that needs
+    no sum goes straight to ``p.grad`` (as a DTensor). The others are copied into a
+    persistent flat buffer per bucket (about ``bucket_bytes``, one set of mesh axes per
+    bucket, parameters in reverse order, roughly the order backward produces them);
+    a full bucket is all-reduced asynchronously, overlapping the rest of backward, and
+    the last bucket of a backward pass waits for all of them and hands out views of the
+    sums. Every backward pass's contribution is summed and added to ``p.grad``, so
+    gradients accumulate over several backward passes as on one device; inside
+    :meth:`DistributedModule.no_sync` the leaves keep accumulating and the next pass
+    outside it sums everything once.
     """
 
     def __init__(
-        self, params: list[tuple[torch.nn.Parameter, tuple[str, ...]]], bucket_bytes: int = BUCKET_BYTES
+        self,
+        params: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[str, ...]]],
+        bucket_bytes: int = BUCKET_BYTES,
     ):
         self.enabled = True
         self.buckets: list[list[torch.nn.Parameter]] = []
         self.axes: list[tuple[str, ...]] = []
+        self.leaf_of = {id(p): leaf for p, leaf, _ in params}
         by_axes: dict[tuple[str, ...], list[torch.nn.Parameter]] = {}
-        for p, axes in reversed(params):
-            by_axes.setdefault(axes, []).append(p)
+        for p, _leaf, axes in reversed(params):
+            if axes:
+                by_axes.setdefault(axes, []).append(p)
         for axes, group in by_axes.items():
             size = 0
             for p in group:
-                nbytes = p.to_local().numel() * p.element_size()
+                nbytes = self.leaf_of[id(p)].numel() * self.leaf_of[id(p)].element_size()
                 if not self.buckets or self.axes[-1] != axes or size + nbytes > bucket_bytes:
                     self.buckets.append([])
                     self.axes.append(axes)
@@ -76,44 +86,74 @@ class GradReducer:
                 self.buckets[-1].append(p)
                 size += nbytes
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.pending = [len(b) for b in self.buckets]
-        self.launched: list[tuple[int, torch.Tensor, list]] = []
+        self.flat = [
+            torch.empty(sum(self.leaf_of[id(p)].numel() for p in b), dtype=self.leaf_of[id(b[0])].dtype)
+            for b in self.buckets
+        ]
+        self.offsets = []
         for b in self.buckets:
+            offsets, at = {}, 0
             for p in b:
-                p.register_post_accumulate_grad_hook(self._ready)
+                offsets[id(p)] = at
+                at += self.leaf_of[id(p)].numel()
+            self.offsets.append(offsets)
+        self.pending = [len(b) for b in self.buckets]
+        self.launched: list[tuple[int, list]] = []
+        for p, leaf, _ in params:
+            if leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(lambda leaf, p=p: self._ready(p, leaf))
 
-    def _ready(self, p: torch.Tensor) -> None:
+    def _ready(self, p: torch.nn.Parameter, leaf: torch.Tensor) -> None:
         if not self.enabled:
             return
-        i = self.bucket_of[id(p)]
+        grad, leaf.grad = leaf.grad, None
+        i = self.bucket_of.get(id(p))
+        if i is None:
+            _deliver(p, grad)
+            return
+        view = self._view(i, p)
+        if p.grad is not None and p.grad.to_local().data_ptr() == view.data_ptr():
+            # the user kept last pass's gradient (no zero_grad): it must outlive this bucket's reuse
+            kept = view.view_as(leaf).clone()
+            p.grad = DTensor.from_local(kept, p.device_mesh, p.placements, run_check=False)
+        view.copy_(grad.reshape(-1))
         self.pending[i] -= 1
         if self.pending[i] == 0:
             self._launch(i)
         if len(self.launched) == len(self.buckets):
             self._finish()
 
+    def _view(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
+        at = self.offsets[i][id(p)]
+        return self.flat[i][at : at + self.leaf_of[id(p)].numel()]
+
     def _launch(self, i: int) -> None:
-        flat = torch.cat([p.grad.to_local().reshape(-1) for p in self.buckets[i]])
-        works = []
+        works: list = []
+        flat = self.flat[i]
         for axis in self.axes[i]:
             for w in works:  # summing over a second axis needs the first sum
                 w.wait()
             group, _, _ = collectives.axis_info(axis)
             collectives.count_collective("all_reduce", axis, flat.numel() * flat.element_size())
             works = [dist.all_reduce(flat, group=group, async_op=True)]
-        self.launched.append((i, flat, works))
+        self.launched.append((i, works))
 
     def _finish(self) -> None:
-        for i, flat, works in self.launched:
+        for i, works in self.launched:
             for w in works:
                 w.wait()
-            offset = 0
             for p in self.buckets[i]:
-                g = p.grad.to_local()
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+                _deliver(p, self._view(i, p).view_as(self.leaf_of[id(p)]))
         self.launched = []
         self.pending = [len(b) for b in self.buckets]
+
+
+def _deliver(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """Add a local gradient to the DTensor parameter's ``grad``."""
+    if p.grad is None:
+        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
+    else:
+        p.grad.to_local().add_(grad)
 
 
 class DistributedModule(torch.nn.Module):
@@ -152,10 +192,18 @@ class DistributedModule(torch.nn.Module):
         self._buffers.update(replica._buffers)
         named = dict(self.named_parameters(remove_duplicate=False))
         named.update(self.named_buffers(remove_duplicate=False))
+        # The program computes with plain local leaves sharing storage with the DTensors
+        # (optimizer updates and checkpoint loads write through); autograd on plain tensors
+        # is far cheaper than on DTensor leaves, and GradReducer hands gradients back.
+        self._leaves: dict[int, torch.Tensor] = {}
+        for t in named.values():
+            if id(t) not in self._leaves:
+                leaf = t.detach().to_local()
+                self._leaves[id(t)] = leaf.requires_grad_(t.requires_grad) if t.requires_grad else leaf
         self._program_inputs: list[tuple[str, Any]] = []
         for s in ep.graph_signature.input_specs:
             if s.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                self._program_inputs.append(("state", named[s.target]))
+                self._program_inputs.append(("state", self._leaves[id(named[s.target])]))
             elif s.kind == InputKind.CONSTANT_TENSOR:
                 self._program_inputs.append(("constant", ep.constants[s.target]))
             elif s.kind == InputKind.USER_INPUT:
@@ -179,15 +227,14 @@ class DistributedModule(torch.nn.Module):
             a.meta[LAYOUTS][1][0] if isinstance(a, torch.fx.Node) and LAYOUTS in a.meta else None
             for a in pytree.tree_leaves(output.args)
         ]
-        by_placeholder = {
-            s.arg.name: s.target for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER
+        axes_of = {
+            id(named[s.target]): ctx.grad_reductions.get(s.arg.name, ())
+            for s in ep.graph_signature.input_specs
+            if s.kind == InputKind.PARAMETER
         }
-        reduce = [
-            (named[by_placeholder[ph]], axes)
-            for ph, axes in ctx.grad_reductions.items()
-            if named[by_placeholder[ph]].requires_grad
-        ]
-        self.grad_reducer = GradReducer(reduce)
+        self.grad_reducer = GradReducer(
+            [(p, self._leaves[id(p)], axes_of.get(id(p), ())) for p in self.parameters() if p.requires_grad]
+        )
 
     @staticmethod
     def _fqn(root: torch.nn.Module, owner: torch.nn.Module, name: str) -> str:
@@ -254,9 +301,7 @@ class DistributedModule(torch.nn.Module):
         leaves = iter(self._user_leaves(args, kwargs))
         flat = []
         for kind, item in self._program_inputs:
-            if kind == "state":
-                flat.append(item.to_local() if isinstance(item, DTensor) else item)
-            elif kind == "constant":
+            if kind in ("state", "constant"):
                 flat.append(item)
             else:
                 t = next(leaves)

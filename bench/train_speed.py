@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -44,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 # repository importable for ``examples``.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import autopar  # noqa: E402
 from examples import gpt  # noqa: E402
 
 WORLD_SIZE = 4
@@ -78,6 +79,7 @@ class Variant:
 
     mesh: dict[str, int]
     make_step: Callable[[nn.Module, DeviceMesh, Batch], StepFn]
+    baseline: str | None = None  # the torch-native variant this one is compared with
 
     def mesh_label(self) -> str:
         """The mesh as the table shows it, e.g. ``dp=2 x tp=2``."""
@@ -86,7 +88,19 @@ class Variant:
 
 def training_step(model: nn.Module, params: Iterable[nn.Parameter], batch: Batch) -> StepFn:
     """One AdamW training step of ``model`` on ``batch``, the same for every variant."""
-    optimizer = torch.optim.AdamW(params, lr=LR)
+    # fused: one kernel per parameter group instead of per-op dispatch, which costs DTensor
+    # parameters (tensor parallelism, autopar) far more than plain ones; the fused kernel
+    # takes DTensors or plain tensors, not both, hence a group of each
+    params = list(params)
+    groups = [
+        {"params": g}
+        for g in (
+            [p for p in params if isinstance(p, DTensor)],
+            [p for p in params if not isinstance(p, DTensor)],
+        )
+        if g
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=LR, fused=True)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -156,10 +170,28 @@ def ddp_tp_step(model: nn.Module, mesh: DeviceMesh, batch: Batch) -> StepFn:
     return training_step(ddp, ddp.parameters(), _batch_share(batch, mesh["dp"]))
 
 
+def autopar_step(style: str | None) -> Callable[[nn.Module, DeviceMesh, Batch], StepFn]:
+    """autopar with a hand-written plan (``gpt.annotate`` style) or, with ``style=None``, the solver's."""
+
+    def make_step(model: nn.Module, mesh: DeviceMesh, batch: Batch) -> StepFn:
+        if style is not None:
+            gpt.annotate(model, style)
+        dmodel = autopar.compile(model, mesh, batch)
+        local_batch, _ = dmodel.shard_inputs(*batch)
+        return training_step(dmodel, dmodel.parameters(), local_batch)
+
+    return make_step
+
+
 VARIANTS: dict[str, Variant] = {
     "ddp-dp4": Variant({"dp": 4}, ddp_step),
+    "autopar-dp4": Variant({"dp": 4}, autopar_step("dp"), "ddp-dp4"),
+    "autopar-auto-dp4": Variant({"dp": 4}, autopar_step(None), "ddp-dp4"),
     "tp-tp4": Variant({"tp": 4}, tp_step),
+    "autopar-tp4": Variant({"tp": 4}, autopar_step("tp"), "tp-tp4"),
     "ddp-tp-2x2": Variant({"dp": 2, "tp": 2}, ddp_tp_step),
+    "autopar-2x2": Variant({"dp": 2, "tp": 2}, autopar_step("dp-tp"), "ddp-tp-2x2"),
+    "autopar-auto-2x2": Variant({"dp": 2, "tp": 2}, autopar_step(None), "ddp-tp-2x2"),
 }
 
 
@@ -193,52 +225,69 @@ def _reference_losses(options: Options, n_steps: int) -> list[float]:
     return losses.tolist()
 
 
-def _measure(name: str, options: Options) -> dict:
-    """Build, warm up and time one variant.
+def _measure(names: tuple[str, ...], options: Options) -> dict[str, dict]:
+    """Build every variant, then time them round-robin: one step of each per round.
 
-    Returns the timed steps' times (slowest rank's) and the losses of every step, warmup included,
-    each the mean over ranks.
+    Interleaving makes the machine's drift (other load, thermal, page cache) hit every variant
+    alike, so the ratio of two variants measured in the same rounds is far steadier than that
+    of two separate runs. Returns, per variant, the timed steps' times (slowest rank's) and the
+    losses of every step, warmup included, each the mean over ranks.
     """
-    variant = VARIANTS[name]
-    mesh = init_device_mesh("cpu", tuple(variant.mesh.values()), mesh_dim_names=tuple(variant.mesh))
-    model, batch = _fresh(options)
-    step = variant.make_step(model, mesh, batch)
-    seconds, losses = [], []
+    steps = {}
+    for name in names:
+        variant = VARIANTS[name]
+        mesh = init_device_mesh("cpu", tuple(variant.mesh.values()), mesh_dim_names=tuple(variant.mesh))
+        model, batch = _fresh(options)
+        steps[name] = variant.make_step(model, mesh, batch)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    losses: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(options.warmup + options.steps):
-        # Start together, so one rank's wait for a slower one from the previous step is not counted.
-        dist.barrier()
-        start = time.perf_counter()
-        losses.append(step())
-        seconds.append(time.perf_counter() - start)
-    seconds_t = torch.tensor(seconds[options.warmup :], dtype=torch.float64)
-    dist.all_reduce(seconds_t, op=dist.ReduceOp.MAX)
-    losses_t = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(losses_t)
-    step_ms = (seconds_t * 1e3).tolist()
-    median_ms = statistics.median(step_ms)
-    return {
-        "mesh": variant.mesh,
-        "step_ms": step_ms,
-        "median_ms": median_ms,
-        "mean_ms": statistics.fmean(step_ms),
-        "tokens_per_s": options.batch_size * options.config.seq_len / (median_ms / 1e3),
-        "losses": (losses_t / dist.get_world_size()).tolist(),
-    }
+        for name in names:
+            # Start together, so one rank's wait for a slower one from the previous step is not counted.
+            dist.barrier()
+            start = time.perf_counter()
+            losses[name].append(steps[name]())
+            seconds[name].append(time.perf_counter() - start)
+    results = {}
+    for name in names:
+        seconds_t = torch.tensor(seconds[name][options.warmup :], dtype=torch.float64)
+        dist.all_reduce(seconds_t, op=dist.ReduceOp.MAX)
+        losses_t = torch.tensor(losses[name], dtype=torch.float64)
+        dist.all_reduce(losses_t)
+        step_ms = (seconds_t * 1e3).tolist()
+        median_ms = statistics.median(step_ms)
+        results[name] = {
+            "mesh": VARIANTS[name].mesh,
+            "step_ms": step_ms,
+            "median_ms": median_ms,
+            "mean_ms": statistics.fmean(step_ms),
+            "tokens_per_s": options.batch_size * options.config.seq_len / (median_ms / 1e3),
+            "losses": (losses_t / dist.get_world_size()).tolist(),
+        }
+    for name, r in results.items():
+        baseline = VARIANTS[name].baseline
+        if baseline in results:
+            # per round, so both steps of a ratio saw the same machine
+            ratios = [a / b for a, b in zip(r["step_ms"], results[baseline]["step_ms"])]
+            r["vs_baseline"] = statistics.median(ratios)
+    return results
 
 
 def _print_table(results: dict[str, dict], reference: list[float]) -> None:
     """The results table, on rank 0; ``!`` marks a loss that differs from the reference."""
     loss_columns = [f"loss@{i + 1}" for i in range(len(reference))]
-    header = f"{'variant':<16}{'mesh':<14}{'median ms':>10}{'mean ms':>10}{'tokens/s':>11}"
+    header = f"{'variant':<18}{'mesh':<14}{'median ms':>10}{'mean ms':>10}{'tokens/s':>11}{'vs native':>11}"
     print(header + "".join(f"{c:>11}" for c in loss_columns))
     for name, r in results.items():
         mesh = VARIANTS[name].mesh_label()
-        row = f"{name:<16}{mesh:<14}{r['median_ms']:>10.1f}{r['mean_ms']:>10.1f}{r['tokens_per_s']:>11,.0f}"
+        ratio = f"{r['vs_baseline']:.3f}x" if "vs_baseline" in r else ""
+        row = f"{name:<18}{mesh:<14}{r['median_ms']:>10.1f}{r['mean_ms']:>10.1f}"
+        row += f"{r['tokens_per_s']:>11,.0f}{ratio:>11}"
         for got, want in zip(r["losses"], reference):
             mark = " " if math.isclose(got, want, rel_tol=LOSS_RTOL) else "!"
             row += f"{got:>10.5f}{mark}"
         print(row)
-    print(f"{'reference':<16}{'1 process':<14}{'':>31}" + "".join(f"{x:>10.5f} " for x in reference))
+    print(f"{'reference':<18}{'1 process':<14}{'':>42}" + "".join(f"{x:>10.5f} " for x in reference))
 
 
 def run_rank(options: Options) -> bool:
@@ -251,11 +300,7 @@ def run_rank(options: Options) -> bool:
     rank = dist.get_rank()
     load_before = os.getloadavg()
     reference = _reference_losses(options, min(CHECKED_STEPS, options.warmup + options.steps))
-    results = {}
-    for name in options.variants:
-        results[name] = _measure(name, options)
-        # Release the previous variant's model, optimizer state and DDP buckets before the next.
-        gc.collect()
+    results = _measure(options.variants, options)
     load_after = os.getloadavg()
     ok = all(
         math.isclose(got, want, rel_tol=LOSS_RTOL)

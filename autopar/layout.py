@@ -100,25 +100,3 @@ def grad_layout(layout: Layout) -> Layout:
     replicated value's gradient has the value's own layout.
     """
     return tuple(REPLICATE if isinstance(p, Partial) else p for p in layout)
-
-
-def reduction_only_axes(
-    have: Layout, need: Layout, grad_need: Layout, grad_have: Layout
-) -> tuple[int, ...] | None:
-    """Mesh axes on which an edge only sums its gradient (data parallelism), or None.
-
-    That is the case when the value keeps its layout and the gradient differs only by
-    being Partial (a partial sum) where it must be Replicate. For parameters these sums
-    are done once per parameter, bucketed, by the runtime instead of per edge.
-    """
-    if have != need:
-        return None
-    axes = []
-    for a, (g, h) in enumerate(zip(grad_need, grad_have)):
-        if g == h:
-            continue
-        if isinstance(g, Partial) and isinstance(h, Replicate):
-            axes.append(a)
-        else:
-            return None
-    return tuple(axes)

@@ -37,18 +37,18 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.annotations import parse_constraint_spec
 from autopar.capture import Captured, capture, gradient_flow, module_path, module_stack
 from autopar.cost import Cluster, Collective, CostModel, get_cluster
+from autopar.gradient_sums import planned_edges
 from autopar.layout import (
     Layout,
     format_layout,
     grad_layout,
     is_valid_for,
     local_fraction,
-    reduction_only_axes,
     replicated,
 )
 from autopar.mesh import MeshSpec
 from autopar.plans import CollectiveStep, NodeDecision, Plan, Prediction, Redistribution, SolverReport
-from autopar.printing import LAYOUTS, format_graph
+from autopar.printing import GRADS, LAYOUTS, format_graph
 from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
 from autopar.solver import StrategyILP
 
@@ -537,6 +537,7 @@ def assemble_plan(
             continue
         s = g.strategy(node, assignment)
         node.meta[LAYOUTS] = (s.operands, s.outputs)
+        node.meta[GRADS] = s.grads
         t = (
             float(choice.compute[assignment[choice.root]] if choice.root else choice.compute[0])
             if choice.compute is not None
@@ -555,40 +556,24 @@ def assemble_plan(
                 t,
             )
         )
-    sums: dict[torch.fx.Node, set[int]] = {}  # parameter -> axes its gradient is summed over
-    for e in g.edges:
-        src, dst = g.strategy(e.src, assignment), g.strategy(e.dst, assignment)
-        if e.src.name in g.captured.params and g.requires_grad.get(e.src):
-            have, need, grad = edge_layouts(e, src, dst)
-            axes = None if grad is None else reduction_only_axes(have, need, grad, grad_layout(have))
-            if axes is not None:  # the runtime sums each parameter's gradient once, over all its axes
-                sums.setdefault(e.src, set()).update(axes)
-                continue
-        seconds, fwd, bwd = edge_cost(g, e, src, dst)
-        if fwd or bwd:
-            redists.append(
-                _redistribution(
-                    g,
-                    e.src,
-                    e.dst.name,
-                    module_path(e.dst),
-                    e.slot,
-                    e.index,
-                    *edge_layouts(e, src, dst)[:2],
-                    fwd,
-                    bwd,
-                    seconds,
-                )
-            )
-    for node, axes in sums.items():
+    # the collectives exactly as the compiled program will issue them (same edges, same sums)
+    state = set(g.captured.params) | set(g.captured.buffers)
+    planned, summed = planned_edges(g.captured.graph, state, g.requires_grad, g.mesh.ndim)
+    for (src, dst, slot), have, need, grad_need, grad_have in planned:
+        if have == need and grad_need == grad_have:
+            continue
+        shape, itemsize = tuple(int(x) for x in src.meta["val"].shape), src.meta["val"].element_size()
+        fwd, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
+        bwd, t_bwd = g.cost.redistribute(grad_need, grad_have, shape, itemsize)
+        redists.append(
+            _redistribution(g, src, dst.name, module_path(dst), slot, have, need, fwd, bwd, t_fwd + t_bwd)
+        )
+    for node, axes in summed.items():
         layout = g.strategy(node, assignment).outputs[0]
         size = int(local_bytes(node, layout, g.mesh))
         bwd = [Collective("all_reduce", (g.mesh.axis_names[a],), size) for a in sorted(axes)]
-        if bwd:
-            seconds = sum(g.cost.collective_time(c) for c in bwd)
-            redists.append(
-                _redistribution(g, node, "<gradient sum>", "", 0, 0, layout, layout, [], bwd, seconds)
-            )
+        seconds = sum(g.cost.collective_time(c) for c in bwd)
+        redists.append(_redistribution(g, node, "<gradient sum>", "", 0, layout, layout, [], bwd, seconds))
     comm = sum(r.seconds for r in redists)
     comm_bytes = sum(c.bytes for r in redists for c in (*r.forward, *r.backward))
     params: dict[str, str] = {}
@@ -658,7 +643,6 @@ def _redistribution(
     dst: str,
     module: str,
     slot: int,
-    index: int,
     have: Layout,
     need: Layout,
     fwd: list,
@@ -666,7 +650,6 @@ def _redistribution(
     seconds: float,
 ) -> Redistribution:
     val = src.meta["val"]
-    val = val[index] if isinstance(val, (tuple, list)) else val
     steps = [
         tuple(CollectiveStep(c.kind, c.mesh_axes, c.bytes, g.cost.collective_time(c)) for c in cs)
         for cs in (fwd, bwd)

@@ -7,9 +7,9 @@ producer's output must receive: ``have`` with Partial read as Replicate). A
 ``redistribute`` node is inserted when ``have != need``, or when a gradient flows
 and ``grad_need != grad_have``. Model outputs need their Partial axes reduced.
 
-Gradients of parameters that only need summing over some axes (data parallelism:
-the parameter is Replicate there, its consumer's gradient Partial) are left to the
-runtime's bucketed reducer: ``ctx.grad_reductions[placeholder] = axis names``.
+Gradient sums that can wait until backward reaches the parameters (data parallelism;
+see :mod:`autopar.gradient_sums`) are left to the runtime's bucketed reducer:
+``ctx.grad_reductions[placeholder] = axis names``.
 
 Reads: ``autopar.layouts``, ``autopar.grads``. Writes: ``redistribute`` nodes with
 ``autopar.layouts`` and ``autopar.redistribution`` = (have, need, grad_need, grad_have);
@@ -18,15 +18,14 @@ Reads: ``autopar.layouts``, ``autopar.grads``. Writes: ``redistribute`` nodes wi
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch.utils import _pytree as pytree
 
 from autopar.capture import gradient_flow
 from autopar.compiler import PassContext
-from autopar.layout import format_layout, grad_layout, reduction_only_axes
-from autopar.printing import GRADS, LAYOUTS
+from autopar.gradient_sums import planned_edges
+from autopar.layout import format_layout
+from autopar.printing import LAYOUTS
 
 REDISTRIBUTION = "autopar.redistribution"
 
@@ -56,43 +55,18 @@ def _replace_operand(node: torch.fx.Node, slot: int, new: torch.fx.Node) -> None
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
-    flows = gradient_flow(ctx.captured)
-    params = set(ctx.captured.params)
-    for node in list(graph.nodes):
-        if node.op == "output":
-            operands = [a for a in pytree.tree_leaves(node.args) if _is_tensor(a)]
-            needs = [grad_layout(a.meta[LAYOUTS][1][0]) for a in operands]
-            grads = needs
-        elif node.op == "call_function" and LAYOUTS in node.meta and node.target is not operator.getitem:
-            operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor(a)]
-            needs, grads = list(node.meta[LAYOUTS][0]), list(node.meta[GRADS])
-        else:
+    state = set(ctx.captured.params) | set(ctx.captured.buffers)
+    planned, summed = planned_edges(graph, state, gradient_flow(ctx.captured), ctx.mesh.ndim)
+    for param, axes in summed.items():
+        ctx.grad_reductions[param.name] = tuple(ctx.mesh.axis_names[a] for a in sorted(axes))
+    for (src, node, slot), have, need, grad_need, grad_have in planned:
+        if have == need and grad_need == grad_have:
             continue
-        for slot, (src, need, grad_need) in enumerate(zip(operands, needs, grads)):
-            if need is None:
-                continue
-            have = src.meta[LAYOUTS][1][0]
-            flowing = flows.get(src, False) and grad_need is not None
-            grad_have = grad_layout(have)
-            if not flowing:
-                grad_need = grad_have
-            if have == need and grad_need == grad_have:
-                continue
-            if src.op == "placeholder" and src.name in params:
-                axes = reduction_only_axes(have, need, grad_need, grad_have)
-                if axes is not None:
-                    names = {ctx.mesh.axis_names[a] for a in axes}
-                    ctx.grad_reductions[src.name] = tuple(
-                        n
-                        for n in ctx.mesh.axis_names
-                        if n in names | set(ctx.grad_reductions.get(src.name, ()))
-                    )
-                    continue
-            with graph.inserting_before(node):
-                layouts = (have, need, grad_need, grad_have)
-                r = graph.call_function(redistribute, (src, *(format_layout(x) for x in layouts)))
-            r.meta["val"] = src.meta["val"]
-            r.meta[LAYOUTS] = ((have,), (need,))
-            r.meta[REDISTRIBUTION] = layouts
-            _replace_operand(node, slot, r)
+        with graph.inserting_before(node):
+            layouts = (have, need, grad_need, grad_have)
+            r = graph.call_function(redistribute, (src, *(format_layout(x) for x in layouts)))
+        r.meta["val"] = src.meta["val"]
+        r.meta[LAYOUTS] = ((have,), (need,))
+        r.meta[REDISTRIBUTION] = layouts
+        _replace_operand(node, slot, r)
     return gm

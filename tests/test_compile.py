@@ -36,8 +36,8 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
         "  # S(0)S(2), RS(1), RP -> S(0)P" in code
     )
     assert "autopar.all_reduce(linear_5, 'tp', 'identity')  # S(0)P -> S(0)R" in code
-    # ... identity forward, all-reduce backward ("f") ...
-    assert "autopar.grad_all_reduce(" in code
+    # ... no blocking data-parallel sum mid-backward: they all wait for the parameters (bucketed) ...
+    assert "autopar.grad_all_reduce(" not in code
     # ... and gathers whose backward reduce-scatters the partial gradients
     assert "autopar.all_gather(layer_norm, 0, 'tp', 'reduce_scatter')  # S(0)S(0) -> S(0)R" in code
     # local sizes: 4 heads split over tp=2, batch 4 over dp=2

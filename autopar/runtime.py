@@ -34,6 +34,8 @@ from autopar.printing import LAYOUTS, format_graph
 if TYPE_CHECKING:
     from autopar.compiler import PassContext
 
+# As DDP: a small first bucket, so the first sum starts early in backward, then big ones.
+FIRST_BUCKET_BYTES = 2**20
 BUCKET_BYTES = 25 * 2**20
 
 
@@ -52,8 +54,9 @@ class GradReducer:
     The program computes with plain local leaves (see :class:`DistributedModule`); when a
     leaf's gradient is complete, its post-accumulate hook takes it. A gradient that needs
     no sum goes straight to ``p.grad`` (as a DTensor). The others are copied into a
-    persistent flat buffer per bucket (about ``bucket_bytes``, one set of mesh axes per
-    bucket, parameters in reverse order, roughly the order backward produces them);
+    persistent flat buffer per bucket (the first about 1 MiB, the others about
+    ``bucket_bytes``; one set of mesh axes per bucket, parameters in reverse order,
+    roughly the order backward produces them);
     a full bucket is all-reduced asynchronously, overlapping the rest of backward, and
     the last bucket of a backward pass waits for all of them and hands out views of the
     sums. Every backward pass's contribution is summed and added to ``p.grad``, so
@@ -79,7 +82,8 @@ class GradReducer:
             size = 0
             for p in group:
                 nbytes = self.leaf_of[id(p)].numel() * self.leaf_of[id(p)].element_size()
-                if not self.buckets or self.axes[-1] != axes or size + nbytes > bucket_bytes:
+                cap = bucket_bytes if self.buckets else FIRST_BUCKET_BYTES
+                if not self.buckets or self.axes[-1] != axes or size + nbytes > cap:
                     self.buckets.append([])
                     self.axes.append(axes)
                     size = 0
@@ -99,6 +103,14 @@ class GradReducer:
             self.offsets.append(offsets)
         self.pending = [len(b) for b in self.buckets]
         self.launched: list[tuple[int, list]] = []
+        # p.grad for a summed parameter is a view of its bucket, wrapped once
+        self.wrapped = {
+            id(p): DTensor.from_local(
+                self._view(i, p).view_as(self.leaf_of[id(p)]), p.device_mesh, p.placements, run_check=False
+            )
+            for i, b in enumerate(self.buckets)
+            for p in b
+        }
         for p, leaf, _ in params:
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(lambda leaf, p=p: self._ready(p, leaf))
@@ -143,7 +155,10 @@ class GradReducer:
             for w in works:
                 w.wait()
             for p in self.buckets[i]:
-                _deliver(p, self._view(i, p).view_as(self.leaf_of[id(p)]))
+                if p.grad is None:
+                    p.grad = self.wrapped[id(p)]
+                else:
+                    p.grad.to_local().add_(self._view(i, p).view_as(self.leaf_of[id(p)]))
         self.launched = []
         self.pending = [len(b) for b in self.buckets]
 

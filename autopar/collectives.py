@@ -44,10 +44,13 @@ _CALLS: Counter[tuple[str, str]] = Counter()
 # --------------------------------------------------------------------------- registry and counters
 
 
-def register_mesh(mesh: DeviceMesh) -> None:
+def register_mesh(mesh: DeviceMesh) -> dict[str, str]:
     """Make the axes of ``mesh`` (which must have ``mesh_dim_names``) known to the ops.
 
-    Replaces whatever was registered before: one process runs one program on one mesh.
+    Returns the key the ops name each axis by: the axis name itself (``"dp"``), unless
+    another mesh already registered that name with another process group (several
+    compiled modules in one process, on different meshes), then ``"dp.1"``, ``"dp.2"``...
+    Registering the same mesh again returns the same keys.
     """
     names = mesh.mesh_dim_names
     if names is None:
@@ -65,8 +68,20 @@ def register_mesh(mesh: DeviceMesh) -> None:
                 f"group but has coordinate {coordinate} on the axis"
             )
         axes[name] = AxisInfo(group, mesh.size(i), coordinate)
+    keys = {}
+    for name, info in axes.items():
+        key, n = name, 0
+        while key in _AXES and _AXES[key].group is not info.group:
+            n += 1
+            key = f"{name}.{n}"
+        _AXES[key] = info
+        keys[name] = key
+    return keys
+
+
+def forget_meshes() -> None:
+    """Drop every registered axis (their process groups are gone after ``destroy_process_group``)."""
     _AXES.clear()
-    _AXES.update(axes)
 
 
 def axis_info(axis: str) -> AxisInfo:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from autopar import collectives
 from autopar.capture import Captured, capture
 from autopar.cost import Cluster, CostModel
 from autopar.errors import CompileError
@@ -33,6 +34,7 @@ class PassContext:
     plan: Plan
     cost: CostModel
     captured: Captured
+    axis_keys: dict[str, str] = field(default_factory=dict)  # mesh axis -> the collectives' name for it
     grad_reductions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param placeholder -> axes
     snapshots: dict[str, str] = field(default_factory=dict)  # pass name -> graph printed after it
 
@@ -75,7 +77,13 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             seed=seed,
             capture_s=time.perf_counter() - t0,
         )
-    ctx = PassContext(spec, plan, CostModel(spec, Cluster.from_dict(plan.cluster)), captured)
+    ctx = PassContext(
+        spec,
+        plan,
+        CostModel(spec, Cluster.from_dict(plan.cluster)),
+        captured,
+        axis_keys=collectives.register_mesh(mesh),
+    )
     gm = captured.program.graph_module
     for p in PIPELINE:
         gm = p.run(gm, ctx)

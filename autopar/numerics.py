@@ -76,7 +76,8 @@ def first_divergence(
         for axis, p in enumerate(layout):
             if isinstance(p, Partial):
                 got = got.clone()
-                dist.all_reduce(got, group=collectives.axis_info(dmodel.plan.mesh_spec.axis_names[axis])[0])
+                key = dmodel.axis_keys[dmodel.plan.mesh_spec.axis_names[axis]]
+                dist.all_reduce(got, group=collectives.axis_info(key).group)
         whole = tuple(
             p if not isinstance(p, Partial) else torch.distributed.tensor.Replicate() for p in layout
         )

@@ -178,11 +178,11 @@ class DistributedModule(torch.nn.Module):
         self, model: torch.nn.Module, device_mesh: Any, ctx: PassContext, program: torch.fx.GraphModule
     ):
         super().__init__()
-        collectives.register_mesh(device_mesh)
         self.device_mesh = device_mesh
         self.plan = ctx.plan
         object.__setattr__(self, "_program", program)  # not a submodule: keeps state_dict keys unchanged
         self._ctx = ctx
+        self.axis_keys = dict(ctx.axis_keys)  # mesh axis -> the name the collectives know it by
         ep = ctx.captured.program
         placements = ctx.plan.parameter_placements
         replica = copy.deepcopy(model)

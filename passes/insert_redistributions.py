@@ -9,7 +9,7 @@ and ``grad_need != grad_have``. Model outputs need their Partial axes reduced.
 
 Gradient sums that can wait until backward reaches the parameters (data parallelism;
 see :mod:`autopar.gradient_sums`) are left to the runtime's bucketed reducer:
-``ctx.grad_reductions[placeholder] = axis names``.
+``ctx.grad_reductions[placeholder] = axis keys`` (see ``collectives.register_mesh``).
 
 Reads: ``autopar.layouts``, ``autopar.grads``. Writes: ``redistribute`` nodes with
 ``autopar.layouts`` and ``autopar.redistribution`` = (have, need, grad_need, grad_have);
@@ -58,7 +58,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     state = set(ctx.captured.params) | set(ctx.captured.buffers)
     planned, summed = planned_edges(graph, state, gradient_flow(ctx.captured), ctx.mesh.ndim)
     for param, axes in summed.items():
-        ctx.grad_reductions[param.name] = tuple(ctx.mesh.axis_names[a] for a in sorted(axes))
+        ctx.grad_reductions[param.name] = tuple(ctx.axis_keys[ctx.mesh.axis_names[a]] for a in sorted(axes))
     for (src, node, slot), have, need, grad_need, grad_have in planned:
         if have == need and grad_need == grad_have:
             continue

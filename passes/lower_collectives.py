@@ -78,7 +78,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         steps.extend(ctx.cost.steps(have, need))
         with graph.inserting_before(node):
             for a, kind in steps:
-                axis = ctx.mesh.axis_names[a]
+                axis = ctx.axis_keys[ctx.mesh.axis_names[a]]
                 before = tuple(current)
                 if kind == "grad_all_reduce":
                     target, args = ops.grad_all_reduce.default, (x, axis)

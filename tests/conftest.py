@@ -26,6 +26,9 @@ def fake_process_group():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from autopar import collectives
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     yield
     dist.destroy_process_group()
+    collectives.forget_meshes()

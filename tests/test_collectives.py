@@ -280,9 +280,10 @@ def test_registry_counters_and_fake_shapes(fake_process_group):
         with pytest.raises(ValueError, match="'pp' is not registered"):
             C.grad_all_reduce(x, "pp")
 
-    C.register_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("world",)))
-    with pytest.raises(ValueError, match=r"registered axes are \['world'\]"):
-        C.axis_info("dp")
+    # a second mesh naming an axis "dp" too gets its own key; the same mesh again, the same keys
+    assert C.register_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))) == {"dp": "dp.1"}
+    assert C.register_mesh(mesh) == {"dp": "dp", "tp": "tp"}
+    assert C.axis_info("dp.1").size == 4 and C.axis_info("dp").size == 2
     with pytest.raises(ValueError, match="has no axis names"):
         C.register_mesh(init_device_mesh("cpu", (4,)))
 

@@ -12,7 +12,8 @@ a single-device copy, and checked step by step:
 * the bytes each rank's collectives moved equal the plan's prediction exactly.
 
 The 4-rank world also gathers a DP x TP module's logits and compares them with one
-device's, and saves and loads its state with ``torch.distributed.checkpoint``.
+device's, saves and loads its state with ``torch.distributed.checkpoint``, and runs
+it again after compiling another module for another mesh with the same axis name.
 
 The solver's own plans use a cluster model with slow compute and fast links, so
 that splitting pays and the plans exercise real communication; with the measured
@@ -160,6 +161,11 @@ def _outputs_and_checkpoint(checkpoint_dir: str) -> None:
     fresh.load_state_dict(state)
     for name, p in fresh.named_parameters():
         torch.testing.assert_close(p.full_tensor(), model.get_parameter(name), msg=f"{name} after DCP load")
+    # a module compiled later for another mesh with the same axis name leaves this one intact
+    other_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    autopar.compile(gpt.build(batch_size=4)[0], other_mesh, (idx,), cluster=autopar.Cluster(**FAST_LINKS))
+    again = dmodel.gather_outputs(dmodel(*dmodel.shard_inputs(idx)[0]))
+    torch.testing.assert_close(again, logits)
 
 
 def _world(cases: list[tuple], checkpoint_dir: str | None) -> list[dict]:

@@ -286,16 +286,21 @@ def _layout_constraint_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Ten
 layout_constraint.register_autograd(_layout_constraint_backward)
 
 
-def constraint_spec(layout: Layout, origin: str) -> str:
-    """The ``spec`` string of a ``layout_constraint`` node: ``{"layout": "S(0)R", "origin": ...}``."""
-    return json.dumps({"layout": format_layout(layout), "origin": origin})
+def constraint_spec(layout: Layout | None, origin: str) -> str:
+    """The ``spec`` string of a ``layout_constraint`` node: ``{"layout": "S(0)R", "origin": ...}``.
+
+    A ``None`` layout (JSON ``null``) pins nothing: it marks a point where the solver
+    may change the layout freely (autopar puts one at the input of every repeated block).
+    """
+    return json.dumps({"layout": None if layout is None else format_layout(layout), "origin": origin})
 
 
-def parse_constraint_spec(spec: str) -> tuple[Layout, str]:
-    """Inverse of :func:`constraint_spec`: the layout and the human description of its origin."""
+def parse_constraint_spec(spec: str) -> tuple[Layout | None, str]:
+    """Inverse of :func:`constraint_spec`: the layout (``None`` if free) and the description of its origin."""
     try:
         data = json.loads(spec)
-        return parse_layout(data["layout"]), str(data["origin"])
+        layout = None if data["layout"] is None else parse_layout(data["layout"])
+        return layout, str(data["origin"])
     except (ValueError, KeyError, TypeError) as e:
         raise AnnotationError(f"not a layout_constraint spec: {spec!r} ({e})") from None
 

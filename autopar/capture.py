@@ -63,6 +63,9 @@ def module_stack(node: torch.fx.Node) -> list[str]:
     return [_clean_path(v[0]) for v in stack.values()]
 
 
+_BLOCK_PATH = re.compile(r"^(.*\.)?\d+$")  # a numbered child: one of a ModuleList's repeated blocks
+
+
 def _clean_path(path: str) -> str:
     # strict-mode style paths look like L['self'].h[0].attn; normalise to h.0.attn
     path = re.sub(r"^L\['self'\]\.?", "", path)
@@ -80,6 +83,42 @@ _HINTS = (
     ("unexpected keyword argument", "example_kwargs do not match the model's forward() signature"),
     ("positional argument", "example_args do not match the model's forward() signature"),
 )
+
+
+@contextmanager
+def _block_inputs(model: torch.nn.Module) -> Iterator[None]:
+    """Mark the tensor inputs and outputs of every repeated block (``layers.3``) as free layout choice points.
+
+    Cheap ops follow their operand's layout, so without such points the residual stream
+    would carry one layout from the embedding to the loss; at a block boundary the
+    solver may change it (the mark is an identity that the compiler removes).
+    """
+    from autopar.annotations import constraint_spec, layout_constraint
+
+    def mark(values: Any, where: str) -> Any:
+        def free(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                return layout_constraint(t, constraint_spec(None, where))
+            return t
+
+        return torch.utils._pytree.tree_map(free, values)
+
+    handles = []
+    for path, mod in model.named_modules():
+        if _BLOCK_PATH.match(path):
+            handles.append(
+                mod.register_forward_pre_hook(
+                    lambda m, a, k, path=path: mark((a, k), f"input of block '{path}'"), with_kwargs=True
+                )
+            )
+            handles.append(
+                mod.register_forward_hook(lambda m, a, o, path=path: mark(o, f"output of block '{path}'"))
+            )
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextmanager
@@ -134,7 +173,7 @@ def capture(
     if not isinstance(args, tuple):
         args = (args,)
     args, kwargs = _distinct_inputs(args, dict(kwargs or {}))
-    with annotation_hooks(model, mesh) as annotations, _track_modules(model) as running:
+    with annotation_hooks(model, mesh) as annotations, _block_inputs(model), _track_modules(model) as running:
         try:
             program = torch.export.export(model, args, kwargs, strict=False)
         except AnnotationError:

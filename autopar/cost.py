@@ -250,12 +250,14 @@ class CostModel:
         """
         return self._links[axis]
 
-    def collective_time(self, c: Collective) -> float:
+    def collective_time(self, c: Collective, latency: bool = True) -> float:
         """Ring alpha-beta time of ``c``; ``c.mesh_axes`` must name exactly one axis.
 
         With n ranks on the axis, B = ``c.bytes``, alpha/beta the axis link:
         all_gather (n-1)(alpha + B/beta); reduce_scatter and all_to_all
         (n-1)alpha + (n-1)/n B/beta; all_reduce twice the reduce_scatter time. n = 1 is free.
+        ``latency=False`` drops the alpha terms: for a collective that travels in a bucket
+        with many others (gradient sums), whose latency is paid once per bucket.
         """
         if len(c.mesh_axes) != 1:
             raise ValueError(f"collective_time prices one mesh axis at a time, got {c.mesh_axes}")
@@ -264,7 +266,7 @@ class CostModel:
         if n == 1:
             return 0.0
         link = self._links[axis]
-        alpha, wire = link.latency_s, c.bytes / link.bandwidth_Bps
+        alpha, wire = link.latency_s if latency else 0.0, c.bytes / link.bandwidth_Bps
         if c.kind == "all_gather":
             return (n - 1) * (alpha + wire)
         ring = (n - 1) * alpha + (n - 1) / n * wire

@@ -112,11 +112,13 @@ def _numel(node: torch.fx.Node) -> int:
 
 
 def all_layouts(shape: tuple[int, ...], mesh: MeshSpec) -> list[Layout]:
-    """Every even layout of a tensor: each mesh axis replicates or splits one dimension."""
+    """Every even layout of a tensor: each mesh axis replicates or splits one dimension,
+    no dimension split over two axes (see ``rules.enumerate_strategies``)."""
     options = [Replicate(), *(Shard(d) for d in range(len(shape)))]
     out = []
     for combo in _product(options, mesh.ndim):
-        if is_valid_for(combo, shape, mesh):
+        dims = [p.dim for p in combo if isinstance(p, Shard)]
+        if is_valid_for(combo, shape, mesh) and len(dims) == len(set(dims)):
             out.append(combo)
     return out
 
@@ -262,22 +264,26 @@ class _Builder:
         fixed = self.captured.annotations.parameter_layouts.get(fqn)
         if fixed is not None:
             return Choice(None, [_fixed(fixed)], "fixed")
+        # a parameter of a repeated block shares the choice of its twin in the first block
         for user in node.users:
-            c = self.choices.get(user)
-            if c is None or c.kind == "getitem":
+            twin_user = self.canon.get(user)
+            if twin_user is None:
                 continue
             slots = [i for i, op in enumerate(OpCall.of(user).operands) if op is node]
-            if not slots or c.strategies[0].operands[slots[0]] is None:
-                continue
-            # stored whole where the consumer wants a Partial (a bias under a split
-            # contraction): turning Replicate into Partial is free and local
-            slot = slots[0]
-            return Choice(c.root, [_fixed(grad_layout(s.operands[slot])) for s in c.strategies], "param")
-        return Choice(None, [_fixed(replicated(self.mesh))], "param")
+            twin = OpCall.of(twin_user).operands[slots[0]] if slots else None
+            if twin is not None and twin is not node and twin in self.choices:
+                return self.choices[twin]
+        # stored in any even layout; its consumers redistribute what they need (a weight
+        # stored split and gathered for use is ZeRO-3/FSDP; stored as used, Megatron)
+        layouts = all_layouts(shape_of(node), self.mesh)
+        return Choice(node.name, [_fixed(lay) for lay in layouts], "param")
 
     def _op(self, node: torch.fx.Node) -> Choice:
         if str(node.target) == LAYOUT_CONSTRAINT:
             layout, _ = parse_constraint_spec(node.args[1])
+            if layout is None:  # a free choice point: any layout, the solver picks
+                options = all_layouts(shape_of(node), self.mesh)
+                return Choice(node.name, [_fixed(lay, operands=1) for lay in options], "anchor")
             return Choice(None, [_fixed(layout, operands=1)], "fixed")
         if node.target is operator.getitem:
             src = self.choices[node.args[0]]
@@ -417,6 +423,15 @@ def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None)
     have, need, grad = edge_layouts(edge, src, dst)
     fwd, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
     bwd, t_bwd = (), 0.0
+    if (
+        edge.src.name in g.captured.params
+        and have == need
+        and grad is not None
+        and g.requires_grad.get(edge.src)
+    ):
+        # a parameter's gradient sum waits for the runtime's buckets: bandwidth only
+        bwd, _ = g.cost.redistribute(grad, grad_layout(have), shape, itemsize)
+        return t_fwd + sum(g.cost.collective_time(c, latency=False) for c in bwd), list(fwd), list(bwd)
     if g.requires_grad.get(edge.src, False) and grad is not None:
         bwd, t_bwd = g.cost.redistribute(grad, grad_layout(have), shape, itemsize)
     return t_fwd + t_bwd, list(fwd), list(bwd)
@@ -572,7 +587,7 @@ def assemble_plan(
         layout = g.strategy(node, assignment).outputs[0]
         size = int(local_bytes(node, layout, g.mesh))
         bwd = [Collective("all_reduce", (g.mesh.axis_names[a],), size) for a in sorted(axes)]
-        seconds = sum(g.cost.collective_time(c) for c in bwd)
+        seconds = sum(g.cost.collective_time(c, latency=False) for c in bwd)  # bucketed
         redists.append(_redistribution(g, node, "<gradient sum>", "", 0, layout, layout, [], bwd, seconds))
     comm = sum(r.seconds for r in redists)
     comm_bytes = sum(c.bytes for r in redists for c in (*r.forward, *r.backward))

@@ -189,6 +189,7 @@ VARIANTS: dict[str, Variant] = {
     "autopar-auto-dp4": Variant({"dp": 4}, autopar_step(None), "ddp-dp4"),
     "tp-tp4": Variant({"tp": 4}, tp_step),
     "autopar-tp4": Variant({"tp": 4}, autopar_step("tp"), "tp-tp4"),
+    "autopar-auto-tp4": Variant({"tp": 4}, autopar_step(None), "tp-tp4"),
     "ddp-tp-2x2": Variant({"dp": 2, "tp": 2}, ddp_tp_step),
     "autopar-2x2": Variant({"dp": 2, "tp": 2}, autopar_step("dp-tp"), "ddp-tp-2x2"),
     "autopar-auto-2x2": Variant({"dp": 2, "tp": 2}, autopar_step(None), "ddp-tp-2x2"),

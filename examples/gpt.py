@@ -187,11 +187,11 @@ def annotate(model: GPT, style: str) -> GPT:
     ``"dp"``: data parallel over ``dp`` (every parameter replicated, the batch split).
     ``"tp"``: Megatron-LM tensor parallelism over ``tp``: ``q``, ``k``, ``v`` and ``mlp.fc``
     split by output features (column-parallel), ``attn.proj`` and ``mlp.proj`` by input
-    features (row-parallel). ``"sp"``: ``"tp"`` plus Megatron sequence parallelism: the
-    residual stream between and inside blocks split along the sequence over ``tp``, so the
-    row-parallel outputs are reduce-scattered and the norms run on sequence shards.
-    ``"dp-tp"``: ``"tp"`` with the batch split over ``dp``. Anything left open is the
-    solver's to fill.
+    features (row-parallel), the activations between blocks whole on every rank.
+    ``"sp"``: ``"tp"`` with Megatron sequence parallelism: the residual stream between and
+    inside blocks split along the sequence over ``tp``, so the row-parallel outputs are
+    reduce-scattered and the norms run on sequence shards. ``"dp-tp"``: ``"tp"`` with the
+    batch split over ``dp``. Anything left open is the solver's to fill.
     """
     import autopar
 
@@ -206,13 +206,14 @@ def annotate(model: GPT, style: str) -> GPT:
         column = {"weight": ("tp", None), "bias": ("tp",)}
         row = {"weight": (None, "tp")}
         sequence = ((None, "tp", None),)
+        # the residual stream: split along the sequence (sp), or whole on the tp axis
+        stream = {"sp": sequence, "tp": ((None, None, None),), "dp-tp": (("dp", None, None),)}[style]
         for block in model.blocks:
             for linear in (block.attn.q, block.attn.k, block.attn.v, block.mlp.fc):
                 autopar.shard(linear, parameter_plan=column)
             for linear in (block.attn.proj, block.mlp.proj):
                 autopar.shard(linear, parameter_plan=row, out_strategy=sequence if style == "sp" else None)
-            if style == "sp":
-                autopar.shard(block, in_strategy=sequence, out_strategy=sequence)
+            autopar.shard(block, in_strategy=stream, out_strategy=stream)
     if style in ("dp", "dp-tp"):
         autopar.shard(model, in_strategy=(("dp", None), ("dp", None)))
     return model

@@ -58,6 +58,21 @@ def _step(kind: str, x: torch.fx.Node, axis: str, before, after, grad_need) -> t
     raise CompileError(f"no collective for step {kind!r}")
 
 
+def _check_nesting(node: torch.fx.Node, ctx: PassContext, current: list, a: int, after: object) -> None:
+    """A dim split over several axes is split outer axis first: a later (inner) axis still
+    splitting the dim this step leaves or enters would scramble the pieces."""
+    dims = {p.dim for p in (current[a], after) if isinstance(p, Shard)}
+    inner = [
+        b for b in range(a + 1, len(current)) if isinstance(current[b], Shard) and current[b].dim in dims
+    ]
+    if inner:
+        raise CompileError(
+            f"{node.name}: changing the split of dim {sorted(dims)} over mesh axis {ctx.mesh.axis_names[a]} "
+            f"while inner axis {ctx.mesh.axis_names[inner[0]]} splits it too is not supported yet; "
+            "split each tensor dim over one mesh axis in annotations"
+        )
+
+
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     for node in list(graph.nodes):
@@ -83,6 +98,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
                 if kind == "grad_all_reduce":
                     target, args = ops.grad_all_reduce.default, (x, axis)
                 else:
+                    _check_nesting(node, ctx, current, a, need[a])
                     target, args = _step(kind, x, axis, current[a], need[a], grad_need[a])
                     current[a] = need[a]
                 y = graph.call_function(target, args)

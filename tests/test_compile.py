@@ -39,7 +39,7 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
     # ... no blocking data-parallel sum mid-backward: they all wait for the parameters (bucketed) ...
     assert "autopar.grad_all_reduce(" not in code
     # ... and gathers whose backward reduce-scatters the partial gradients
-    assert "autopar.all_gather(layer_norm, 0, 'tp', 'reduce_scatter')  # S(0)S(0) -> S(0)R" in code
+    assert "autopar.all_gather(layer_norm, 1, 'tp', 'reduce_scatter')  # S(0)S(1) -> S(0)R" in code
     # local sizes: 4 heads split over tp=2, batch 4 over dp=2
     assert "aten.view(linear, [2, 32, 2, 16])" in code
     assert "layout_constraint" not in code and "redistribute" not in code

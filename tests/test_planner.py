@@ -59,12 +59,23 @@ def test_plans_for_a_named_device_mesh_on_a_fake_process_group(fake_process_grou
     assert from_mesh.parameters == from_dict.parameters
 
 
+class _TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32, bias=False)
+        self.down = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x))).sum()
+
+
 def test_ilp_equals_exhaustive_search_on_a_real_graph():
-    model, args = mlp.build(device="meta")
+    with torch.device("meta"):
+        model, args = _TwoLinears(), (torch.empty(8, 16),)
     mesh = MeshSpec.of({"dp": 2})
     g = build_strategy_graph(capture(model, args, None, mesh), mesh, CostModel(mesh, get_cluster("cpu-gloo")))
     ilp = StrategyILP(*cost_tables(g))
-    assert 1 < len(g.roots) <= 8
+    assert 1 < len(g.roots) <= 6 and np.prod(list(g.roots.values())) < 10**5
     assignment, _ = ilp.solve()
     _, best = ilp.exhaustive()
     assert ilp.evaluate(assignment) == pytest.approx(best, rel=1e-6)

@@ -54,10 +54,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
 
     ``example_args``/``example_kwargs`` are *global* example inputs (the whole batch).
     Returns a :class:`~autopar.runtime.DistributedModule` whose parameters are
-    DTensors under the original names.
+    DTensors under the original names, each rank holding its piece of the model's
+    weights; a model built on ``meta`` is initialised by
+    :func:`~autopar.runtime.materialize` (``reset_parameters()`` under ``seed``).
     """
     from autopar.passes import PIPELINE
-    from autopar.runtime import DistributedModule
+    from autopar.runtime import DistributedModule, materialize
 
     if not hasattr(mesh, "get_group"):
         raise CompileError(
@@ -66,6 +68,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         )
     spec = MeshSpec.of(mesh)
     args = example_args if isinstance(example_args, tuple) else (example_args,)
+    model = materialize(model, seed)
     t0 = time.perf_counter()
     captured = capture(model, args, example_kwargs, spec)
     if plan is None:

@@ -20,7 +20,6 @@ import functools
 import json
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -35,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar.launch import free_port
 from autopar.layout import Layout
 from autopar.mesh import MeshSpec
 
@@ -443,12 +443,6 @@ def _fit_ring_all_reduce(samples: list[tuple[int, float]], world_size: int) -> L
     return LinkSpec(latency_s=max(c0, 0.0) / (2 * (n - 1)), bandwidth_Bps=2 * (n - 1) / n / c1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_cpu_gloo(world_size: int = 2) -> Cluster:
     """Measure this host as a ``cpu-gloo`` cluster of ``world_size`` ranks (takes ~a minute).
 
@@ -462,7 +456,7 @@ def measure_cpu_gloo(world_size: int = 2) -> Cluster:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "measured.json")
         # spawn re-raises a failed rank's exception here, so a crash never hangs the caller.
-        mp.spawn(_measure_rank, args=(world_size, _free_port(), out_path), nprocs=world_size)
+        mp.spawn(_measure_rank, args=(world_size, free_port(), out_path), nprocs=world_size)
         measured = json.loads(Path(out_path).read_text())
     link = _fit_ring_all_reduce(measured["all_reduce"], world_size)
     return Cluster(

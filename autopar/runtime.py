@@ -171,11 +171,35 @@ def _deliver(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         p.grad.to_local().add_(grad)
 
 
+def materialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A copy of a model built on ``meta`` with real weights, the same on every rank.
+
+    The documented initializer: the copy is moved to the CPU uninitialised, then every
+    module that has ``reset_parameters()`` (all of torch's layers) calls it, after
+    ``torch.manual_seed(seed)`` so that every rank draws the same weights; each rank
+    later keeps its piece. A model without meta tensors is returned as it is. (The whole
+    model is built on every rank before slicing: fine for models that fit one host.)
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return model
+    model = copy.deepcopy(model).to_empty(device="cpu")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model
+
+
 class DistributedModule(torch.nn.Module):
     """A model compiled by ``autopar.compile``; see the module docstring."""
 
     def __init__(
-        self, model: torch.nn.Module, device_mesh: Any, ctx: PassContext, program: torch.fx.GraphModule
+        self,
+        model: torch.nn.Module,
+        device_mesh: Any,
+        ctx: PassContext,
+        program: torch.fx.GraphModule,
     ):
         super().__init__()
         self.device_mesh = device_mesh

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
+from autopar.launch import free_port  # noqa: E402
 from examples import gpt  # noqa: E402
 
 WORLD_SIZE = 4
@@ -360,12 +360,6 @@ def _spawned_rank(rank: int, port: int, options: Options) -> None:
     _join_and_run(options, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # The GPTConfig fields that get a command-line option: its integer sizes.
 _SIZE_FIELDS = tuple(
     f.name for f in dataclasses.fields(gpt.GPTConfig) if type(getattr(DEFAULT_CONFIG, f.name)) is int
@@ -419,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         # Other work on the cores shows up as slower steps.
         print(f"warning: load average {os.getloadavg()[0]:.2f}; the host should be idle", file=sys.stderr)
     try:
-        mp.spawn(_spawned_rank, args=(_free_port(), options), nprocs=WORLD_SIZE)
+        mp.spawn(_spawned_rank, args=(free_port(), options), nprocs=WORLD_SIZE)
     except mp.ProcessExitedException as exc:
         # A loss mismatch (rank 0 has reported it) or a rank killed by a signal; spawn re-raises a
         # Python exception in a rank as ProcessRaisedException instead, traceback included.

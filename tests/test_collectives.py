@@ -10,7 +10,6 @@ issues the same collectives whatever fails, and ``mp.spawn`` re-raises the messa
 from __future__ import annotations
 
 import multiprocessing
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import collectives as C
+from autopar.launch import free_port
 
 SHAPE = (4, 8, 12)  # every dimension divides by 2 and by 4
 
@@ -231,12 +231,6 @@ def _rank_main(rank: int, port: int, world_size: int) -> None:
         raise AssertionError(f"rank {rank}:\n" + "\n".join(failures))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_collectives_on_gloo_ranks():
     # A fork server that imports torch and autopar once (and torch._dynamo, which a custom op's
@@ -246,7 +240,7 @@ def test_collectives_on_gloo_ranks():
     # Were a fork server already running, the ranks would import on their own: slower, same result.
     multiprocessing.get_context("forkserver").set_forkserver_preload(["autopar.collectives", "torch._dynamo"])
     # A rank's exception (with its message) is re-raised here and the other ranks are stopped.
-    mp.start_processes(_rank_main, args=(_free_port(), 4), nprocs=4, start_method="forkserver")
+    mp.start_processes(_rank_main, args=(free_port(), 4), nprocs=4, start_method="forkserver")
 
 
 # --------------------------------------------------------------------------- without communication

@@ -7,6 +7,7 @@ enough to build meshes, DTensors and the per-rank program.
 from __future__ import annotations
 
 import pytest
+import torch
 from test_distributed import FAST_LINKS
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -102,3 +103,18 @@ def test_compile_needs_a_named_device_mesh():
     model, args = gpt.build(batch_size=4)
     with pytest.raises(autopar.CompileError, match="DeviceMesh"):
         autopar.compile(model, {"dp": 2}, args)
+
+
+def test_a_model_built_on_meta_gets_the_same_initialised_weights_on_every_rank(mesh):
+    model, _ = gpt.build(batch_size=4, device="meta")
+    args = gpt.build(batch_size=4)[1]
+    dmodel = autopar.compile(model, mesh, args)
+    for name, p in dmodel.named_parameters():
+        local = p.to_local()
+        assert local.device.type == "cpu" and torch.isfinite(local).all(), name
+    # the documented initializer: reset_parameters() under the seed, whatever the caller's RNG
+    torch.manual_seed(123)
+    again = autopar.compile(gpt.build(batch_size=4, device="meta")[0], mesh, args)
+    fc, fc_again = (m.get_parameter("blocks.0.mlp.fc.weight").to_local() for m in (dmodel, again))
+    torch.testing.assert_close(fc, fc_again)
+    assert model.get_parameter("blocks.0.mlp.fc.weight").is_meta  # the user's model is untouched

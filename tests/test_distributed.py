@@ -11,7 +11,8 @@ a single-device copy, and checked step by step:
   a few layers that stays below ``atol=1e-5, rtol=1e-4`` (observed: ~1e-7);
 * the bytes each rank's collectives moved equal the plan's prediction exactly.
 
-The 4-rank world also gathers a DP x TP module's logits and compares them with one
+The 2-rank world also accumulates gradients over two backward passes (with and
+without ``no_sync``). The 4-rank world also gathers a DP x TP module's logits and compares them with one
 device's, saves and loads its state with ``torch.distributed.checkpoint``, and runs
 it again after compiling another module for another mesh with the same axis name.
 
@@ -168,10 +169,44 @@ def _outputs_and_checkpoint(checkpoint_dir: str) -> None:
     torch.testing.assert_close(again, logits)
 
 
+def _accumulation() -> None:
+    """Two backward passes before a step add up as on one device, with and without no_sync."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples import gpt
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    for quiet in (False, True):
+        torch.manual_seed(0)
+        model, (idx, targets) = gpt.build(batch_size=4)
+        reference = gpt.build(batch_size=4)[0]
+        reference.load_state_dict(model.state_dict())
+        dmodel = autopar.compile(gpt.annotate(model, "dp"), mesh, (idx, targets))
+        batches = [(idx, targets), (torch.roll(idx, 1, 0), torch.roll(targets, 1, 0))]
+        for i, batch in enumerate(batches):
+            local, _ = dmodel.shard_inputs(*batch)
+            if quiet and i == 0:
+                with dmodel.no_sync():
+                    dmodel(*local).backward()
+            else:
+                dmodel(*local).backward()
+            reference(*batch).backward()
+        for name, p in dmodel.named_parameters():
+            torch.testing.assert_close(
+                p.grad.full_tensor(),
+                reference.get_parameter(name).grad,
+                atol=ATOL,
+                rtol=RTOL,
+                msg=lambda m, n=name, q=quiet: f"{n} (no_sync={q}): {m}",
+            )
+
+
 def _world(cases: list[tuple], checkpoint_dir: str | None) -> list[dict]:
     results = [_run_case(*case) for case in cases]
     if checkpoint_dir is not None:
         _outputs_and_checkpoint(checkpoint_dir)
+    else:
+        _accumulation()
     return results
 
 

@@ -16,6 +16,7 @@ from autopar.compiler import compile
 from autopar.cost import Cluster, LinkSpec, get_cluster
 from autopar.errors import AnnotationError, AutoparError, CaptureError, CompileError, PlanError, ShapeError
 from autopar.mesh import MeshSpec
+from autopar.pipeline import Pipeline
 from autopar.planner import plan
 from autopar.plans import Plan, load_plan
 
@@ -28,6 +29,7 @@ __all__ = [
     "LinkSpec",
     "MeshSpec",
     "Plan",
+    "Pipeline",
     "PlanError",
     "ShapeError",
     "compile",

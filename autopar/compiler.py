@@ -4,7 +4,9 @@ Called on every rank (under ``torchrun`` or spawned processes) with a real, name
 ``DeviceMesh``. The model is captured once; without a plan it is planned (the same
 plan on every rank: the solver is deterministic); then the passes in
 ``autopar.passes.PIPELINE`` turn the captured graph into the per-rank program, and
-:class:`~autopar.runtime.DistributedModule` runs it.
+:class:`~autopar.runtime.DistributedModule` runs it. Under a pipeline, layouts and
+collectives live on the mesh of this rank's stages (the mesh without the pipeline
+axis), and the program is split into one program per stage.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from typing import Any
 import torch
 
 from autopar import collectives
-from autopar.capture import Captured, capture
+from autopar.capture import Captured
 from autopar.cost import Cluster, CostModel
-from autopar.errors import CompileError
+from autopar.errors import CompileError, PlanError
 from autopar.mesh import MeshSpec
-from autopar.planner import plan_captured
+from autopar.pipeline import Pipeline
+from autopar.planner import capture_for, layout_mesh, plan_captured
 from autopar.plans import Plan
 from autopar.printing import format_graph
 
@@ -30,13 +33,14 @@ from autopar.printing import format_graph
 class PassContext:
     """What every pass may read; passes record results here as documented in their docstrings."""
 
-    mesh: MeshSpec
+    mesh: MeshSpec  # the mesh layouts refer to: one stage's under a pipeline
     plan: Plan
     cost: CostModel
     captured: Captured
     axis_keys: dict[str, str] = field(default_factory=dict)  # mesh axis -> the collectives' name for it
     grad_reductions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param placeholder -> axes
     snapshots: dict[str, str] = field(default_factory=dict)  # pass name -> graph printed after it
+    stages: list[Any] | None = None  # split_stages.StageProgram per pipeline stage
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -49,17 +53,19 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     cluster: str | Cluster | None = None,
     time_limit: float = 30.0,
     seed: int = 0,
+    pipeline: Pipeline | None = None,
 ) -> torch.nn.Module:
     """Compile ``model`` for ``mesh`` (a ``DeviceMesh`` with axis names); see the module docstring.
 
     ``example_args``/``example_kwargs`` are *global* example inputs (the whole batch).
+    ``pipeline`` pipelines over one mesh axis (a saved ``plan`` brings its own).
     Returns a :class:`~autopar.runtime.DistributedModule` whose parameters are
     DTensors under the original names, each rank holding its piece of the model's
-    weights; a model built on ``meta`` is initialised by
-    :func:`~autopar.runtime.materialize` (``reset_parameters()`` under ``seed``).
+    weights (under a pipeline, of its stages' weights only); a model built on ``meta``
+    is initialised by :func:`~autopar.runtime.materialize` (``reset_parameters()``
+    under ``seed``).
     """
-    from autopar.passes import PIPELINE
-    from autopar.runtime import DistributedModule, materialize
+    from autopar.runtime import materialize
 
     if not hasattr(mesh, "get_group"):
         raise CompileError(
@@ -67,10 +73,19 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             "to plan without ranks use autopar.plan"
         )
     spec = MeshSpec.of(mesh)
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    if plan is not None and plan.pipeline is not None:
+        saved = plan.pipeline
+        in_plan = Pipeline(saved.microbatches, saved.schedule, saved.virtual_stages, saved.axis)
+        if pipeline not in (None, in_plan):
+            raise PlanError(f"the plan pipelines with {in_plan}, but compile was given {pipeline}")
+        pipeline = in_plan
+    elif plan is not None and pipeline is not None:
+        raise PlanError("the plan has no pipeline, but compile was given one: plan again with the pipeline")
+    stage_spec = layout_mesh(spec, pipeline)
+    stage_mesh = mesh if pipeline is None else mesh[stage_spec.axis_names]
     model = materialize(model, seed)
     t0 = time.perf_counter()
-    captured = capture(model, args, example_kwargs, spec)
+    captured = capture_for(model, example_args, example_kwargs, spec, pipeline)
     if plan is None:
         plan = plan_captured(
             captured,
@@ -79,13 +94,37 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             time_limit=time_limit,
             seed=seed,
             capture_s=time.perf_counter() - t0,
+            pipeline=pipeline,
         )
+    if plan.device_mesh_spec != spec:
+        raise PlanError(
+            f"the plan is for mesh {plan.device_mesh_spec}, but the module is compiled for {spec}"
+        )
+    return build_module(model, mesh, stage_mesh, captured, plan, pipeline)
+
+
+def build_module(
+    model: torch.nn.Module,
+    mesh: Any,
+    stage_mesh: Any,
+    captured: Captured,
+    plan: Plan,
+    pipeline: Pipeline | None = None,
+) -> torch.nn.Module:
+    """Run the passes on ``captured`` under ``plan`` and wrap the program in a ``DistributedModule``.
+
+    ``stage_mesh`` is the ``DeviceMesh`` layouts refer to: ``mesh`` itself, or this
+    rank's slice of it without the pipeline axis.
+    """
+    from autopar.passes import PIPELINE
+    from autopar.runtime import DistributedModule
+
     ctx = PassContext(
-        spec,
+        MeshSpec.of(stage_mesh),
         plan,
-        CostModel(spec, Cluster.from_dict(plan.cluster)),
+        CostModel(MeshSpec.of(stage_mesh), Cluster.from_dict(plan.cluster)),
         captured,
-        axis_keys=collectives.register_mesh(mesh),
+        axis_keys=collectives.register_mesh(stage_mesh),
     )
     gm = captured.program.graph_module
     for p in PIPELINE:
@@ -94,4 +133,4 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         ctx.snapshots[name] = format_graph(gm.graph, f"after pass {name}")
     gm.graph.lint()
     gm.recompile()
-    return DistributedModule(model, mesh, ctx, gm)
+    return DistributedModule(model, mesh, ctx, gm, stage_mesh=stage_mesh, pipeline=pipeline)

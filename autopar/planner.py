@@ -37,6 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.annotations import parse_constraint_spec
 from autopar.capture import Captured, capture, gradient_flow, module_path, module_stack
 from autopar.cost import Cluster, Collective, CostModel, get_cluster
+from autopar.errors import PlanError
 from autopar.gradient_sums import planned_edges
 from autopar.layout import (
     Layout,
@@ -47,6 +48,7 @@ from autopar.layout import (
     replicated,
 )
 from autopar.mesh import MeshSpec
+from autopar.pipeline import Pipeline, microbatch, plan_pipeline
 from autopar.plans import CollectiveStep, NodeDecision, Plan, Prediction, Redistribution, SolverReport
 from autopar.printing import GRADS, LAYOUTS, format_graph
 from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
@@ -91,6 +93,8 @@ class StrategyGraph:
     requires_grad: dict[torch.fx.Node, bool]
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (op, module path)
     tied_blocks: int = 0
+    # parameters' gradient sums happen once per step: with m microbatches, 1/m of a microbatch's cost
+    grad_sum_weight: float = 1.0
 
     def strategy(self, node: torch.fx.Node, assignment: dict[str, int]) -> Strategy:
         c = self.choices[node]
@@ -143,8 +147,11 @@ def _fixed(layout: Layout, operands: int = 0) -> Strategy:
 
 
 class _Builder:
-    def __init__(self, captured: Captured, mesh: MeshSpec, cost: CostModel) -> None:
+    def __init__(
+        self, captured: Captured, mesh: MeshSpec, cost: CostModel, fixed_inputs: Mapping[str, Layout]
+    ) -> None:
         self.captured = captured
+        self.fixed_inputs = fixed_inputs
         self.graph = captured.graph
         self.mesh = mesh
         self.cost = cost
@@ -247,7 +254,8 @@ class _Builder:
     def _input(self, node: torch.fx.Node) -> None:
         # loading an input costs its local bytes once, so of equally good plans the one
         # that splits the batch at the source wins
-        layouts = all_layouts(shape_of(node), self.mesh)
+        fixed = self.fixed_inputs.get(node.name)
+        layouts = all_layouts(shape_of(node), self.mesh) if fixed is None else [fixed]
         val = node.meta["val"]
         load = [
             self.cost.compute_time(
@@ -255,9 +263,8 @@ class _Builder:
             )
             for lay in layouts
         ]
-        self.choices[node] = Choice(
-            node.name, [_fixed(lay) for lay in layouts], "input", compute=np.array(load)
-        )
+        root = node.name if fixed is None else None
+        self.choices[node] = Choice(root, [_fixed(lay) for lay in layouts], "input", compute=np.array(load))
 
     def _param(self, node: torch.fx.Node) -> Choice:
         fqn = self.captured.params.get(node.name) or self.captured.buffers.get(node.name)
@@ -394,9 +401,11 @@ def _replicated_strategy(spec: DimSpec, mesh: MeshSpec) -> Strategy:
     )
 
 
-def build_strategy_graph(captured: Captured, mesh: MeshSpec, cost: CostModel) -> StrategyGraph:
-    """See the module docstring."""
-    return _Builder(captured, mesh, cost).build()
+def build_strategy_graph(
+    captured: Captured, mesh: MeshSpec, cost: CostModel, fixed_inputs: Mapping[str, Layout] | None = None
+) -> StrategyGraph:
+    """See the module docstring; ``fixed_inputs`` pins the layouts of some user inputs (by placeholder)."""
+    return _Builder(captured, mesh, cost, fixed_inputs or {}).build()
 
 
 # --- edge costs ---------------------------------------------------------------------
@@ -431,7 +440,8 @@ def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None)
     ):
         # a parameter's gradient sum waits for the runtime's buckets: bandwidth only
         bwd, _ = g.cost.redistribute(grad, grad_layout(have), shape, itemsize)
-        return t_fwd + sum(g.cost.collective_time(c, latency=False) for c in bwd), list(fwd), list(bwd)
+        bucketed = sum(g.cost.collective_time(c, latency=False) for c in bwd)
+        return t_fwd + g.grad_sum_weight * bucketed, list(fwd), list(bwd)
     if g.requires_grad.get(edge.src, False) and grad is not None:
         bwd, t_bwd = g.cost.redistribute(grad, grad_layout(have), shape, itemsize)
     return t_fwd + t_bwd, list(fwd), list(bwd)
@@ -492,6 +502,7 @@ def plan(
     cluster: str | Cluster | None = None,
     time_limit: float = 30.0,
     seed: int = 0,
+    pipeline: Pipeline | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh``: capture, read annotations, solve, report.
 
@@ -499,15 +510,49 @@ def plan(
     ``DeviceMesh``; no process group is needed. ``cluster`` is a preset name
     (default ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the
     solver in deterministic seconds (about wall seconds on one core); with the same
-    ``seed`` every call, on every rank, returns the same plan.
+    ``seed`` every call, on every rank, returns the same plan. ``pipeline`` runs a
+    pipeline over one mesh axis (see :mod:`autopar.pipeline`); the example inputs are
+    the whole batch.
     """
     mesh = MeshSpec.of(mesh)
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
     t0 = time.perf_counter()
-    captured = capture(model, args, example_kwargs, mesh)
+    captured = capture_for(model, example_args, example_kwargs, mesh, pipeline)
     return plan_captured(
-        captured, mesh, cluster=cluster, time_limit=time_limit, seed=seed, capture_s=time.perf_counter() - t0
+        captured,
+        mesh,
+        cluster=cluster,
+        time_limit=time_limit,
+        seed=seed,
+        capture_s=time.perf_counter() - t0,
+        pipeline=pipeline,
     )
+
+
+def layout_mesh(mesh: MeshSpec, pipeline: Pipeline | None) -> MeshSpec:
+    """The mesh layouts refer to: ``mesh`` itself, or one stage's mesh under a pipeline."""
+    if pipeline is not None:
+        return pipeline.stage_mesh(mesh)
+    if "pp" in mesh.axis_names:
+        raise PlanError(
+            f"mesh {mesh} has an axis named 'pp', the pipeline axis: pass "
+            f"pipeline=autopar.Pipeline(microbatches=...) to pipeline over it, or rename the axis"
+        )
+    return mesh
+
+
+def capture_for(
+    model: torch.nn.Module,
+    example_args: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    mesh: MeshSpec,
+    pipeline: Pipeline | None,
+) -> Captured:
+    """Capture ``model`` for planning on ``mesh``: one microbatch of the example under a pipeline."""
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    if pipeline is not None:
+        args, kwargs = microbatch(args, kwargs, pipeline.microbatches)
+    return capture(model, args, kwargs, layout_mesh(mesh, pipeline))
 
 
 def plan_captured(
@@ -518,11 +563,20 @@ def plan_captured(
     time_limit: float = 30.0,
     seed: int = 0,
     capture_s: float = 0.0,
+    pipeline: Pipeline | None = None,
+    fixed_inputs: Mapping[str, Layout] | None = None,
 ) -> Plan:
-    """:func:`plan` for a model already captured (``autopar.compile`` captures once)."""
+    """:func:`plan` for a model captured by :func:`capture_for` (``autopar.compile`` captures once).
+
+    ``fixed_inputs`` pins the layouts of user inputs by placeholder name (a loss
+    compiled for a model's outputs takes them as they come).
+    """
     cluster = get_cluster(cluster or "cpu-gloo") if not isinstance(cluster, Cluster) else cluster
     t1 = time.perf_counter()
-    g = build_strategy_graph(captured, mesh, CostModel(mesh, cluster))
+    stage_mesh = layout_mesh(mesh, pipeline)
+    g = build_strategy_graph(captured, stage_mesh, CostModel(stage_mesh, cluster), fixed_inputs)
+    if pipeline is not None:
+        g.grad_sum_weight = 1.0 / pipeline.microbatches
     node_costs, pair_costs, constant = cost_tables(g)
     t2 = time.perf_counter()
     ilp = StrategyILP(node_costs, pair_costs, constant)
@@ -538,7 +592,40 @@ def plan_captured(
         gap=stats.gap,
         status=stats.status,
     )
-    return assemble_plan(g, assignment, report, cluster)
+    result = assemble_plan(g, assignment, report, cluster)
+    if pipeline is not None:
+        names = {n.name: n for n in g.choices}
+        result.pipeline = plan_pipeline(
+            result,
+            captured,
+            pipeline,
+            mesh,
+            CostModel(mesh, cluster).link(0),
+            cluster.memory_bytes,
+            {
+                name: local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
+                for name, n in names.items()
+                if isinstance(n.meta.get("val"), torch.Tensor)
+            },
+            activation_bytes(g, assignment),
+            g.requires_grad,
+        )
+    elif captured.annotations.stages:
+        result.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
+    return result
+
+
+def activation_bytes(g: StrategyGraph, assignment: dict[str, int]) -> dict[str, float]:
+    """Bytes each op keeps for backward per rank: its output where a gradient flows (views excluded)."""
+    return {
+        n.name: local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
+        for n, c in g.choices.items()
+        if n.op == "call_function"
+        and g.requires_grad.get(n)
+        and c.kind != "getitem"
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and not (c.spec and c.spec.linear == frozenset({0}) and _is_view(n))
+    }
 
 
 def assemble_plan(
@@ -608,15 +695,7 @@ def assemble_plan(
         for n in g.choices
         if n.name in g.captured.params and g.requires_grad.get(n)
     )
-    activations = sum(
-        local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
-        for n, c in g.choices.items()
-        if n.op == "call_function"
-        and g.requires_grad.get(n)
-        and c.kind != "getitem"
-        and isinstance(n.meta.get("val"), torch.Tensor)
-        and not (c.spec and c.spec.linear == frozenset({0}) and _is_view(n))
-    )
+    activations = sum(activation_bytes(g, assignment).values())
     seen = set()
     for op, path in g.fallbacks:
         if (op, path) not in seen:

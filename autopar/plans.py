@@ -19,7 +19,7 @@ from autopar.errors import PlanError
 from autopar.layout import parse_layout
 from autopar.mesh import MeshSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: pipeline plans
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,59 @@ class SolverReport:
     status: str
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: where it runs, what it holds, and its predicted cost.
+
+    Seconds and collective bytes are per microbatch (forward and backward) except the
+    gradient sums, once per step. ``p2p_bytes`` is what the stage receives and sends
+    per microbatch (activations forward, their gradients backward).
+    """
+
+    index: int
+    rank: int  # coordinate on the pipeline axis
+    modules: tuple[str, ...]  # the units (blocks, top-level modules) it runs, in order
+    seconds: float
+    p2p_seconds: float
+    grad_sum_seconds: float
+    comm_bytes: int
+    grad_sum_bytes: int
+    p2p_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # one microbatch
+    in_flight: float  # microbatches whose activations the stage holds at once, at most
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        return int(self.activation_bytes * self.in_flight)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.peak_activation_bytes
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline part of a plan; :attr:`Plan.mesh` is then the mesh of one stage."""
+
+    axis: str
+    size: int  # ranks on the pipeline axis
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+    automatic: bool  # stages chosen by the planner, not annotated
+    stages: tuple[StagePlan, ...]
+    node_stages: dict[str, int]  # graph node -> stage
+    bubble_fraction: float  # ((p-1)/v) / (m + (p-1)/v)
+    step_time_s: float
+
+    def rank_stages(self, rank: int) -> tuple[StagePlan, ...]:
+        """The stages pipeline coordinate ``rank`` runs (``virtual_stages`` of them)."""
+        return tuple(s for s in self.stages if s.rank == rank)
+
+
 @dataclass
 class Plan:
     """A complete parallel plan (see module docstring)."""
@@ -105,10 +158,19 @@ class Plan:
     solver: SolverReport
     code: str  # the captured graph as Python, layouts in comments
     warnings: list[str] = field(default_factory=list)
+    pipeline: PipelinePlan | None = None
 
     @property
     def mesh_spec(self) -> MeshSpec:
+        """The mesh that layouts refer to (one stage's mesh under a pipeline)."""
         return MeshSpec.of(self.mesh)
+
+    @property
+    def device_mesh_spec(self) -> MeshSpec:
+        """The whole mesh the plan runs on, pipeline axis included."""
+        if self.pipeline is None:
+            return self.mesh_spec
+        return MeshSpec((self.pipeline.axis, *self.mesh), (self.pipeline.size, *self.mesh.values()))
 
     @property
     def parameter_placements(self) -> dict[str, tuple[Placement, ...]]:
@@ -178,6 +240,8 @@ class Plan:
             f"{s.constraints} constraints; capture {s.capture_s:.2f} s, build {s.build_s:.2f} s, "
             f"solve {s.solve_s:.2f} s, gap {s.gap:.2%} ({s.status})"
         )
+        if self.pipeline is not None:
+            _print_pipeline(console, self.pipeline)
         for w in self.warnings:
             console.print(f"warning: {w}")
         return buf.getvalue()
@@ -238,7 +302,46 @@ class Plan:
             solver=SolverReport(**data["solver"]),
             code=data["code"],
             warnings=list(data["warnings"]),
+            pipeline=_pipeline_from_dict(data["pipeline"]) if data.get("pipeline") else None,
         )
+
+
+def _pipeline_from_dict(data: dict[str, Any]) -> PipelinePlan:
+    return PipelinePlan(
+        **{
+            **data,
+            "stages": tuple(StagePlan(**{**s, "modules": tuple(s["modules"])}) for s in data["stages"]),
+            "node_stages": dict(data["node_stages"]),
+        }
+    )
+
+
+def _print_pipeline(console: Any, pp: PipelinePlan) -> None:
+    from rich.table import Table
+
+    how = "chosen by the planner" if pp.automatic else "annotated"
+    console.print(
+        f"pipeline over {pp.axis}={pp.size}: {len(pp.stages)} stages ({how}), schedule {pp.schedule}, "
+        f"{pp.microbatches} microbatches; predicted step {pp.step_time_s * 1e3:.3f} ms, "
+        f"bubble {pp.bubble_fraction:.1%}"
+    )
+    table = Table(title="pipeline stages (seconds and bytes per microbatch; gradient sums per step)")
+    for col in ("stage", "rank", "modules", "time", "p2p", "grad sums", "parameters", "activations", "peak"):
+        table.add_column(col)
+    for s in pp.stages:
+        shown = ", ".join(s.modules) if len(s.modules) <= 3 else f"{s.modules[0]} … {s.modules[-1]}"
+        table.add_row(
+            str(s.index),
+            str(s.rank),
+            shown,
+            _secs(s.seconds),
+            _secs(s.p2p_seconds),
+            _secs(s.grad_sum_seconds),
+            _bytes(s.param_bytes),
+            _bytes(s.activation_bytes),
+            f"{_bytes(s.peak_activation_bytes)} (×{s.in_flight:g})",
+        )
+    console.print(table)
 
 
 def load_plan(path: str | Path) -> Plan:

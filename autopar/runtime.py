@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,8 +27,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar import collectives
-from autopar.errors import ShapeError
+from autopar.errors import CompileError, ShapeError
 from autopar.layout import Layout, format_layout, local_shape
+from autopar.pipeline import Pipeline
+from autopar.pipeline_runtime import PipelineRuntime
 from autopar.printing import LAYOUTS, format_graph
 
 if TYPE_CHECKING:
@@ -62,7 +64,8 @@ class GradReducer:
     sums. Every backward pass's contribution is summed and added to ``p.grad``, so
     gradients accumulate over several backward passes as on one device; inside
     :meth:`DistributedModule.no_sync` the leaves keep accumulating and the next pass
-    outside it sums everything once.
+    outside it sums everything once. :meth:`expect` does the same for the microbatches
+    of a pipeline step: each leaf is summed after its last microbatch's backward.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class GradReducer:
         bucket_bytes: int = BUCKET_BYTES,
     ):
         self.enabled = True
+        self.waiting: dict[int, int] = {}  # id(p) -> backward passes to accumulate locally first
         self.buckets: list[list[torch.nn.Parameter]] = []
         self.axes: list[tuple[str, ...]] = []
         self.leaf_of = {id(p): leaf for p, leaf, _ in params}
@@ -115,8 +119,15 @@ class GradReducer:
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(lambda leaf, p=p: self._ready(p, leaf))
 
+    def expect(self, passes: int) -> None:
+        """Sum each gradient after ``passes`` backward passes reach it (a pipeline's microbatches)."""
+        self.waiting = dict.fromkeys(self.leaf_of, passes - 1)
+
     def _ready(self, p: torch.nn.Parameter, leaf: torch.Tensor) -> None:
         if not self.enabled:
+            return
+        if self.waiting.get(id(p), 0) > 0:
+            self.waiting[id(p)] -= 1
             return
         grad, leaf.grad = leaf.grad, None
         i = self.bucket_of.get(id(p))
@@ -171,6 +182,37 @@ def _deliver(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         p.grad.to_local().add_(grad)
 
 
+def _device(device_type: str) -> torch.device:
+    """The device this rank computes on for a mesh of ``device_type``."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss a model returns: the output itself, or its ``loss`` field (transformers' outputs)."""
+    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ShapeError(
+            f"train_step without a loss_fn needs the model to return its loss (a scalar tensor, or an "
+            f"output with a 'loss' field); it returned {type(output).__name__}: pass loss_fn=..."
+        )
+    return loss
+
+
+class _Loss(torch.nn.Module):
+    """``loss_fn(output, target)`` as a module, to be captured and compiled like a model."""
+
+    def __init__(self, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target)
+
+
 def materialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """A copy of a model built on ``meta`` with real weights, the same on every rank.
 
@@ -200,15 +242,34 @@ class DistributedModule(torch.nn.Module):
         device_mesh: Any,
         ctx: PassContext,
         program: torch.fx.GraphModule,
+        *,
+        stage_mesh: Any = None,
+        pipeline: Pipeline | None = None,
     ):
         super().__init__()
         self.device_mesh = device_mesh
+        # the mesh layouts and DTensor parameters live on: one stage's under a pipeline
+        self.stage_mesh = device_mesh if stage_mesh is None else stage_mesh
         self.plan = ctx.plan
         object.__setattr__(self, "_program", program)  # not a submodule: keeps state_dict keys unchanged
         self._ctx = ctx
         self.axis_keys = dict(ctx.axis_keys)  # mesh axis -> the name the collectives know it by
         ep = ctx.captured.program
+        specs = ep.graph_signature.input_specs
+        local_stages = None
+        kept = None  # under a pipeline: the names of this rank's stages' parameters and buffers
+        if ctx.stages is not None and pipeline is not None:
+            rank, size = device_mesh.get_local_rank(pipeline.axis), device_mesh.size(0)
+            local_stages = [st for st in ctx.stages if st.index % size == rank]
+            read = {name for st in local_stages for name in st.state}
+            kept = {
+                alias
+                for s in specs
+                if s.arg.name in read and s.kind in (InputKind.PARAMETER, InputKind.BUFFER)
+                for alias in ctx.captured.aliases.get(s.target, [s.target])
+            }
         placements = ctx.plan.parameter_placements
+        mesh = self.stage_mesh
         replica = copy.deepcopy(model)
         swapped: dict[int, torch.Tensor] = {}
         for module in replica.modules():
@@ -216,12 +277,14 @@ class DistributedModule(torch.nn.Module):
                 for name, t in list(store.items()):
                     if t is None:
                         continue
+                    fqn = self._fqn(replica, module, name)
+                    if kept is not None and fqn not in kept:
+                        store[name] = None  # another pipeline stage's: not held on this rank
+                        continue
                     if id(t) not in swapped:
-                        fqn = self._fqn(replica, module, name)
                         layout = placements[fqn]
-                        dt = DTensor.from_local(
-                            local_piece(t.detach(), layout, device_mesh), device_mesh, layout, run_check=False
-                        )
+                        piece = local_piece(t.detach(), layout, mesh)
+                        dt = DTensor.from_local(piece, mesh, layout, run_check=False)
                         swapped[id(t)] = (
                             torch.nn.Parameter(dt, requires_grad=t.requires_grad) if is_param else dt
                         )
@@ -239,16 +302,16 @@ class DistributedModule(torch.nn.Module):
             if id(t) not in self._leaves:
                 leaf = t.detach().to_local()
                 self._leaves[id(t)] = leaf.requires_grad_(t.requires_grad) if t.requires_grad else leaf
-        self._program_inputs: list[tuple[str, Any]] = []
-        for s in ep.graph_signature.input_specs:
-            if s.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                self._program_inputs.append(("state", self._leaves[id(named[s.target])]))
+        self._placeholders = [s.arg.name for s in specs]
+        self._input_names = [s.arg.name for s in specs if s.kind == InputKind.USER_INPUT]
+        self._state: dict[str, Any] = {}  # placeholder -> the tensor this rank passes for it
+        for s in specs:
+            if s.kind in (InputKind.PARAMETER, InputKind.BUFFER) and s.target in named:
+                self._state[s.arg.name] = self._leaves[id(named[s.target])]
             elif s.kind == InputKind.CONSTANT_TENSOR:
-                self._program_inputs.append(("constant", ep.constants[s.target]))
-            elif s.kind == InputKind.USER_INPUT:
-                self._program_inputs.append(("input", s.arg.name))
-            else:
-                self._program_inputs.append(("constant", None))
+                self._state[s.arg.name] = ep.constants[s.target]
+            elif s.kind != InputKind.USER_INPUT and s.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+                self._state[s.arg.name] = None
         self._user_outputs = [
             i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT
         ]
@@ -256,24 +319,35 @@ class DistributedModule(torch.nn.Module):
         self._in_spec = ep.call_spec.in_spec
         nodes = {n.name: n for n in program.graph.nodes}
         self._input_layouts = {
-            name: nodes[name].meta[LAYOUTS][1][0]
-            for _, name in self._program_inputs
-            if isinstance(name, str) and name in nodes
+            name: nodes[name].meta[LAYOUTS][1][0] for name in self._input_names if name in nodes
         }
         self._input_global = {name: tuple(nodes[name].meta["val"].shape) for name in self._input_layouts}
         output = next(n for n in program.graph.nodes if n.op == "output")
+        results = pytree.tree_leaves(output.args)
+        self._outputs = [results[i] for i in self._user_outputs]
         self._output_layouts = [
             a.meta[LAYOUTS][1][0] if isinstance(a, torch.fx.Node) and LAYOUTS in a.meta else None
-            for a in pytree.tree_leaves(output.args)
+            for a in self._outputs
         ]
         axes_of = {
             id(named[s.target]): ctx.grad_reductions.get(s.arg.name, ())
-            for s in ep.graph_signature.input_specs
-            if s.kind == InputKind.PARAMETER
+            for s in specs
+            if s.kind == InputKind.PARAMETER and s.target in named
         }
         self.grad_reducer = GradReducer(
             [(p, self._leaves[id(p)], axes_of.get(id(p), ())) for p in self.parameters() if p.requires_grad]
         )
+        self._loss_tails: dict[Any, DistributedModule] = {}  # loss_fn -> its compiled program
+        self.pipeline = None
+        if local_stages is not None:
+            self.pipeline = PipelineRuntime(
+                local_stages,
+                len(ctx.stages),
+                pipeline,
+                device_mesh.get_group(pipeline.axis),
+                [[self._state[name] for name in st.state] for st in local_stages],
+                _device(device_mesh.device_type),
+            )
 
     @staticmethod
     def _fqn(root: torch.nn.Module, owner: torch.nn.Module, name: str) -> str:
@@ -303,10 +377,9 @@ class DistributedModule(torch.nn.Module):
     def shard_inputs(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         """This rank's local inputs from a global batch that every rank holds whole."""
         leaves = self._user_leaves(args, kwargs)
-        names = [name for kind, name in self._program_inputs if kind == "input"]
         local = [
-            local_piece(t, self._input_layouts[n], self.device_mesh) if isinstance(t, torch.Tensor) else t
-            for t, n in zip(leaves, names)
+            local_piece(t, self._input_layouts[n], self.stage_mesh) if isinstance(t, torch.Tensor) else t
+            for t, n in zip(leaves, self._input_names)
         ]
         local_args, local_kwargs = pytree.tree_unflatten(local, self._in_spec)
         return tuple(local_args), dict(local_kwargs)
@@ -315,7 +388,7 @@ class DistributedModule(torch.nn.Module):
         """Global tensors from this rank's outputs (collective: every rank must call it)."""
         leaves, spec = pytree.tree_flatten(out)
         whole = [
-            DTensor.from_local(t, self.device_mesh, lay, run_check=False).full_tensor()
+            DTensor.from_local(t, self.stage_mesh, lay, run_check=False).full_tensor()
             if isinstance(t, torch.Tensor) and lay is not None
             else t
             for t, lay in zip(leaves, self._output_layouts)
@@ -337,20 +410,120 @@ class DistributedModule(torch.nn.Module):
 
     def program_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """The per-rank program's flat inputs: local parameters and buffers, constants, local inputs."""
-        leaves = iter(self._user_leaves(args, kwargs))
-        flat = []
-        for kind, item in self._program_inputs:
-            if kind in ("state", "constant"):
-                flat.append(item)
-            else:
-                t = next(leaves)
-                self._check(item, t)
-                flat.append(t)
-        return flat
+        leaves = dict(zip(self._input_names, self._user_leaves(args, kwargs)))
+        for name, t in leaves.items():
+            self._check(name, t)
+        return [leaves[name] if name in leaves else self._state[name] for name in self._placeholders]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise CompileError(
+                "a pipelined module runs whole training steps across its stages' ranks: "
+                "call dmodel.train_step(inputs, target, loss_fn)"
+            )
         outs = self._program(*self.program_inputs(args, kwargs))
         return pytree.tree_unflatten([outs[i] for i in self._user_outputs], self._out_spec)
+
+    # --- training ----------------------------------------------------------------------
+    def train_step(
+        self,
+        inputs: Any,
+        target: torch.Tensor | None = None,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of one global batch; returns the loss, on every rank.
+
+        ``inputs`` are the model's inputs for the whole batch, the same on every rank:
+        a tensor, a tuple of positional inputs or a dict of keyword inputs.
+        ``loss_fn(output, target)`` computes the loss from the model's output; it is
+        captured, planned (taking the output in its planned layout) and compiled on first
+        use, once per function object. Without ``loss_fn`` the model's output is the loss
+        (a scalar, or an output with a ``loss`` field) and ``target`` must be None.
+        Gradients are added to ``p.grad`` (summed across data-parallel ranks); step the
+        optimizer afterwards. Under a pipeline the batch runs as microbatches (dim 0 of
+        every input and of ``target``) in the planned schedule, each microbatch's loss
+        weighted ``1/microbatches``: the loss must be a mean over the batch, and the
+        result is the mean over microbatches.
+        """
+        if isinstance(inputs, Mapping):
+            args, kwargs = (), dict(inputs)
+        else:
+            args, kwargs = (inputs if isinstance(inputs, tuple) else (inputs,)), {}
+        if loss_fn is None and target is not None:
+            raise ShapeError("train_step was given a target but no loss_fn to compare the output with")
+        tail = None if loss_fn is None else self._loss_tail(loss_fn, target)
+        if self.pipeline is None:
+            local_args, local_kwargs = self.shard_inputs(*args, **kwargs)
+            out = self(*local_args, **local_kwargs)
+            loss = _loss_of(out) if tail is None else tail(out, tail.local_target(target, 1))
+            loss.backward()
+            return loss.detach()
+        m = self.pipeline.pipeline.microbatches
+        leaves = self._user_leaves(args, kwargs)
+        local = [self._microbatches(name, t, m) for name, t in zip(self._input_names, leaves)]
+
+        def microbatch_loss(output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+            out = pytree.tree_unflatten(list(output), self._out_spec)
+            return (_loss_of(out) if tail is None else tail(out, target)) / m
+
+        # torch's schedules hand the loss function one target per microbatch; a model that
+        # computes its own loss gets placeholders
+        local_target = torch.zeros(m) if tail is None else tail.local_target(target, m)
+        self.grad_reducer.expect(m)
+        return self.pipeline.step(local, local_target, microbatch_loss, loss_fn)
+
+    def _microbatches(self, name: str, t: Any, m: int) -> Any:
+        """This rank's pieces of the ``m`` microbatches of global input ``t``, concatenated along dim 0."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        one = self._input_global[name]
+        if t.dim() == 0 or (t.shape[0], *t.shape[1:]) != (m * one[0], *one[1:]):
+            raise ShapeError(
+                f"input '{name}' has shape {tuple(t.shape)}, but the module was compiled for batches of "
+                f"{m} microbatches shaped {one}: {(m * one[0], *one[1:])}"
+            )
+        layout = self._input_layouts[name]
+        return torch.cat([local_piece(c, layout, self.stage_mesh) for c in t.chunk(m)])
+
+    def local_target(self, target: Any, m: int) -> torch.Tensor:
+        """For a compiled loss: this rank's pieces of ``m`` microbatches of a global ``target``."""
+        if not isinstance(target, torch.Tensor):
+            raise ShapeError(f"train_step needs the target as one tensor, got {type(target).__name__}")
+        return self._microbatches(self._input_names[-1], target, m)
+
+    def _loss_tail(self, loss_fn: Callable, target: Any) -> DistributedModule:
+        """``loss_fn`` compiled for this module's outputs, in their layouts (cached per function)."""
+        from autopar.capture import capture
+        from autopar.compiler import build_module
+        from autopar.cost import Cluster
+        from autopar.planner import plan_captured
+
+        tail = self._loss_tails.get(loss_fn)
+        if tail is not None:
+            return tail
+        if not isinstance(target, torch.Tensor):
+            raise ShapeError(f"train_step needs the target as one tensor, got {type(target).__name__}")
+        m = 1 if self.pipeline is None else self.pipeline.pipeline.microbatches
+        if target.dim() == 0 or target.shape[0] % m:
+            raise ShapeError(
+                f"target has shape {tuple(target.shape)}, which cannot be cut into {m} microbatches "
+                f"along dim 0"
+            )
+        vals = [node.meta["val"] for node in self._outputs]
+        output = pytree.tree_unflatten(
+            [torch.empty_like(v, device="meta").requires_grad_(v.dtype.is_floating_point) for v in vals],
+            self._out_spec,
+        )
+        example = torch.empty((target.shape[0] // m, *target.shape[1:]), dtype=target.dtype, device="meta")
+        module = _Loss(loss_fn)
+        captured = capture(module, (output, example), None, self.plan.mesh_spec)
+        fixed = dict(zip(captured.inputs, self._output_layouts))  # the target's layout is the solver's
+        plan = plan_captured(
+            captured, self.plan.mesh_spec, cluster=Cluster.from_dict(self.plan.cluster), fixed_inputs=fixed
+        )
+        tail = build_module(module, self.stage_mesh, self.stage_mesh, captured, plan)
+        self._loss_tails[loss_fn] = tail
+        return tail
 
     # --- introspection ------------------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ from autopar.passes import (
     insert_redistributions,
     localize_shapes,
     lower_collectives,
+    split_stages,
     strip_export_checks,
     verify_layouts,
 )
@@ -23,4 +24,5 @@ PIPELINE = (
     drop_layout_constraints,  # pinned layouts are in place: the constraints are identities now
     localize_shapes,  # size arguments -> local sizes; split means rescaled
     verify_layouts,  # every edge: producer layout == consumer expectation
+    split_stages,  # under a pipeline: one program per stage, boundaries carried through
 )

@@ -1,8 +1,10 @@
 """Attach the plan's layouts to the captured graph, checking the plan fits the model.
 
-Reads: ``ctx.plan.nodes`` (matched by node name). Writes: ``node.meta["autopar.layouts"]``
-(operand and output layouts) and ``node.meta["autopar.grads"]`` (gradient layout of
-each operand) on every placeholder and op the plan decided.
+Reads: ``ctx.plan.nodes`` (matched by node name) and, under a pipeline,
+``ctx.plan.pipeline.node_stages``. Writes: ``node.meta["autopar.layouts"]`` (operand
+and output layouts), ``node.meta["autopar.grads"]`` (gradient layout of each operand)
+and, under a pipeline, ``node.meta["autopar.stage"]`` on every placeholder and op the
+plan decided.
 """
 
 from __future__ import annotations
@@ -15,16 +17,14 @@ from autopar.errors import PlanError
 from autopar.layout import parse_layout
 from autopar.printing import GRADS, LAYOUTS
 
+STAGE = "autopar.stage"
+
 
 def _parse(items: tuple[str | None, ...]) -> tuple:
     return tuple(None if s is None else parse_layout(s) for s in items)
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    if ctx.plan.mesh != ctx.mesh.to_dict():
-        raise PlanError(
-            f"the plan is for mesh {ctx.plan.mesh_spec}, but the module is compiled for {ctx.mesh}"
-        )
     decisions = {d.name: d for d in ctx.plan.nodes}
     seen: set[str] = set()
     for node in gm.graph.nodes:
@@ -48,6 +48,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         seen.add(node.name)
         node.meta[LAYOUTS] = (_parse(decision.operands), _parse(decision.outputs))
         node.meta[GRADS] = _parse(decision.grads)
+        if ctx.plan.pipeline is not None:
+            node.meta[STAGE] = ctx.plan.pipeline.node_stages[node.name]
     missing = sorted(set(decisions) - seen)
     if missing:
         raise PlanError(

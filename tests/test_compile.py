@@ -66,6 +66,7 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
         "drop_layout_constraints",
         "localize_shapes",
         "verify_layouts",
+        "split_stages",
     ]
     assert "redistribute(" in dmodel.pass_snapshots["insert_redistributions"]
 

@@ -1,0 +1,526 @@
+"""Pipeline parallelism at plan time: options, which node runs in which stage, predictions.
+
+A pipeline runs over one mesh axis (``pp`` by default; it must be the mesh's first,
+outermost axis). The model is cut into ``stages = size(pp) × virtual_stages``
+consecutive stages; stage ``s`` lives on pipeline coordinate ``s % size(pp)`` (the
+looping placement of ``torch.distributed.pipelining``), and inside a stage the model
+is sharded over the remaining axes, the *stage mesh* (dp × tp, say). Every stage mesh
+has the same shape, so one strategy ILP over the whole graph on the stage mesh plans
+every stage, and a value crossing a stage boundary keeps its layout: coordinate
+(dp, tp) of one stage sends its piece to coordinate (dp, tp) of the next.
+
+The batch is cut into ``microbatches`` along dim 0 of every input; the graph is
+captured and planned for one microbatch, which is what a stage runs at a time.
+
+Stages come from ``pipeline_stage`` annotations when there are any (honoured exactly:
+every module with parameters must have one, stage numbers must run 0, 1, ... and follow
+the order of the forward), and otherwise from :func:`partition`: the graph is cut into
+*units* (the repeated blocks and the modules around them, in execution order) and a
+dynamic program picks the contiguous split into stages that minimises Alpa's pipeline
+latency ``Σ t_s + (m − 1) max t_s`` (``t_s``: one microbatch's forward and backward in
+stage ``s``, communication included) subject to each stage's memory fitting a device,
+and among equally fast splits the one with the smallest largest memory.
+
+Nodes outside every annotated module or unit follow simple rules: a node computed from
+some stage's values runs in the latest of those stages (user inputs count as stage 0);
+a node computed from parameters, constants or nothing (``arange``, a transposed
+weight) runs in the first stage that uses it. A value needed beyond the next stage is
+carried through the stages in between. A parameter used in two stages (tied
+embeddings) is refused: stages hold disjoint parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.capture import _BLOCK_PATH, Captured, module_stack
+from autopar.errors import AnnotationError, PlanError
+from autopar.mesh import MeshSpec
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How to pipeline: ``microbatches`` per step, the ``schedule``, stages per rank, the mesh axis.
+
+    ``schedule`` is ``"gpipe"`` (all forwards, then all backwards: ``m`` microbatches
+    in flight), ``"1f1b"`` (one forward, one backward in steady state: at most ``p``
+    in flight; needs ``m >= p``) or ``"interleaved-1f1b"`` (``virtual_stages >= 2``
+    stages per rank, looping: the bubble shrinks by that factor). The number of stages
+    is ``size(axis) × virtual_stages``.
+    """
+
+    microbatches: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    axis: str = "pp"
+
+    def __post_init__(self) -> None:
+        for name in ("microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline: unknown schedule {self.schedule!r}; schedules are {SCHEDULES}")
+        if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
+            raise ValueError(
+                "Pipeline: 'interleaved-1f1b' needs virtual_stages >= 2 (stages per rank); "
+                "with one stage per rank use '1f1b'"
+            )
+        if self.schedule != "interleaved-1f1b" and self.virtual_stages != 1:
+            raise ValueError(
+                f"Pipeline: schedule {self.schedule!r} runs one stage per rank; virtual_stages="
+                f"{self.virtual_stages} needs schedule='interleaved-1f1b'"
+            )
+
+    def size(self, mesh: MeshSpec) -> int:
+        """Ranks along the pipeline axis (``p``)."""
+        return mesh.axis_sizes[mesh.axis_index(self.axis)]
+
+    def stages(self, mesh: MeshSpec) -> int:
+        return self.size(mesh) * self.virtual_stages
+
+    def stage_mesh(self, mesh: MeshSpec) -> MeshSpec:
+        """The mesh each stage is sharded over: ``mesh`` without the pipeline axis.
+
+        Checks that the axis exists, comes first and is not the only one, and that the
+        schedule can run ``microbatches`` over the stages.
+        """
+        if self.axis not in mesh.axis_names:
+            raise PlanError(
+                f"the pipeline axis {self.axis!r} is not an axis of mesh {mesh}; name one axis "
+                f"{self.axis!r} or pass Pipeline(axis=...)"
+            )
+        if mesh.axis_names[0] != self.axis:
+            raise PlanError(
+                f"the pipeline axis {self.axis!r} must be the first (outermost) axis of the mesh, "
+                f"got mesh {mesh}; put it first, e.g. ({self.axis}, dp, tp)"
+            )
+        if mesh.ndim == 1:
+            raise PlanError(
+                f"mesh {mesh} has only the pipeline axis; each stage needs a mesh of its own: add a "
+                f"data axis of size 1, e.g. init_device_mesh('cpu', ({mesh.size}, 1), "
+                f"mesh_dim_names=('{self.axis}', 'dp'))"
+            )
+        p, m, stages = self.size(mesh), self.microbatches, self.stages(mesh)
+        if self.schedule == "1f1b" and m < p:
+            raise PlanError(
+                f"schedule '1f1b' needs at least as many microbatches as stages: {m} microbatches "
+                f"for {p} stages (use more microbatches, or schedule 'gpipe')"
+            )
+        rounds = max(1, m // p)
+        if self.schedule == "interleaved-1f1b" and m % rounds:
+            raise PlanError(
+                f"schedule 'interleaved-1f1b' runs microbatches in rounds of {p} (the pipeline size); "
+                f"{m} microbatches is not a multiple of its {rounds} rounds: use a multiple of {p}"
+            )
+        if stages < 2 and p < 2:
+            raise PlanError(f"pipeline axis {self.axis!r} has size 1: there is nothing to pipeline")
+        return MeshSpec(mesh.axis_names[1:], mesh.axis_sizes[1:])
+
+    def in_flight(self, p: int, rank: int) -> int:
+        """Most microbatch-stages rank ``rank`` holds at once: forwarded, not yet backwarded.
+
+        GPipe: every microbatch of every local stage. 1F1B: ``p - rank`` (warm-up
+        forwards plus one). Interleaved 1F1B: torch's warm-up count
+        ``(v - 1) * m_round + 2 (p - 1 - rank)`` plus one, capped at ``v * m``.
+        """
+        m, v = self.microbatches, self.virtual_stages
+        if self.schedule == "gpipe":
+            return m * v
+        if self.schedule == "1f1b":
+            return min(m, p - rank)
+        per_round = m // max(1, m // p)
+        return min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
+
+    def bubble_fraction(self, p: int) -> float:
+        """Idle share of a step with balanced stages: ``((p-1)/v) / (m + (p-1)/v)``.
+
+        For one stage per rank this is ``(p-1)/(m+p-1)``; interleaving divides the
+        idle time by ``v``.
+        """
+        idle = (p - 1) / self.virtual_stages
+        return idle / (self.microbatches + idle)
+
+
+def microbatch(args: tuple, kwargs: Mapping[str, Any], microbatches: int) -> tuple[tuple, dict]:
+    """The first of ``microbatches`` equal chunks (dim 0) of every tensor input.
+
+    Raises ``PlanError`` naming the input when its dim 0 does not divide evenly.
+    """
+    leaves, spec = pytree.tree_flatten_with_path((args, dict(kwargs)))
+    chunks = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            name = _input_name(path)
+            if leaf.dim() == 0 or leaf.shape[0] % microbatches:
+                size = "a scalar" if leaf.dim() == 0 else f"batch {leaf.shape[0]} along dim 0"
+                raise PlanError(
+                    f"input {name} has {size}, which cannot be cut into {microbatches} equal microbatches "
+                    f"(every tensor input is split along dim 0)"
+                )
+            leaf = leaf[: leaf.shape[0] // microbatches]
+        chunks.append(leaf)
+    mb_args, mb_kwargs = pytree.tree_unflatten(chunks, pytree.tree_structure((args, dict(kwargs))))
+    return tuple(mb_args), dict(mb_kwargs)
+
+
+def _input_name(path: tuple) -> str:
+    """``args[0]`` or ``kwargs['labels']`` for a pytree path into ``(args, kwargs)``."""
+    head, *rest = path
+    where = "args" if getattr(head, "idx", None) == 0 else "kwargs"
+    return where + "".join(str(k) for k in rest)
+
+
+# --------------------------------------------------------------------------- stages of nodes
+
+
+def annotated_anchors(captured: Captured) -> dict[torch.fx.Node, int]:
+    """The stage of every op inside an annotated module (its innermost annotated ancestor's).
+
+    Also checks that every parameter's module (or a module around it) has a stage.
+    """
+    stages = captured.annotations.stages
+    for fqn in captured.params.values():
+        owner = fqn.rpartition(".")[0]
+        path = owner
+        while path not in stages and path:
+            path = path.rpartition(".")[0]
+        if path not in stages:
+            raise AnnotationError(
+                f"pipeline_stage: parameter {fqn!r} belongs to module {owner or '<root>'!r}, which has no "
+                f"stage, nor has any module around it; give every module with parameters a stage"
+            )
+    anchors = {}
+    for node in captured.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for path in reversed(module_stack(node)):
+            if path in stages:
+                anchors[node] = stages[path]
+                break
+    return anchors
+
+
+def _place(captured: Captured, anchors: Mapping[torch.fx.Node, int]) -> dict[torch.fx.Node, int]:
+    """Positions of every placeholder and op from the ``anchors`` (module docstring's rules)."""
+    stage: dict[torch.fx.Node, int] = dict(anchors)
+    anchored = set(anchors)
+    for node in captured.graph.nodes:
+        if node.op == "placeholder" and node.name in captured.inputs:
+            stage[node] = 0
+            anchored.add(node)
+        elif node.op == "call_function" and node not in anchored:
+            homes = [stage[a] for a in node.all_input_nodes if a in anchored]
+            if homes:
+                stage[node] = max(homes)
+                anchored.add(node)
+    for node in reversed(captured.graph.nodes):
+        if node.op in ("placeholder", "call_function") and node not in anchored:
+            users = [stage[u] for u in node.users if u in stage]
+            stage[node] = min(users) if users else 0
+    return stage
+
+
+def complete_stages(
+    captured: Captured, anchors: Mapping[torch.fx.Node, int], n_stages: int
+) -> dict[torch.fx.Node, int]:
+    """Every placeholder's and op's stage, from the ``anchors`` (see the module docstring).
+
+    Raises ``AnnotationError`` where a stage reads a value of a later stage or a
+    parameter is used in two stages, and ``PlanError`` where a stage is empty.
+    """
+    stage = _place(captured, anchors)
+    state = {**captured.params, **captured.buffers}
+    for node, home in stage.items():
+        used_in = sorted({stage[u] for u in node.users if u in stage})
+        if node.name in state and len(used_in) > 1:
+            users = ", ".join(sorted({_where(u) for u in node.users}))
+            raise AnnotationError(
+                f"parameter {state[node.name]!r} is used in pipeline stages {used_in} (by {users}); "
+                f"a parameter can live in one stage only: untie shared weights (e.g. tied embeddings) "
+                f"or put their users in one stage"
+            )
+        for user in node.users:
+            if user in stage and stage[user] < home:
+                raise AnnotationError(
+                    f"pipeline stages must follow the order of the forward: {_where(user)} in stage "
+                    f"{stage[user]} uses {node.name} computed in {_where(node)} in stage {home}"
+                )
+    used = {s for n, s in stage.items() if n.op == "call_function"}
+    empty = sorted(set(range(n_stages)) - used)
+    if empty:
+        raise PlanError(
+            f"pipeline stage(s) {empty} of {n_stages} run no operation; annotate modules that run "
+            f"in every stage, or use fewer stages"
+        )
+    return stage
+
+
+def _where(node: torch.fx.Node) -> str:
+    path = module_stack(node)[-1] if module_stack(node) else ""
+    return f"module {path!r}" if path else "the root module"
+
+
+def _unit_name(node: torch.fx.Node) -> str:
+    """The outermost repeated block (``blocks.3``) a node runs in, else its top-level module."""
+    paths = [p for p in module_stack(node) if p]
+    blocks = [p for p in paths if _BLOCK_PATH.match(p)]
+    return blocks[0] if blocks else (paths[0] if paths else "<root>")
+
+
+def units(captured: Captured) -> list[list[torch.fx.Node]]:
+    """The ops cut into units, in execution order: maximal runs of ops with one
+    :func:`_unit_name`."""
+    out: list[list[torch.fx.Node]] = []
+    last = None
+    for node in captured.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = _unit_name(node)
+        if not out or name != last:
+            out.append([])
+        out[-1].append(node)
+        last = name
+    return out
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Per unit: seconds of one microbatch (forward and backward), bytes of memory
+    that do not scale with microbatches in flight (parameters, gradients, optimizer
+    state), and activation bytes of one microbatch; per cut ``i`` (before unit ``i``)
+    the seconds of sending what crosses it, forward and backward."""
+
+    seconds: list[float]
+    fixed_bytes: list[float]
+    activation_bytes: list[float]
+    cut_seconds: list[float]
+
+
+def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float) -> list[int]:
+    """Stage of each unit: the contiguous split minimising ``Σ t_s + (m − 1) max t_s``.
+
+    ``t_s`` is a stage's unit seconds plus the cuts at both its ends. Thresholds on the
+    slowest stage are tried in increasing order; for each, a dynamic program finds the
+    split with the least total time (then the least largest memory) whose stages are all
+    at most that slow and fit in ``memory_bytes``; the search stops once the threshold
+    alone rules out beating the best split found. Raises ``PlanError`` when no split fits.
+    """
+    n, m = len(costs.seconds), pipeline.microbatches
+    stages = p * pipeline.virtual_stages
+    if n < stages:
+        raise PlanError(
+            f"the model has {n} pipeline units (repeated blocks and the modules around them) for "
+            f"{stages} stages; use fewer stages or annotate modules with pipeline_stage"
+        )
+    prefix_t = [0.0]
+    prefix_f = [0.0]
+    prefix_a = [0.0]
+    for t, f, a in zip(costs.seconds, costs.fixed_bytes, costs.activation_bytes):
+        prefix_t.append(prefix_t[-1] + t)
+        prefix_f.append(prefix_f[-1] + f)
+        prefix_a.append(prefix_a[-1] + a)
+    cut = [*costs.cut_seconds, 0.0]  # cut[n]: after the last unit, nothing is sent
+
+    def seconds(i: int, j: int) -> float:
+        return prefix_t[j] - prefix_t[i] + (cut[i] if i else 0.0) + cut[j]
+
+    def memory(i: int, j: int, s: int) -> float:
+        flight = pipeline.in_flight(p, s % p) / pipeline.virtual_stages
+        return prefix_f[j] - prefix_f[i] + flight * (prefix_a[j] - prefix_a[i])
+
+    best: tuple[float, float, list[int]] | None = None
+    smallest_peak = math.inf
+    for limit in sorted({seconds(i, j) for i in range(n) for j in range(i + 1, n + 1)}):
+        if best is not None and prefix_t[n] + (m - 1) * limit >= best[0]:
+            break
+        # f[s][j]: (total seconds, largest memory, cut positions) of units [0, j) in s stages
+        f: list[dict[int, tuple[float, float, list[int]]]] = [{0: (0.0, 0.0, [])}]
+        for s in range(stages):
+            row: dict[int, tuple[float, float, list[int]]] = {}
+            for i, (total, peak, cuts) in f[s].items():
+                for j in range(i + 1, n - (stages - s - 1) + 1):
+                    t, mem = seconds(i, j), memory(i, j, s)
+                    smallest_peak = min(smallest_peak, mem)
+                    # a rank holds virtual_stages stages: each gets its share of the device
+                    if t > limit or mem > memory_bytes / pipeline.virtual_stages:
+                        continue
+                    cand = (total + t, max(peak, mem), [*cuts, j])
+                    if j not in row or cand[:2] < row[j][:2]:
+                        row[j] = cand
+            f.append(row)
+        if n in f[stages]:
+            total, peak, cuts = f[stages][n]
+            slowest = max(seconds(i, j) for i, j in zip([0, *cuts[:-1]], cuts))
+            objective = total + (m - 1) * slowest
+            if best is None or (objective, peak) < best[:2]:
+                best = (objective, peak, cuts)
+    if best is None:
+        raise PlanError(
+            f"no split of the model into {stages} pipeline stages fits in {memory_bytes / 2**30:.2f} GiB "
+            f"per device (the smallest stage needs {smallest_peak / 2**30:.2f} GiB); use more devices, "
+            f"fewer microbatches in flight (schedule '1f1b') or a larger cluster memory"
+        )
+    out, start = [], 0
+    for s, stop in enumerate(best[2]):
+        out += [s] * (stop - start)
+        start = stop
+    return out
+
+
+# --------------------------------------------------------------------------- predictions
+
+
+def _crossing_bytes(
+    graph: torch.fx.Graph,
+    position: Mapping[torch.fx.Node, int],
+    n: int,
+    value_bytes: Mapping[torch.fx.Node, tuple[float, bool]],
+) -> list[tuple[float, int]]:
+    """Per cut ``i`` in ``0..n-1`` (before position ``i``): bytes sent across it per
+    microbatch (forward values plus backward gradients) and the number of tensors.
+
+    A value crosses every cut between its position and its last use; model outputs are
+    used at the last position. ``value_bytes`` gives each value's local bytes and
+    whether a gradient flows back.
+    """
+    cuts = [[0.0, 0] for _ in range(n)]
+    output = next(node for node in graph.nodes if node.op == "output")
+    for node, (nbytes, grad) in value_bytes.items():
+        if node not in position:
+            continue
+        last = max((n - 1 if u is output else position.get(u, -1) for u in node.users), default=-1)
+        for cut in range(position[node] + 1, last + 1):
+            cuts[cut][0] += nbytes * (2 if grad else 1)
+            cuts[cut][1] += 2 if grad else 1
+    return [(b, k) for b, k in cuts]
+
+
+def plan_pipeline(
+    plan: Any,
+    captured: Captured,
+    pipeline: Pipeline,
+    mesh: MeshSpec,
+    p2p_link: Any,
+    memory_bytes: float,
+    local_bytes: Mapping[str, float],
+    activation_bytes: Mapping[str, float],
+    flows: Mapping[torch.fx.Node, bool],
+) -> Any:
+    """The :class:`~autopar.plans.PipelinePlan` of a solved ``plan`` (planned per microbatch).
+
+    ``mesh`` is the whole mesh, ``p2p_link`` the link of its pipeline axis,
+    ``local_bytes`` each tensor node's bytes on one rank, ``activation_bytes`` what
+    each node keeps for backward, ``flows`` which nodes carry a gradient.
+    """
+    from autopar.plans import PipelinePlan, StagePlan
+
+    p, n_stages, m = pipeline.size(mesh), pipeline.stages(mesh), pipeline.microbatches
+    graph = captured.graph
+    decisions = {d.name: d for d in plan.nodes}
+    per_node = {name: d.compute_s for name, d in decisions.items()}
+    per_node_bytes: dict[str, int] = {}
+    grad_sums: dict[str, tuple[float, int]] = {}
+    for r in plan.redistributions:
+        nbytes = sum(c.bytes for c in (*r.forward, *r.backward))
+        if r.dst == "<gradient sum>":
+            grad_sums[r.src] = (r.seconds, nbytes)
+        else:
+            per_node[r.dst] = per_node.get(r.dst, 0.0) + r.seconds
+            per_node_bytes[r.dst] = per_node_bytes.get(r.dst, 0) + nbytes
+    state = {**captured.params, **captured.buffers}
+    value_bytes = {
+        node: (local_bytes[node.name], bool(flows.get(node)))
+        for node in graph.nodes
+        if node.name in local_bytes and node.name not in state
+    }
+
+    def p2p_seconds(crossing: tuple[float, int]) -> float:
+        nbytes, tensors = crossing
+        return tensors * p2p_link.latency_s + nbytes / p2p_link.bandwidth_Bps
+
+    def fixed(node: torch.fx.Node) -> float:
+        if node.name not in captured.params:
+            return local_bytes.get(node.name, 0.0) if node.name in state else 0.0
+        size = local_bytes[node.name]
+        itemsize = node.meta["val"].element_size()
+        return size + (size + 2 * size / itemsize * 4 if flows.get(node) else 0.0)
+
+    if captured.annotations.stages:
+        anchors = annotated_anchors(captured)
+        n_annotated = max(captured.annotations.stages.values()) + 1
+        if n_annotated != n_stages:
+            raise AnnotationError(
+                f"pipeline_stage annotations give {n_annotated} stages, but pipeline axis "
+                f"{pipeline.axis}={p} with virtual_stages={pipeline.virtual_stages} runs {n_stages}; "
+                f"annotate {n_stages} stages (stage counts must be a multiple of {p})"
+            )
+        automatic = False
+    else:
+        cut_units = units(captured)
+        unit_of = {node: i for i, u in enumerate(cut_units) for node in u}
+        placed = _place(captured, unit_of)
+        seconds = [0.0] * len(cut_units)
+        fixed_b = [0.0] * len(cut_units)
+        act = [0.0] * len(cut_units)
+        for node, i in placed.items():
+            seconds[i] += per_node.get(node.name, 0.0) + grad_sums.get(node.name, (0.0, 0))[0] / m
+            fixed_b[i] += fixed(node)
+            act[i] += activation_bytes.get(node.name, 0.0)
+        cuts = _crossing_bytes(graph, placed, len(cut_units), value_bytes)
+        costs = UnitCosts(seconds, fixed_b, act, [p2p_seconds(c) for c in cuts])
+        stage_of_unit = partition(costs, pipeline, p, memory_bytes)
+        anchors = {node: stage_of_unit[i] for node, i in unit_of.items()}
+        automatic = True
+    stage_of = complete_stages(captured, anchors, n_stages)
+    cuts = _crossing_bytes(graph, stage_of, n_stages, value_bytes)
+    stage_units = units(captured)
+    stages = []
+    for s in range(n_stages):
+        nodes = [node for node, k in stage_of.items() if k == s]
+        sent = [cuts[s] if s else (0.0, 0), cuts[s + 1] if s + 1 < n_stages else (0.0, 0)]
+        params = [node for node in nodes if node.name in captured.params]
+        param_b = sum(local_bytes[node.name] for node in params)
+        grad_b = sum(local_bytes[node.name] for node in params if flows.get(node))
+        modules = list(dict.fromkeys(_unit_name(u[0]) for u in stage_units if stage_of[u[0]] == s))
+        stages.append(
+            StagePlan(
+                index=s,
+                rank=s % p,
+                modules=tuple(modules),
+                seconds=sum(per_node.get(node.name, 0.0) for node in nodes),
+                p2p_seconds=sum(p2p_seconds(c) for c in sent),
+                grad_sum_seconds=sum(grad_sums.get(node.name, (0.0, 0))[0] for node in nodes),
+                comm_bytes=sum(per_node_bytes.get(node.name, 0) for node in nodes),
+                grad_sum_bytes=sum(grad_sums.get(node.name, (0.0, 0))[1] for node in nodes),
+                p2p_bytes=int(sum(c[0] for c in sent)),
+                param_bytes=int(param_b),
+                grad_bytes=int(grad_b),
+                optimizer_bytes=int(sum(fixed(node) for node in params) - param_b - grad_b),
+                activation_bytes=int(sum(activation_bytes.get(node.name, 0.0) for node in nodes)),
+                in_flight=pipeline.in_flight(p, s % p) / pipeline.virtual_stages,
+            )
+        )
+    busiest = max(sum(st.seconds + st.p2p_seconds for st in stages if st.rank == r) for r in range(p))
+    sums = max(sum(st.grad_sum_seconds for st in stages if st.rank == r) for r in range(p))
+    step = busiest * (m + (p - 1) / pipeline.virtual_stages) + sums
+    return PipelinePlan(
+        axis=pipeline.axis,
+        size=p,
+        schedule=pipeline.schedule,
+        microbatches=m,
+        virtual_stages=pipeline.virtual_stages,
+        automatic=automatic,
+        stages=tuple(stages),
+        node_stages={node.name: s for node, s in stage_of.items()},
+        bubble_fraction=pipeline.bubble_fraction(p),
+        step_time_s=step,
+    )

@@ -1,0 +1,136 @@
+"""Split the per-rank program into pipeline stages (a no-op without a pipeline).
+
+Every planned node carries its stage (``apply_plan`` copies the plan's). A node inserted
+since (a collective, a rescaled mean) runs in the first stage among its users', so
+values cross stage boundaries in the layout their consumers need; one without users
+runs in its producers' last stage.
+
+Stage ``s`` becomes a program ``forward(*received, *state) -> tuple(sent)``:
+``received`` are the user inputs for stage 0, else what stage ``s - 1`` sends; ``sent``
+are the values later stages read (carried through stage ``s`` when only a later stage
+needs them), and for the last stage the model's user outputs; ``state`` are the
+parameters, buffers and constants the stage reads. Only tensors cross stages.
+
+Reads: ``autopar.stage``, ``autopar.layouts``, ``val``. Writes: ``autopar.stage`` on
+every node; ``ctx.stages``, one :class:`StageProgram` per stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from autopar.passes.apply_plan import STAGE
+from torch.export.graph_signature import OutputKind
+from torch.utils import _pytree as pytree
+
+from autopar.compiler import PassContext
+from autopar.errors import CompileError
+from autopar.layout import local_shape
+from autopar.printing import LAYOUTS, format_graph
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A tensor crossing into or out of a stage, as one rank holds it."""
+
+    name: str
+    shape: tuple[int, ...]  # local
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class StageProgram:
+    """One stage's program and what flows in and out of it (see the module docstring)."""
+
+    index: int
+    program: torch.fx.GraphModule
+    received: list[Boundary]
+    sent: list[Boundary]
+    state: list[str]  # placeholder names of the original program, in the order they are passed
+
+    @property
+    def code(self) -> str:
+        return format_graph(self.program.graph, f"Constructed by split_stages: stage {self.index}")
+
+
+def _stages_of_inserted(graph: torch.fx.Graph) -> None:
+    for node in reversed(graph.nodes):
+        if node.op != "call_function" or STAGE in node.meta:
+            continue
+        users = [u.meta[STAGE] for u in node.users if STAGE in u.meta]
+        producers = [a.meta[STAGE] for a in node.all_input_nodes if STAGE in a.meta]
+        node.meta[STAGE] = min(users) if users else max(producers, default=0)
+
+
+def _flows(graph: torch.fx.Graph, ctx: PassContext) -> set[torch.fx.Node]:
+    """Values a gradient flows through: floating values computed from a value that needs one."""
+    needs = set()
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        if node.op == "placeholder":
+            if floating and ctx.captured.requires_grad.get(node.name, False):
+                needs.add(node)
+        elif node.op == "call_function" and floating and any(a in needs for a in node.all_input_nodes):
+            needs.add(node)
+    return needs
+
+
+def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    if ctx.plan.pipeline is None:
+        return gm
+    graph = gm.graph
+    n = len(ctx.plan.pipeline.stages)
+    _stages_of_inserted(graph)
+    output = next(node for node in graph.nodes if node.op == "output")
+    specs = ctx.captured.program.graph_signature.output_specs
+    results = [a for a, s in zip(pytree.tree_leaves(output.args), specs) if s.kind == OutputKind.USER_OUTPUT]
+    inputs = [node for node in graph.nodes if node.op == "placeholder" and node.name in ctx.captured.inputs]
+    needs_grad = _flows(graph, ctx)
+
+    def last_use(node: torch.fx.Node) -> int:
+        return max((n - 1 if u is output else u.meta[STAGE] for u in node.users), default=-1)
+
+    def boundary(node: torch.fx.Node) -> Boundary:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise CompileError(
+                f"{node.name} ({type(val).__name__}) crosses a pipeline stage boundary; only tensors can"
+            )
+        shape = local_shape(tuple(val.shape), node.meta[LAYOUTS][1][0], ctx.mesh)
+        return Boundary(node.name, shape, val.dtype, node in needs_grad)
+
+    values = [node for node in graph.nodes if node in inputs or (node.op == "call_function" and node.users)]
+    crossing = [
+        [v for v in values if (0 if v in inputs else v.meta[STAGE]) <= s < last_use(v)] for s in range(n - 1)
+    ]
+    ctx.stages = []
+    for s in range(n):
+        received = inputs if s == 0 else crossing[s - 1]
+        sent = results if s == n - 1 else crossing[s]
+        program, state = _program(gm, s, received, sent)
+        ctx.stages.append(
+            StageProgram(s, program, [boundary(v) for v in received], [boundary(v) for v in sent], state)
+        )
+    return gm
+
+
+def _program(
+    gm: torch.fx.GraphModule, s: int, received: list[torch.fx.Node], sent: list[torch.fx.Node]
+) -> tuple[torch.fx.GraphModule, list[str]]:
+    """Stage ``s``'s program and the names of the state placeholders it takes after ``received``."""
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    ops = [node for node in gm.graph.nodes if node.op == "call_function" and node.meta[STAGE] == s]
+    read = {a for op in ops for a in op.all_input_nodes if a.op == "placeholder" and a not in received}
+    state = [node for node in gm.graph.nodes if node in read]
+    for node in (*received, *state):
+        env[node] = sub.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in ops:
+        env[node] = sub.node_copy(node, env.__getitem__)
+    sub.output(tuple(env[v] for v in sent))
+    sub.lint()
+    return torch.fx.GraphModule(gm, sub), [node.name for node in state]

@@ -237,6 +237,7 @@ class CostModel:
         # Per instance so the cache key is just the tensor arguments; the planner asks
         # for the same (src, dst, shape) pairs many times.
         self._redistribute = functools.lru_cache(maxsize=1 << 16)(self._plan_redistribute)
+        self._backward = functools.lru_cache(maxsize=1 << 16)(self._plan_backward)
 
     def _axis_link(self, axis: int) -> LinkSpec:
         inside = math.prod(self.mesh.axis_sizes[axis:]) <= self.cluster.devices_per_node
@@ -319,6 +320,67 @@ class CostModel:
                 local //= n
         return tuple(collectives), total
 
+    def edge_steps(
+        self, have: Layout, need: Layout, grad_need: Layout, grad_have: Layout
+    ) -> tuple[tuple[int, str], ...]:
+        """The ops an edge lowers to, in forward order: a ``"grad_all_reduce"`` (identity
+        forward, all-reduce backward) on each axis where only the gradient changes, then
+        :meth:`steps` from ``have`` to ``need``."""
+        only_grad = tuple(
+            (a, "grad_all_reduce")
+            for a, (h, n, g, gh) in enumerate(zip(have, need, grad_need, grad_have, strict=True))
+            if h == n and g != gh
+        )
+        return only_grad + self.steps(have, need)
+
+    def backward(
+        self,
+        have: Layout,
+        need: Layout,
+        grad_need: Layout,
+        grad_have: Layout,
+        shape: tuple[int, ...],
+        itemsize: int,
+    ) -> tuple[tuple[Collective, ...], float]:
+        """Collectives (in the order they run) and seconds of an edge's backward.
+
+        Backward runs the adjoints of the forward ops of :meth:`edge_steps` in reverse
+        order, starting from a gradient laid out ``grad_need``; each op's backward on its
+        axis depends on whether the gradient arrives there as a partial sum (see
+        ``passes/lower_collectives.py``). Bytes are the gradient's local size at each op.
+        Where the gradient keeps its layout (``grad_need == grad_have``, or no gradient
+        flows) nothing moves.
+        """
+        return self._backward(
+            tuple(have), tuple(need), tuple(grad_need), tuple(grad_have), tuple(shape), itemsize
+        )
+
+    def _plan_backward(
+        self,
+        have: Layout,
+        need: Layout,
+        grad_need: Layout,
+        grad_have: Layout,
+        shape: tuple[int, ...],
+        itemsize: int,
+    ) -> tuple[tuple[Collective, ...], float]:
+        if grad_need == grad_have:
+            return (), 0.0
+        local = math.prod(shape) * itemsize
+        for state, size in zip(_axis_states(grad_need), self.mesh.axis_sizes, strict=True):
+            if isinstance(state, int):
+                local //= size
+        collectives, total = [], 0.0
+        for axis, kind in reversed(self.edge_steps(have, need, grad_need, grad_have)):
+            n, partial = self.mesh.axis_sizes[axis], isinstance(grad_need[axis], Partial)
+            collective, growth = _BACKWARD[kind](partial, isinstance(have[axis], Shard))
+            if collective is not None:
+                c = Collective(collective, (self.mesh.axis_names[axis],), local)
+                collectives.append(c)
+                total += self.collective_time(c)
+            local = local * n if growth > 0 else (local // n if growth < 0 else local)
+        return tuple(collectives), total
+
     def steps(self, src: Layout, dst: Layout) -> tuple[tuple[int, str], ...]:
         """The per-axis steps turning ``src`` into ``dst``, in the order they run.
 
@@ -359,6 +421,20 @@ class CostModel:
         if kind == _REDUCE_SCATTER:
             return (kind, -bandwidth, -axis)
         return (kind, bandwidth if kind == _ALL_GATHER else 0.0, axis)
+
+
+# Per forward step kind: (partial gradient on the axis, input sharded on the axis) ->
+# (the backward collective or None, how the gradient's local size changes: +1 grows by the
+# axis size, -1 shrinks by it, 0 stays). The autograd formulas of autopar.collectives.
+_BACKWARD: dict[str, Any] = {
+    "slice": lambda partial, sharded: ("all_gather", +1),
+    "reduce_scatter": lambda partial, sharded: ("all_gather", +1),
+    "all_to_all": lambda partial, sharded: ("all_to_all", 0),
+    "all_reduce": lambda partial, sharded: ("all_reduce" if partial else None, 0),
+    "all_gather": lambda partial, sharded: ("reduce_scatter" if partial else None, -1),
+    "to_partial": lambda partial, sharded: (None, -1 if sharded else 0),
+    "grad_all_reduce": lambda partial, sharded: ("all_reduce", 0),
+}
 
 
 # ---------------------------------------------------------------------------------------

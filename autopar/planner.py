@@ -439,11 +439,11 @@ def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None)
         and g.requires_grad.get(edge.src)
     ):
         # a parameter's gradient sum waits for the runtime's buckets: bandwidth only
-        bwd, _ = g.cost.redistribute(grad, grad_layout(have), shape, itemsize)
+        bwd, _ = g.cost.backward(have, need, grad, grad_layout(have), shape, itemsize)
         bucketed = sum(g.cost.collective_time(c, latency=False) for c in bwd)
         return t_fwd + g.grad_sum_weight * bucketed, list(fwd), list(bwd)
     if g.requires_grad.get(edge.src, False) and grad is not None:
-        bwd, t_bwd = g.cost.redistribute(grad, grad_layout(have), shape, itemsize)
+        bwd, t_bwd = g.cost.backward(have, need, grad, grad_layout(have), shape, itemsize)
     return t_fwd + t_bwd, list(fwd), list(bwd)
 
 
@@ -666,7 +666,7 @@ def assemble_plan(
             continue
         shape, itemsize = tuple(int(x) for x in src.meta["val"].shape), src.meta["val"].element_size()
         fwd, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
-        bwd, t_bwd = g.cost.redistribute(grad_need, grad_have, shape, itemsize)
+        bwd, t_bwd = g.cost.backward(have, need, grad_need, grad_have, shape, itemsize)
         redists.append(
             _redistribution(g, src, dst.name, module_path(dst), slot, have, need, fwd, bwd, t_fwd + t_bwd)
         )

@@ -1,7 +1,8 @@
 """Lower each ``redistribute`` to one autograd-aware collective op per mesh axis.
 
-The forward steps and their order come from the cost model (``CostModel.steps``),
-so the bytes moved at run time are the bytes the plan predicted. Each op's backward
+The forward steps and their order come from the cost model (``CostModel.edge_steps``),
+so the bytes moved at run time are the bytes the plan predicted (``CostModel.backward``
+prices the backward as the adjoints of these steps in reverse order). Each op's backward
 is chosen from the gradient's transition on the same axis:
 
 | forward (have -> need) | op | gradient (grad_need -> grad_have) | backward |
@@ -14,13 +15,15 @@ is chosen from the gradient's transition on the same axis:
 | R or S(d) -> P | ``to_partial`` | R -> R or R -> S(d) | identity or slice |
 | R -> R | ``grad_all_reduce`` | P -> R | all-reduce |
 
-Reads: ``autopar.redistribution``. Writes: collective nodes with ``autopar.layouts``
-(the layout before and after their axis step); removes the ``redistribute`` nodes.
+Reads: ``autopar.redistribution``, ``autopar.stage``. Writes: collective nodes with
+``autopar.layouts`` (the layout before and after their axis step) and the
+``redistribute``'s ``autopar.stage``; removes the ``redistribute`` nodes.
 """
 
 from __future__ import annotations
 
 import torch
+from autopar.passes.apply_plan import STAGE
 from autopar.passes.insert_redistributions import REDISTRIBUTION, redistribute
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -81,16 +84,14 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         have, need, grad_need, grad_have = node.meta[REDISTRIBUTION]
         current = list(have)
         x = node.args[0]
-        steps: list[tuple[int, str]] = []
-        for a, (h, n, g, gh) in enumerate(zip(have, need, grad_need, grad_have)):
-            if h == n and g != gh:
-                if not (isinstance(g, Partial) and isinstance(gh, Replicate)):
-                    raise CompileError(
-                        f"{node.name}: no collective turns a {g} gradient into {gh} on mesh axis "
-                        f"{ctx.mesh.axis_names[a]} while the value stays {h}"
-                    )
-                steps.append((a, "grad_all_reduce"))
-        steps.extend(ctx.cost.steps(have, need))
+        steps = ctx.cost.edge_steps(have, need, grad_need, grad_have)
+        for a, kind in steps:
+            g, gh = grad_need[a], grad_have[a]
+            if kind == "grad_all_reduce" and not (isinstance(g, Partial) and isinstance(gh, Replicate)):
+                raise CompileError(
+                    f"{node.name}: no collective turns a {g} gradient into {gh} on mesh axis "
+                    f"{ctx.mesh.axis_names[a]} while the value stays {have[a]}"
+                )
         with graph.inserting_before(node):
             for a, kind in steps:
                 axis = ctx.axis_keys[ctx.mesh.axis_names[a]]
@@ -104,6 +105,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
                 y = graph.call_function(target, args)
                 y.meta["val"] = node.meta["val"]
                 y.meta[LAYOUTS] = ((before,), (tuple(current),))
+                if STAGE in node.meta:
+                    y.meta[STAGE] = node.meta[STAGE]
                 x = y
         node.replace_all_uses_with(x)
         graph.erase_node(node)

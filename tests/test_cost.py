@@ -199,6 +199,29 @@ def test_one_dim_split_over_two_axes_is_entered_outer_first_and_left_inner_first
     assert model.steps((R, R), (S0, S0)) == ((0, "slice"), (1, "slice"))
 
 
+def test_backward_runs_the_forward_ops_adjoints_in_reverse():
+    model = CostModel({"a": 2, "b": 4}, toy_cluster(devices_per_node=8))
+    shape = (8, 16)  # 512 bytes
+
+    def backward(have, need, grad_need, grad_have):
+        collectives, seconds = model.backward(have, need, grad_need, grad_have, shape, 4)
+        assert seconds == pytest.approx(sum(model.collective_time(c) for c in collectives))
+        return [(c.kind, c.mesh_axes[0], c.bytes) for c in collectives]
+
+    # forward slices a, then b; backward gathers b first (the last slice), then a
+    assert model.steps((R, R), (S0, S1)) == ((0, "slice"), (1, "slice"))
+    assert backward((R, R), (S0, S1), (S0, S1), (R, R)) == [("all_gather", "b", 64), ("all_gather", "a", 256)]
+    # ... where redistributing the gradient on its own would gather a first: other bytes per axis
+    assert plan(model, (S0, S1), (R, R)) == [("all_gather", "a", 64), ("all_gather", "b", 128)]
+    # a gathered value whose consumer hands back partial sums: reduce-scatter; whole ones: a free slice
+    assert backward((S0, R), (R, R), (P, R), (S0, R)) == [("reduce_scatter", "a", 512)]
+    assert backward((S0, R), (R, R), (R, R), (S0, R)) == []
+    # only the gradient changes (Megatron's "f"): an all-reduce in backward
+    assert backward((R, R), (R, R), (R, P), (R, R)) == [("all_reduce", "b", 512)]
+    # no gradient flows, or it keeps its layout: nothing moves
+    assert backward((R, R), (S0, R), (R, R), (R, R)) == []
+
+
 def test_redistribute_total_is_sum_of_steps():
     model = CostModel({"dp": 2, "tp": 8}, get_cluster("h100"))
     collectives, seconds = model.redistribute((P, S0), (R, R), (64, 64), 2)

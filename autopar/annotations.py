@@ -403,11 +403,21 @@ def _require_module(module: object, fn: str) -> None:
 
 
 def pipeline_stage(module: ModuleT, k: int) -> ModuleT:
-    """Record that ``module`` runs in pipeline stage ``k`` (0, 1, ...); return ``module``."""
+    """Record that ``module`` runs in pipeline stage ``k`` (0, 1, ...); return ``module``.
+
+    A module belongs to one stage: giving it another stage later is an error (giving
+    the same one again is not).
+    """
     _require_module(module, "pipeline_stage")
     if not _is_count(k) or k < 0:
         raise AnnotationError(
             f"pipeline_stage() on {type(module).__name__}: stage must be a non-negative int, got {k!r}"
+        )
+    earlier = vars(module).get(_STAGE_ATTR)
+    if earlier is not None and earlier != k:
+        raise AnnotationError(
+            f"pipeline_stage() on {type(module).__name__}: the module is already in stage {earlier}, so it "
+            f"cannot be in stage {k} too; a module runs in one stage"
         )
     setattr(module, _STAGE_ATTR, k)
     return module

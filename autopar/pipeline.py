@@ -243,8 +243,9 @@ def complete_stages(
         used_in = sorted({stage[u] for u in node.users if u in stage})
         if node.name in state and len(used_in) > 1:
             users = ", ".join(sorted({_where(u) for u in node.users}))
+            names = " = ".join(repr(a) for a in captured.aliases.get(state[node.name], [state[node.name]]))
             raise AnnotationError(
-                f"parameter {state[node.name]!r} is used in pipeline stages {used_in} (by {users}); "
+                f"parameter {names} is used in pipeline stages {used_in} (by {users}); "
                 f"a parameter can live in one stage only: untie shared weights (e.g. tied embeddings) "
                 f"or put their users in one stage"
             )
@@ -433,9 +434,10 @@ def plan_pipeline(
         nbytes = sum(c.bytes for c in (*r.forward, *r.backward))
         if r.dst == "<gradient sum>":
             grad_sums[r.src] = (r.seconds, nbytes)
-        else:
-            per_node[r.dst] = per_node.get(r.dst, 0.0) + r.seconds
-            per_node_bytes[r.dst] = per_node_bytes.get(r.dst, 0) + nbytes
+        else:  # in the consumer's stage; for the model's outputs, the producer's
+            home = r.dst if r.dst in decisions else r.src
+            per_node[home] = per_node.get(home, 0.0) + r.seconds
+            per_node_bytes[home] = per_node_bytes.get(home, 0) + nbytes
     state = {**captured.params, **captured.buffers}
     value_bytes = {
         node: (local_bytes[node.name], bool(flows.get(node)))

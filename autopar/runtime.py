@@ -491,6 +491,13 @@ class DistributedModule(torch.nn.Module):
             raise ShapeError(f"train_step needs the target as one tensor, got {type(target).__name__}")
         return self._microbatches(self._input_names[-1], target, m)
 
+    def compiled_loss(self, loss_fn: Callable) -> DistributedModule:
+        """The program ``train_step`` compiled for ``loss_fn`` (with its ``plan`` and ``code``), once run."""
+        try:
+            return self._loss_tails[loss_fn]
+        except KeyError:
+            raise KeyError(f"{loss_fn!r} has not been compiled: call train_step with it first") from None
+
     def _loss_tail(self, loss_fn: Callable, target: Any) -> DistributedModule:
         """``loss_fn`` compiled for this module's outputs, in their layouts (cached per function)."""
         from autopar.capture import capture

@@ -11,14 +11,16 @@ Gradient sums that can wait until backward reaches the parameters (data parallel
 see :mod:`autopar.gradient_sums`) are left to the runtime's bucketed reducer:
 ``ctx.grad_reductions[placeholder] = axis keys`` (see ``collectives.register_mesh``).
 
-Reads: ``autopar.layouts``, ``autopar.grads``. Writes: ``redistribute`` nodes with
-``autopar.layouts`` and ``autopar.redistribution`` = (have, need, grad_need, grad_have);
+Reads: ``autopar.layouts``, ``autopar.grads``, ``autopar.stage``. Writes: ``redistribute``
+nodes with ``autopar.layouts``, ``autopar.redistribution`` = (have, need, grad_need,
+grad_have) and, under a pipeline, their consumer's ``autopar.stage``;
 ``ctx.grad_reductions``.
 """
 
 from __future__ import annotations
 
 import torch
+from autopar.passes.apply_plan import STAGE
 from torch.utils import _pytree as pytree
 
 from autopar.capture import gradient_flow
@@ -68,5 +70,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         r.meta["val"] = src.meta["val"]
         r.meta[LAYOUTS] = ((have,), (need,))
         r.meta[REDISTRIBUTION] = layouts
+        if STAGE in node.meta:  # runs in its consumer's pipeline stage, as the plan priced it
+            r.meta[STAGE] = node.meta[STAGE]
         _replace_operand(node, slot, r)
     return gm

@@ -6,13 +6,15 @@
   rule's ``mean_over`` labels) is computed locally over 1/c of the items, so its
   result is multiplied by 1/c to become a correct partial sum.
 
-Reads: ``autopar.layouts``, ``val``. Writes: node arguments; ``mul`` nodes after
-rescaled means (with ``autopar.layouts``); ``autopar.mean_split`` on the means.
+Reads: ``autopar.layouts``, ``val``, ``autopar.stage``. Writes: node arguments; ``mul``
+nodes after rescaled means (with ``autopar.layouts`` and the mean's ``autopar.stage``);
+``autopar.mean_split`` on the means.
 """
 
 from __future__ import annotations
 
 import torch
+from autopar.passes.apply_plan import STAGE
 from torch.distributed.tensor import Shard
 
 from autopar.compiler import PassContext
@@ -76,5 +78,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             scaled.meta["val"] = node.meta["val"]
             out = node.meta[LAYOUTS][1][0]
             scaled.meta[LAYOUTS] = ((out,), (out,))
+            if STAGE in node.meta:
+                scaled.meta[STAGE] = node.meta[STAGE]
             node.meta[MEAN_SPLIT] = split
     return gm

@@ -1,9 +1,9 @@
 """Split the per-rank program into pipeline stages (a no-op without a pipeline).
 
-Every planned node carries its stage (``apply_plan`` copies the plan's). A node inserted
-since (a collective, a rescaled mean) runs in the first stage among its users', so
-values cross stage boundaries in the layout their consumers need; one without users
-runs in its producers' last stage.
+Every planned node carries its stage (``apply_plan`` copies the plan's) and so does
+every node inserted for one (a collective runs in its consumer's stage, as the plan
+prices it). A node inserted for the model's outputs runs in the first stage among its
+users', else in its producers' last.
 
 Stage ``s`` becomes a program ``forward(*received, *state) -> tuple(sent)``:
 ``received`` are the user inputs for stage 0, else what stage ``s - 1`` sends; ``sent``
@@ -56,12 +56,14 @@ class StageProgram:
 
 
 def _stages_of_inserted(graph: torch.fx.Graph) -> None:
-    for node in reversed(graph.nodes):
-        if node.op != "call_function" or STAGE in node.meta:
-            continue
-        users = [u.meta[STAGE] for u in node.users if STAGE in u.meta]
-        producers = [a.meta[STAGE] for a in node.all_input_nodes if STAGE in a.meta]
-        node.meta[STAGE] = min(users) if users else max(producers, default=0)
+    for node in reversed(graph.nodes):  # users first: the first stage among them
+        if node.op == "call_function" and STAGE not in node.meta:
+            users = [u.meta[STAGE] for u in node.users if STAGE in u.meta]
+            if users:
+                node.meta[STAGE] = min(users)
+    for node in graph.nodes:  # no user with a stage (feeding the model's outputs): its producers' last
+        if node.op == "call_function" and STAGE not in node.meta:
+            node.meta[STAGE] = max((a.meta.get(STAGE, 0) for a in node.all_input_nodes), default=0)
 
 
 def _flows(graph: torch.fx.Graph, ctx: PassContext) -> set[torch.fx.Node]:

@@ -222,6 +222,14 @@ def test_pipeline_stage_and_recompute_record():
     assert annotations.recompute == ("mlp",)
 
 
+def test_a_module_is_in_one_stage():
+    model = Top()
+    pipeline_stage(model.mlp, 0)
+    pipeline_stage(model.mlp, 0)  # the same stage again changes nothing
+    with pytest.raises(AnnotationError, match=r"already in stage 0, so it cannot be in stage 1"):
+        pipeline_stage(model.mlp, 1)
+
+
 @pytest.mark.parametrize("k", [-1, 1.0, True, "0"])
 def test_pipeline_stage_rejects_bad_numbers(k):
     with pytest.raises(AnnotationError, match="non-negative int"):

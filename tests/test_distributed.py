@@ -41,7 +41,7 @@ FAST_LINKS = dict(
 )
 
 
-def _hf_gpt2():
+def _hf_gpt2(tied: bool = True, batch_size: int = 4):
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -55,9 +55,10 @@ def _hf_gpt2():
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         use_cache=False,
+        tie_word_embeddings=tied,
     )
     model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, 64, (4, 16))
+    ids = torch.randint(0, 64, (batch_size, 16))
     return model, (), {"input_ids": ids, "labels": ids}
 
 
@@ -201,13 +202,141 @@ def _accumulation() -> None:
             )
 
 
+def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _train_step_without_pipeline() -> None:
+    """train_step with a loss function on a DP x TP module equals one device's loss and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples import gpt
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model, (idx, targets) = gpt.build(batch_size=4)
+    reference = gpt.build(batch_size=4)[0]
+    reference.load_state_dict(model.state_dict())
+    gpt.annotate(model, "tp")
+    autopar.shard(model.lm_head, parameter_plan={"weight": ("tp", None)})  # logits split by vocabulary
+    dmodel = autopar.compile(model, mesh, (idx,), cluster=autopar.Cluster(**FAST_LINKS))
+    loss = dmodel.train_step(idx, targets, _gpt_loss)
+    ref_loss = _gpt_loss(reference(idx), targets)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL)
+    for name, p in dmodel.named_parameters():
+        torch.testing.assert_close(
+            p.grad.full_tensor(), reference.get_parameter(name).grad, atol=ATOL, rtol=RTOL
+        )
+    # the loss takes the logits as the model leaves them, split by vocabulary, and gathers them
+    assert "autopar.all_gather(" in dmodel.compiled_loss(_gpt_loss).code
+
+
 def _world(cases: list[tuple], checkpoint_dir: str | None) -> list[dict]:
     results = [_run_case(*case) for case in cases]
     if checkpoint_dir is not None:
         _outputs_and_checkpoint(checkpoint_dir)
     else:
         _accumulation()
+        _train_step_without_pipeline()
     return results
+
+
+def _pipeline_case(model_name: str, shape: tuple[int, ...], schedule: str, style: str) -> dict:
+    """Three SGD steps of a pipelined module on this rank against one device.
+
+    Checks the loss (every rank gets it), the gradient of every parameter this rank
+    holds, and that the collectives moved the bytes the plan predicts for this rank's
+    stages: per microbatch inside each stage (and in the compiled loss on the last
+    stage's ranks), plus the gradient sums once per step.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar import collectives
+    from examples import gpt
+
+    names = ("pp", "dp", "tp")[: len(shape)]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    torch.manual_seed(0)
+    if model_name == "hf-gpt2":
+        model, _, kwargs = _hf_gpt2(tied=False, batch_size=8)
+        reference = _hf_gpt2(tied=False, batch_size=8)[0]
+        inputs, loss_fn, target = kwargs, None, None
+    else:
+        model, (idx, targets) = gpt.build(batch_size=8, n_layers=6)
+        reference = gpt.build(batch_size=8, n_layers=6)[0]
+        inputs, loss_fn, target = (idx,), _gpt_loss, targets
+    reference.load_state_dict(model.state_dict())
+    if style == "tp":
+        gpt.annotate(model, "tp")
+    elif style == "stages":
+        n_stages = shape[0] * v
+        for i, block in enumerate(model.blocks):
+            autopar.pipeline_stage(block, i * n_stages // len(model.blocks))
+        for module, k in (
+            (model.wte, 0),
+            (model.wpe, 0),
+            (model.ln_f, n_stages - 1),
+            (model.lm_head, n_stages - 1),
+        ):
+            autopar.pipeline_stage(module, k)
+    pipeline = autopar.Pipeline(4, schedule, v)
+    example = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+    dmodel = autopar.compile(
+        model,
+        mesh,
+        example[0],
+        example_kwargs=example[1],
+        pipeline=pipeline,
+        cluster=autopar.Cluster(**FAST_LINKS),
+    )
+    pp = dmodel.plan.pipeline
+    assert pp.automatic == (style != "stages")
+    mine = pp.rank_stages(mesh.get_local_rank("pp"))
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        torch.manual_seed(step)
+        if loss_fn is None:
+            inputs = {k: torch.randint(0, 64, v.shape) for k, v in inputs.items()}
+        else:
+            inputs, target = (torch.randint(0, 128, idx.shape),), torch.randint(0, 128, idx.shape)
+        collectives.reset_comm_counts()
+        loss = dmodel.train_step(inputs, target, loss_fn)
+        moved = sum(collectives.comm_counts().values())
+        out = reference(**inputs) if loss_fn is None else reference(*inputs)
+        ref_loss = out.loss if loss_fn is None else loss_fn(out, target)
+        ref_loss.backward()
+        where = f"{model_name} {style} on mesh {shape} with {schedule}, step {step}, rank {dist.get_rank()}"
+        torch.testing.assert_close(
+            loss, ref_loss.detach(), atol=ATOL, rtol=RTOL, msg=lambda m, w=where: f"{w}: {m}"
+        )
+        for name, p in dmodel.named_parameters():
+            torch.testing.assert_close(
+                p.grad.full_tensor(),
+                reference.get_parameter(name).grad,
+                atol=ATOL,
+                rtol=RTOL,
+                msg=lambda m, w=where, n=name: f"{w}: grad of {n}: {m}",
+            )
+        predicted = sum(s.comm_bytes * pipeline.microbatches + s.grad_sum_bytes for s in mine)
+        if loss_fn is not None and any(s.index == len(pp.stages) - 1 for s in mine):
+            predicted += dmodel.compiled_loss(loss_fn).plan.prediction.comm_bytes * pipeline.microbatches
+        assert moved == predicted, (where, moved, predicted)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return {
+        "held": sorted(n for n, _ in dmodel.named_parameters()),
+        "all": sorted(n for n, _ in model.named_parameters()),
+    }
+
+
+def _pipeline_world(cases: list[tuple]) -> list[dict]:
+    return [_pipeline_case(*case) for case in cases]
 
 
 WORLD_2 = [
@@ -228,6 +357,7 @@ WORLD_4 = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [(2, WORLD_2), (4, WORLD_4)], ids=["2-ranks", "4-ranks"])
 def test_training_on_gloo_ranks_equals_one_device(world, cases, tmp_path):
     results = spawn(_world, world, cases, str(tmp_path) if world == 4 else None)
@@ -238,3 +368,26 @@ def test_training_on_gloo_ranks_equals_one_device(world, cases, tmp_path):
         if mode in ("tp", "sp"):
             assert r["params"]["blocks.0.mlp.fc.weight"] == "S(0)"
         assert r["moved"] > 0, (model, mode)
+
+
+WORLD_8 = [
+    ("gpt", (2, 2, 2), "1f1b", "tp"),
+    ("gpt", (2, 2, 2), "gpipe", "tp"),
+    ("gpt", (2, 2, 2), "interleaved-1f1b", "tp"),
+    ("gpt", (4, 2), "1f1b", "auto"),
+    ("gpt", (4, 2), "gpipe", "stages"),
+    ("gpt", (4, 2), "interleaved-1f1b", "auto"),
+    ("hf-gpt2", (2, 2, 2), "1f1b", "auto"),
+]
+
+
+@pytest.mark.slow
+def test_pipelines_on_8_gloo_ranks_equal_one_device():
+    """pp x dp x tp and pp x dp, each schedule, automatic and annotated stages, a loss
+    function or the model's own loss: every parameter's gradient is checked on the
+    ranks that hold it, and together the ranks hold every parameter."""
+    results = spawn(_pipeline_world, 8, WORLD_8)
+    for i, case in enumerate(WORLD_8):
+        held = {name for rank in results for name in rank[i]["held"]}
+        assert held == set(results[0][i]["all"]), case
+        assert all(len(rank[i]["held"]) < len(rank[i]["all"]) for rank in results), case

@@ -15,7 +15,7 @@ captured and planned for one microbatch, which is what a stage runs at a time.
 Stages come from ``pipeline_stage`` annotations when there are any (honoured exactly:
 every module with parameters must have one, stage numbers must run 0, 1, ... and follow
 the order of the forward), and otherwise from :func:`partition`: the graph is cut into
-*units* (the repeated blocks and the modules around them, in execution order) and a
+*units* (the repeated blocks with the ops around them, see :func:`units`) and a
 dynamic program picks the contiguous split into stages that minimises Alpa's pipeline
 latency ``Σ t_s + (m − 1) max t_s`` (``t_s``: one microbatch's forward and backward in
 stage ``s``, communication included) subject to each stage's memory fitting a device,
@@ -278,18 +278,34 @@ def _unit_name(node: torch.fx.Node) -> str:
 
 
 def units(captured: Captured) -> list[list[torch.fx.Node]]:
-    """The ops cut into units, in execution order: maximal runs of ops with one
-    :func:`_unit_name`."""
-    out: list[list[torch.fx.Node]] = []
-    last = None
+    """The ops cut into the units of the automatic split, in execution order.
+
+    A model with repeated blocks (``blocks.3``) has one unit per block; the ops before the
+    first block (embeddings) join it, the ops between two blocks join the next, and the
+    ops after the last (final norm, head, loss) join that one, as hand-written splits do,
+    so that every stage runs whole blocks. A model without repeated blocks has one unit
+    per maximal run of ops in one top-level module (:func:`_unit_name`).
+    """
+    runs: list[list[torch.fx.Node]] = []
+    names: list[str] = []
     for node in captured.graph.nodes:
         if node.op != "call_function":
             continue
         name = _unit_name(node)
-        if not out or name != last:
-            out.append([])
-        out[-1].append(node)
-        last = name
+        if not runs or name != names[-1]:
+            runs.append([])
+            names.append(name)
+        runs[-1].append(node)
+    if not any(_BLOCK_PATH.match(name) for name in names):
+        return runs
+    out: list[list[torch.fx.Node]] = []
+    pending: list[torch.fx.Node] = []
+    for run, name in zip(runs, names):
+        pending += run
+        if _BLOCK_PATH.match(name):
+            out.append(pending)
+            pending = []
+    out[-1] += pending
     return out
 
 
@@ -319,8 +335,8 @@ def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float)
     stages = p * pipeline.virtual_stages
     if n < stages:
         raise PlanError(
-            f"the model has {n} pipeline units (repeated blocks and the modules around them) for "
-            f"{stages} stages; use fewer stages or annotate modules with pipeline_stage"
+            f"the model has {n} pipeline units (repeated blocks, or top-level modules without them) "
+            f"for {stages} stages; use fewer stages or annotate modules with pipeline_stage"
         )
     prefix_t = [0.0]
     prefix_f = [0.0]
@@ -484,15 +500,14 @@ def plan_pipeline(
         automatic = True
     stage_of = complete_stages(captured, anchors, n_stages)
     cuts = _crossing_bytes(graph, stage_of, n_stages, value_bytes)
-    stage_units = units(captured)
     stages = []
     for s in range(n_stages):
-        nodes = [node for node, k in stage_of.items() if k == s]
+        nodes = [node for node in graph.nodes if stage_of.get(node) == s]
         sent = [cuts[s] if s else (0.0, 0), cuts[s + 1] if s + 1 < n_stages else (0.0, 0)]
         params = [node for node in nodes if node.name in captured.params]
         param_b = sum(local_bytes[node.name] for node in params)
         grad_b = sum(local_bytes[node.name] for node in params if flows.get(node))
-        modules = list(dict.fromkeys(_unit_name(u[0]) for u in stage_units if stage_of[u[0]] == s))
+        modules = list(dict.fromkeys(_unit_name(n) for n in nodes if n.op == "call_function"))
         stages.append(
             StagePlan(
                 index=s,

@@ -222,12 +222,19 @@ def annotate(model: GPT, style: str) -> GPT:
 DEMO = GPTConfig(vocab_size=4096, seq_len=128, d_model=256, n_heads=4, n_layers=4, d_ff=1024)
 
 
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``logits`` ``(batch, seq, vocab)`` against ``targets`` ``(batch, seq)``."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def main() -> None:
     """The demo: compile and train the GPT on every rank of a ``torchrun`` job.
 
     ``torchrun --nproc-per-node 4 examples/gpt.py`` trains :data:`DEMO` on a 2 x 2
-    mesh ("dp", "tp") of gloo ranks and prints the plan and the losses. Run without
-    ``torchrun``, it prints the parameter count and the plan only (no ranks needed).
+    mesh ("dp", "tp") of gloo ranks and prints the plan and the losses. A mesh with a
+    ``pp`` axis first pipelines the model (``--mesh pp=2,dp=2 --schedule 1f1b
+    --microbatches 4``). Run without ``torchrun``, it prints the parameter count and
+    the plan only (no ranks needed).
     """
     import argparse
     import os
@@ -235,21 +242,25 @@ def main() -> None:
     import autopar
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    parser.add_argument("--mesh", default="dp=2,tp=2", help="mesh axes and sizes, e.g. dp=4 or dp=2,tp=2")
+    parser.add_argument("--mesh", default="dp=2,tp=2", help="e.g. dp=4, dp=2,tp=2 or pp=2,dp=2")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=4, help="with a pp axis: microbatches per step")
+    parser.add_argument("--schedule", default="1f1b", choices=autopar.pipeline.SCHEDULES)
+    parser.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved-1f1b)")
     parser.add_argument("--tiny", action="store_true", help="the small test model instead of the demo one")
     a = parser.parse_args()
     axes = dict(item.split("=") for item in a.mesh.split(","))
     mesh_sizes = {name: int(size) for name, size in axes.items()}
+    pipeline = autopar.Pipeline(a.microbatches, a.schedule, a.virtual_stages) if "pp" in mesh_sizes else None
     config = TINY if a.tiny else DEMO
     torch.manual_seed(0)
-    model, batch = build(config, batch_size=a.batch_size)
+    model, (idx, _) = build(config, batch_size=a.batch_size)
     n_params = sum(p.numel() for p in model.parameters())
     if os.environ.get("RANK", "0") == "0":
         print(f"GPT {config}: {n_params:,} parameters")
     if "RANK" not in os.environ:
-        print(autopar.plan(model, batch, mesh_sizes).summary())
+        print(autopar.plan(model, (idx,), mesh_sizes, pipeline=pipeline).summary())
         return
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -257,18 +268,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     mesh = init_device_mesh("cpu", tuple(mesh_sizes.values()), mesh_dim_names=tuple(mesh_sizes))
-    dmodel = autopar.compile(model, mesh, batch)
+    dmodel = autopar.compile(model, mesh, (idx,), pipeline=pipeline)
     rank0 = dist.get_rank() == 0
     if rank0:
         print(dmodel.plan.summary())
     optimizer = torch.optim.AdamW(dmodel.parameters(), lr=2e-3)
     # one fixed batch (the same on every rank) to memorise: the loss must fall fast
-    idx = torch.randint(0, config.vocab_size, batch[0].shape, generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, config.vocab_size, idx.shape, generator=torch.Generator().manual_seed(1))
     targets = torch.roll(idx, -1, dims=1)
-    local_args, _ = dmodel.shard_inputs(idx, targets)
     for step in range(a.steps):
-        loss = dmodel(*local_args)
-        loss.backward()
+        loss = dmodel.train_step((idx,), targets, loss_fn)  # forward and backward, every rank gets the loss
         optimizer.step()
         optimizer.zero_grad()
         if rank0:

@@ -265,8 +265,9 @@ def _pipeline_case(model_name: str, shape: tuple[int, ...], schedule: str, style
         reference = _hf_gpt2(tied=False, batch_size=8)[0]
         inputs, loss_fn, target = kwargs, None, None
     else:
-        model, (idx, targets) = gpt.build(batch_size=8, n_layers=6)
-        reference = gpt.build(batch_size=8, n_layers=6)[0]
+        # 8 blocks: pp=4 with 2 stages per rank runs one block per stage
+        model, (idx, targets) = gpt.build(batch_size=8, n_layers=8)
+        reference = gpt.build(batch_size=8, n_layers=8)[0]
         inputs, loss_fn, target = (idx,), _gpt_loss, targets
     reference.load_state_dict(model.state_dict())
     if style == "tp":

@@ -126,12 +126,13 @@ def _program(
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     ops = [node for node in gm.graph.nodes if node.op == "call_function" and node.meta[STAGE] == s]
-    read = {a for op in ops for a in op.all_input_nodes if a.op == "placeholder" and a not in received}
-    state = [node for node in gm.graph.nodes if node in read]
+    read = {a for op in ops for a in op.all_input_nodes if a not in received}
+    state = [node for node in gm.graph.nodes if node in read and node.op == "placeholder"]
     for node in (*received, *state):
         env[node] = sub.placeholder(node.name)
         env[node].meta = dict(node.meta)
-    for node in ops:
+    # submodules of higher-order ops (a no_grad region): every stage that calls one refers to it
+    for node in (*(n for n in gm.graph.nodes if n in read and n.op == "get_attr"), *ops):
         env[node] = sub.node_copy(node, env.__getitem__)
     sub.output(tuple(env[v] for v in sent))
     sub.lint()

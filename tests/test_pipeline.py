@@ -263,3 +263,32 @@ def test_a_pipelined_module_holds_its_stage_and_prints_each_program(world_of_8):
 
 def _placeholder(fqn: str) -> str:
     return "p_" + fqn.replace(".", "_")
+
+
+def test_a_pipelined_llama_carries_its_rotary_tables_and_mask(world_of_8):
+    """transformers' Llama builds its rotary tables in a no-grad region (a submodule the stage
+    program must refer to) and every layer reads them and the mask: they travel through stages."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (8, 16))
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    dmodel = autopar.compile(
+        model, mesh, (), example_kwargs={"input_ids": ids, "labels": ids}, pipeline=Pipeline(4, "gpipe")
+    )
+    (program,) = dmodel.pipeline.programs
+    sent = [b for b in program.sent if b.dtype.is_floating_point and not b.requires_grad]
+    assert len(sent) >= 2  # the cos and sin tables, computed once in stage 0
+    assert "labels" in [b.name for b in program.sent]
+    assert "get_attr" in str(program.program.graph) or "submod" in program.code

@@ -63,7 +63,7 @@ def module_stack(node: torch.fx.Node) -> list[str]:
     return [_clean_path(v[0]) for v in stack.values()]
 
 
-_BLOCK_PATH = re.compile(r"^(.*\.)?\d+$")  # a numbered child: one of a ModuleList's repeated blocks
+BLOCK_PATH = re.compile(r"^(.*\.)?\d+$")  # a numbered child: one of a ModuleList's repeated blocks
 
 
 def _clean_path(path: str) -> str:
@@ -105,7 +105,7 @@ def _block_inputs(model: torch.nn.Module) -> Iterator[None]:
 
     handles = []
     for path, mod in model.named_modules():
-        if _BLOCK_PATH.match(path):
+        if BLOCK_PATH.match(path):
             handles.append(
                 mod.register_forward_pre_hook(
                     lambda m, a, k, path=path: mark((a, k), f"input of block '{path}'"), with_kwargs=True

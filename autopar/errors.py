@@ -26,4 +26,5 @@ class CompileError(AutoparError, RuntimeError):
 
 
 class ShapeError(AutoparError, ValueError):
-    """A compiled module was called with inputs whose shapes differ from what it was compiled for."""
+    """A compiled module was called with inputs other than it was compiled for: other shapes or
+    structure, or a training step without what it needs (a target, a loss)."""

@@ -39,9 +39,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.capture import _BLOCK_PATH, Captured, module_stack
+from autopar.capture import BLOCK_PATH, Captured, module_stack
+from autopar.cost import LinkSpec
 from autopar.errors import AnnotationError, PlanError
 from autopar.mesh import MeshSpec
+from autopar.plans import PipelinePlan, Plan, StagePlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -273,7 +275,7 @@ def _where(node: torch.fx.Node) -> str:
 def _unit_name(node: torch.fx.Node) -> str:
     """The outermost repeated block (``blocks.3``) a node runs in, else its top-level module."""
     paths = [p for p in module_stack(node) if p]
-    blocks = [p for p in paths if _BLOCK_PATH.match(p)]
+    blocks = [p for p in paths if BLOCK_PATH.match(p)]
     return blocks[0] if blocks else (paths[0] if paths else "<root>")
 
 
@@ -296,13 +298,13 @@ def units(captured: Captured) -> list[list[torch.fx.Node]]:
             runs.append([])
             names.append(name)
         runs[-1].append(node)
-    if not any(_BLOCK_PATH.match(name) for name in names):
+    if not any(BLOCK_PATH.match(name) for name in names):
         return runs
     out: list[list[torch.fx.Node]] = []
     pending: list[torch.fx.Node] = []
     for run, name in zip(runs, names):
         pending += run
-        if _BLOCK_PATH.match(name):
+        if BLOCK_PATH.match(name):
             out.append(pending)
             pending = []
     out[-1] += pending
@@ -422,24 +424,22 @@ def _crossing_bytes(
 
 
 def plan_pipeline(
-    plan: Any,
+    plan: Plan,
     captured: Captured,
     pipeline: Pipeline,
     mesh: MeshSpec,
-    p2p_link: Any,
+    p2p_link: LinkSpec,
     memory_bytes: float,
     local_bytes: Mapping[str, float],
     activation_bytes: Mapping[str, float],
     flows: Mapping[torch.fx.Node, bool],
-) -> Any:
+) -> PipelinePlan:
     """The :class:`~autopar.plans.PipelinePlan` of a solved ``plan`` (planned per microbatch).
 
     ``mesh`` is the whole mesh, ``p2p_link`` the link of its pipeline axis,
     ``local_bytes`` each tensor node's bytes on one rank, ``activation_bytes`` what
     each node keeps for backward, ``flows`` which nodes carry a gradient.
     """
-    from autopar.plans import PipelinePlan, StagePlan
-
     p, n_stages, m = pipeline.size(mesh), pipeline.stages(mesh), pipeline.microbatches
     graph = captured.graph
     decisions = {d.name: d for d in plan.nodes}
@@ -465,12 +465,14 @@ def plan_pipeline(
         nbytes, tensors = crossing
         return tensors * p2p_link.latency_s + nbytes / p2p_link.bandwidth_Bps
 
-    def fixed(node: torch.fx.Node) -> float:
-        if node.name not in captured.params:
-            return local_bytes.get(node.name, 0.0) if node.name in state else 0.0
+    def held(node: torch.fx.Node) -> tuple[float, float, float]:
+        """Bytes of a parameter or buffer on one rank, of its gradient, of its Adam state (2 fp32)."""
+        if node.name not in state:
+            return 0.0, 0.0, 0.0
         size = local_bytes[node.name]
-        itemsize = node.meta["val"].element_size()
-        return size + (size + 2 * size / itemsize * 4 if flows.get(node) else 0.0)
+        if node.name not in captured.params or not flows.get(node):
+            return size, 0.0, 0.0
+        return size, size, 2 * 4 * size / node.meta["val"].element_size()
 
     if captured.annotations.stages:
         anchors = annotated_anchors(captured)
@@ -491,7 +493,7 @@ def plan_pipeline(
         act = [0.0] * len(cut_units)
         for node, i in placed.items():
             seconds[i] += per_node.get(node.name, 0.0) + grad_sums.get(node.name, (0.0, 0))[0] / m
-            fixed_b[i] += fixed(node)
+            fixed_b[i] += sum(held(node))
             act[i] += activation_bytes.get(node.name, 0.0)
         cuts = _crossing_bytes(graph, placed, len(cut_units), value_bytes)
         costs = UnitCosts(seconds, fixed_b, act, [p2p_seconds(c) for c in cuts])
@@ -504,9 +506,7 @@ def plan_pipeline(
     for s in range(n_stages):
         nodes = [node for node in graph.nodes if stage_of.get(node) == s]
         sent = [cuts[s] if s else (0.0, 0), cuts[s + 1] if s + 1 < n_stages else (0.0, 0)]
-        params = [node for node in nodes if node.name in captured.params]
-        param_b = sum(local_bytes[node.name] for node in params)
-        grad_b = sum(local_bytes[node.name] for node in params if flows.get(node))
+        param_b, grad_b, optimizer_b = (sum(column) for column in zip(*map(held, nodes)))
         modules = list(dict.fromkeys(_unit_name(n) for n in nodes if n.op == "call_function"))
         stages.append(
             StagePlan(
@@ -521,7 +521,7 @@ def plan_pipeline(
                 p2p_bytes=int(sum(c[0] for c in sent)),
                 param_bytes=int(param_b),
                 grad_bytes=int(grad_b),
-                optimizer_bytes=int(sum(fixed(node) for node in params) - param_b - grad_b),
+                optimizer_bytes=int(optimizer_b),
                 activation_bytes=int(sum(activation_bytes.get(node.name, 0.0) for node in nodes)),
                 in_flight=pipeline.in_flight(p, s % p) / pipeline.virtual_stages,
             )

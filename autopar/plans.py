@@ -109,9 +109,9 @@ class StagePlan:
     comm_bytes: int
     grad_sum_bytes: int
     p2p_bytes: int
-    param_bytes: int
+    param_bytes: int  # its parameters and buffers
     grad_bytes: int
-    optimizer_bytes: int
+    optimizer_bytes: int  # Adam: two fp32 moments per parameter element
     activation_bytes: int  # one microbatch
     in_flight: float  # microbatches whose activations the stage holds at once, at most
 

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from autopar import collectives
 from autopar.errors import CompileError, ShapeError
 from autopar.layout import Layout, format_layout, local_shape
+from autopar.mesh import MeshSpec
 from autopar.pipeline import Pipeline
 from autopar.pipeline_runtime import PipelineRuntime
 from autopar.printing import LAYOUTS, format_graph
@@ -259,7 +260,7 @@ class DistributedModule(torch.nn.Module):
         local_stages = None
         kept = None  # under a pipeline: the names of this rank's stages' parameters and buffers
         if ctx.stages is not None and pipeline is not None:
-            rank, size = device_mesh.get_local_rank(pipeline.axis), device_mesh.size(0)
+            rank, size = device_mesh.get_local_rank(pipeline.axis), pipeline.size(MeshSpec.of(device_mesh))
             local_stages = [st for st in ctx.stages if st.index % size == rank]
             read = {name for st in local_stages for name in st.state}
             kept = {
@@ -271,13 +272,16 @@ class DistributedModule(torch.nn.Module):
         placements = ctx.plan.parameter_placements
         mesh = self.stage_mesh
         replica = copy.deepcopy(model)
+        path_of: dict[int, str] = {}  # module -> its first path, as named_parameters() names it
+        for path, module in replica.named_modules(remove_duplicate=False):
+            path_of.setdefault(id(module), path)
         swapped: dict[int, torch.Tensor] = {}
         for module in replica.modules():
             for store, is_param in ((module._parameters, True), (module._buffers, False)):
                 for name, t in list(store.items()):
                     if t is None:
                         continue
-                    fqn = self._fqn(replica, module, name)
+                    fqn = f"{path_of[id(module)]}.{name}" if path_of[id(module)] else name
                     if kept is not None and fqn not in kept:
                         store[name] = None  # another pipeline stage's: not held on this rank
                         continue
@@ -348,13 +352,6 @@ class DistributedModule(torch.nn.Module):
                 [[self._state[name] for name in st.state] for st in local_stages],
                 _device(device_mesh.device_type),
             )
-
-    @staticmethod
-    def _fqn(root: torch.nn.Module, owner: torch.nn.Module, name: str) -> str:
-        for path, module in root.named_modules(remove_duplicate=False):
-            if module is owner:
-                return f"{path}.{name}" if path else name
-        raise AssertionError("parameter owner not found in the model")
 
     # --- inputs and outputs ---------------------------------------------------------
     def _user_leaves(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -485,10 +482,8 @@ class DistributedModule(torch.nn.Module):
         layout = self._input_layouts[name]
         return torch.cat([local_piece(c, layout, self.stage_mesh) for c in t.chunk(m)])
 
-    def local_target(self, target: Any, m: int) -> torch.Tensor:
+    def local_target(self, target: torch.Tensor, m: int) -> torch.Tensor:
         """For a compiled loss: this rank's pieces of ``m`` microbatches of a global ``target``."""
-        if not isinstance(target, torch.Tensor):
-            raise ShapeError(f"train_step needs the target as one tensor, got {type(target).__name__}")
         return self._microbatches(self._input_names[-1], target, m)
 
     def compiled_loss(self, loss_fn: Callable) -> DistributedModule:
@@ -505,11 +500,11 @@ class DistributedModule(torch.nn.Module):
         from autopar.cost import Cluster
         from autopar.planner import plan_captured
 
+        if not isinstance(target, torch.Tensor):
+            raise ShapeError(f"train_step needs the target as one tensor, got {type(target).__name__}")
         tail = self._loss_tails.get(loss_fn)
         if tail is not None:
             return tail
-        if not isinstance(target, torch.Tensor):
-            raise ShapeError(f"train_step needs the target as one tensor, got {type(target).__name__}")
         m = 1 if self.pipeline is None else self.pipeline.pipeline.microbatches
         if target.dim() == 0 or target.shape[0] % m:
             raise ShapeError(

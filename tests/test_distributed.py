@@ -62,6 +62,18 @@ def _hf_gpt2(tied: bool = True, batch_size: int = 4):
     return model, (), {"input_ids": ids, "labels": ids}
 
 
+def _assert_grads_match(dmodel: torch.nn.Module, reference: torch.nn.Module, where: str) -> None:
+    """Every parameter this rank holds has the gradient the single-device reference has."""
+    for name, p in dmodel.named_parameters():
+        torch.testing.assert_close(
+            p.grad.full_tensor(),
+            reference.get_parameter(name).grad,
+            atol=ATOL,
+            rtol=RTOL,
+            msg=lambda m, n=name: f"{where}: grad of {n}: {m}",
+        )
+
+
 def _build(name: str):
     from examples import gpt, mlp
 
@@ -95,7 +107,6 @@ def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> di
     assert set(dmodel.state_dict()) == set(model.state_dict())
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    ref_params = dict(reference.named_parameters())
     for step in range(3):
         torch.manual_seed(step)
         if model_name == "hf-gpt2":
@@ -121,14 +132,7 @@ def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> di
         torch.testing.assert_close(
             loss, ref_loss, atol=ATOL, rtol=RTOL, msg=lambda m, w=where: f"{w}: loss {m}"
         )
-        for name, p in dmodel.named_parameters():
-            torch.testing.assert_close(
-                p.grad.full_tensor(),
-                ref_params[name].grad,
-                atol=ATOL,
-                rtol=RTOL,
-                msg=lambda m, w=where, n=name: f"{w}: grad of {n}: {m}",
-            )
+        _assert_grads_match(dmodel, reference, where)
         assert moved == dmodel.plan.prediction.comm_bytes, (where, moved, dmodel.plan.prediction.comm_bytes)
         opt.step()
         ref_opt.step()
@@ -192,14 +196,7 @@ def _accumulation() -> None:
             else:
                 dmodel(*local).backward()
             reference(*batch).backward()
-        for name, p in dmodel.named_parameters():
-            torch.testing.assert_close(
-                p.grad.full_tensor(),
-                reference.get_parameter(name).grad,
-                atol=ATOL,
-                rtol=RTOL,
-                msg=lambda m, n=name, q=quiet: f"{n} (no_sync={q}): {m}",
-            )
+        _assert_grads_match(dmodel, reference, f"no_sync={quiet}")
 
 
 def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -224,10 +221,7 @@ def _train_step_without_pipeline() -> None:
     ref_loss = _gpt_loss(reference(idx), targets)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL)
-    for name, p in dmodel.named_parameters():
-        torch.testing.assert_close(
-            p.grad.full_tensor(), reference.get_parameter(name).grad, atol=ATOL, rtol=RTOL
-        )
+    _assert_grads_match(dmodel, reference, "train_step")
     # the loss takes the logits as the model leaves them, split by vocabulary, and gathers them
     assert "autopar.all_gather(" in dmodel.compiled_loss(_gpt_loss).code
 
@@ -314,14 +308,7 @@ def _pipeline_case(model_name: str, shape: tuple[int, ...], schedule: str, style
         torch.testing.assert_close(
             loss, ref_loss.detach(), atol=ATOL, rtol=RTOL, msg=lambda m, w=where: f"{w}: {m}"
         )
-        for name, p in dmodel.named_parameters():
-            torch.testing.assert_close(
-                p.grad.full_tensor(),
-                reference.get_parameter(name).grad,
-                atol=ATOL,
-                rtol=RTOL,
-                msg=lambda m, w=where, n=name: f"{w}: grad of {n}: {m}",
-            )
+        _assert_grads_match(dmodel, reference, where)
         predicted = sum(s.comm_bytes * pipeline.microbatches + s.grad_sum_bytes for s in mine)
         if loss_fn is not None and any(s.index == len(pp.stages) - 1 for s in mine):
             predicted += dmodel.compiled_loss(loss_fn).plan.prediction.comm_bytes * pipeline.microbatches

@@ -259,6 +259,11 @@ def test_a_pipelined_module_holds_its_stage_and_prints_each_program(world_of_8):
     assert len(stages) == 2 and "split_stages" in dmodel.pass_snapshots
     with pytest.raises(autopar.CompileError, match="train_step"):
         dmodel(*args)
+    idx, targets = args  # the model computes its loss from the targets
+    with pytest.raises(autopar.ShapeError, match="a target but no loss_fn"):
+        dmodel.train_step(args, targets)
+    with pytest.raises(autopar.ShapeError, match=r"input 'idx' has shape \(6, 32\), but .* 4 microbatches"):
+        dmodel.train_step((idx[:6], targets[:6]))
 
 
 def _placeholder(fqn: str) -> str:

@@ -12,9 +12,12 @@ a single-device copy, and checked step by step:
 * the bytes each rank's collectives moved equal the plan's prediction exactly.
 
 The 2-rank world also accumulates gradients over two backward passes (with and
-without ``no_sync``). The 4-rank world also gathers a DP x TP module's logits and compares them with one
-device's, saves and loads its state with ``torch.distributed.checkpoint``, and runs
-it again after compiling another module for another mesh with the same axis name.
+without ``no_sync``) and runs ``train_step`` with a compiled loss function. The 4-rank
+world also gathers a DP x TP module's logits and compares them with one device's, saves
+and loads its state with ``torch.distributed.checkpoint``, and runs it again after
+compiling another module for another mesh with the same axis name. The 8-rank world
+trains pipelines (``pp x dp x tp`` and ``pp x dp``, GPipe, 1F1B and interleaved 1F1B)
+the same way and checks a pipelined module's checkpoint round trip.
 
 The solver's own plans use a cluster model with slow compute and fast links, so
 that splitting pays and the plans exercise real communication; with the measured
@@ -323,8 +326,36 @@ def _pipeline_case(model_name: str, shape: tuple[int, ...], schedule: str, style
     }
 
 
-def _pipeline_world(cases: list[tuple]) -> list[dict]:
-    return [_pipeline_case(*case) for case in cases]
+def _pipeline_checkpoint(checkpoint_dir: str) -> None:
+    """A pipelined module's state survives a torch.distributed.checkpoint round trip: each rank
+    saves and loads the parameters of its own stages."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples import gpt
+
+    def annotated(seed: int):
+        torch.manual_seed(seed)
+        model, (idx, _) = gpt.build(batch_size=8, n_layers=4)
+        return gpt.annotate(model, "tp"), idx
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    model, idx = annotated(0)
+    pipeline = autopar.Pipeline(4)
+    dmodel = autopar.compile(model, mesh, (idx,), pipeline=pipeline, cluster=autopar.Cluster(**FAST_LINKS))
+    dcp.save(dmodel.state_dict(), checkpoint_id=checkpoint_dir)
+    fresh = autopar.compile(annotated(1)[0], mesh, (idx,), plan=dmodel.plan)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    fresh.load_state_dict(state)
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), model.get_parameter(name), msg=f"{name} after DCP load")
+
+
+def _pipeline_world(cases: list[tuple], checkpoint_dir: str) -> list[dict]:
+    results = [_pipeline_case(*case) for case in cases]
+    _pipeline_checkpoint(checkpoint_dir)
+    return results
 
 
 WORLD_2 = [
@@ -370,11 +401,12 @@ WORLD_8 = [
 
 
 @pytest.mark.slow
-def test_pipelines_on_8_gloo_ranks_equal_one_device():
+def test_pipelines_on_8_gloo_ranks_equal_one_device(tmp_path):
     """pp x dp x tp and pp x dp, each schedule, automatic and annotated stages, a loss
     function or the model's own loss: every parameter's gradient is checked on the
-    ranks that hold it, and together the ranks hold every parameter."""
-    results = spawn(_pipeline_world, 8, WORLD_8)
+    ranks that hold it, and together the ranks hold every parameter. A pipelined
+    module's state also goes through a torch.distributed.checkpoint round trip."""
+    results = spawn(_pipeline_world, 8, WORLD_8, str(tmp_path))
     for i, case in enumerate(WORLD_8):
         held = {name for rank in results for name in rank[i]["held"]}
         assert held == set(results[0][i]["all"]), case

@@ -144,9 +144,21 @@ def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> di
     return {"moved": moved, "params": dict(dmodel.plan.parameters)}
 
 
+def _assert_checkpoint_round_trip(dmodel, fresh, model, checkpoint_dir: str) -> None:
+    """``dmodel``'s state saved with ``torch.distributed.checkpoint`` and loaded into ``fresh``
+    (the same plan, other weights) gives ``fresh`` the weights of ``model``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(dmodel.state_dict(), checkpoint_id=checkpoint_dir)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    fresh.load_state_dict(state)
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), model.get_parameter(name), msg=f"{name} after DCP load")
+
+
 def _outputs_and_checkpoint(checkpoint_dir: str) -> None:
     """Logits gathered from a DP x TP module equal one device's; its state survives a DCP round trip."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
     from examples import gpt
@@ -163,13 +175,8 @@ def _outputs_and_checkpoint(checkpoint_dir: str) -> None:
     dmodel = autopar.compile(model, mesh, (idx,), cluster=autopar.Cluster(**FAST_LINKS))
     logits = dmodel.gather_outputs(dmodel(*dmodel.shard_inputs(idx)[0]))
     torch.testing.assert_close(logits, model(idx), atol=ATOL, rtol=RTOL)
-    dcp.save(dmodel.state_dict(), checkpoint_id=checkpoint_dir)
     fresh = autopar.compile(annotated(1)[0], mesh, (idx,), plan=dmodel.plan)
-    state = fresh.state_dict()
-    dcp.load(state, checkpoint_id=checkpoint_dir)
-    fresh.load_state_dict(state)
-    for name, p in fresh.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), model.get_parameter(name), msg=f"{name} after DCP load")
+    _assert_checkpoint_round_trip(dmodel, fresh, model, checkpoint_dir)
     # a module compiled later for another mesh with the same axis name leaves this one intact
     other_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     autopar.compile(gpt.build(batch_size=4)[0], other_mesh, (idx,), cluster=autopar.Cluster(**FAST_LINKS))
@@ -329,7 +336,6 @@ def _pipeline_case(model_name: str, shape: tuple[int, ...], schedule: str, style
 def _pipeline_checkpoint(checkpoint_dir: str) -> None:
     """A pipelined module's state survives a torch.distributed.checkpoint round trip: each rank
     saves and loads the parameters of its own stages."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
     from examples import gpt
@@ -343,13 +349,8 @@ def _pipeline_checkpoint(checkpoint_dir: str) -> None:
     model, idx = annotated(0)
     pipeline = autopar.Pipeline(4)
     dmodel = autopar.compile(model, mesh, (idx,), pipeline=pipeline, cluster=autopar.Cluster(**FAST_LINKS))
-    dcp.save(dmodel.state_dict(), checkpoint_id=checkpoint_dir)
     fresh = autopar.compile(annotated(1)[0], mesh, (idx,), plan=dmodel.plan)
-    state = fresh.state_dict()
-    dcp.load(state, checkpoint_id=checkpoint_dir)
-    fresh.load_state_dict(state)
-    for name, p in fresh.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), model.get_parameter(name), msg=f"{name} after DCP load")
+    _assert_checkpoint_round_trip(dmodel, fresh, model, checkpoint_dir)
 
 
 def _pipeline_world(cases: list[tuple], checkpoint_dir: str) -> list[dict]:

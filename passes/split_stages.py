@@ -24,6 +24,7 @@ from autopar.passes.apply_plan import STAGE
 from torch.export.graph_signature import OutputKind
 from torch.utils import _pytree as pytree
 
+from autopar.capture import gradient_flow
 from autopar.compiler import PassContext
 from autopar.errors import CompileError
 from autopar.layout import local_shape
@@ -66,20 +67,6 @@ def _stages_of_inserted(graph: torch.fx.Graph) -> None:
             node.meta[STAGE] = max((a.meta.get(STAGE, 0) for a in node.all_input_nodes), default=0)
 
 
-def _flows(graph: torch.fx.Graph, ctx: PassContext) -> set[torch.fx.Node]:
-    """Values a gradient flows through: floating values computed from a value that needs one."""
-    needs = set()
-    for node in graph.nodes:
-        val = node.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
-        if node.op == "placeholder":
-            if floating and ctx.captured.requires_grad.get(node.name, False):
-                needs.add(node)
-        elif node.op == "call_function" and floating and any(a in needs for a in node.all_input_nodes):
-            needs.add(node)
-    return needs
-
-
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     if ctx.plan.pipeline is None:
         return gm
@@ -90,7 +77,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     specs = ctx.captured.program.graph_signature.output_specs
     results = [a for a, s in zip(pytree.tree_leaves(output.args), specs) if s.kind == OutputKind.USER_OUTPUT]
     inputs = [node for node in graph.nodes if node.op == "placeholder" and node.name in ctx.captured.inputs]
-    needs_grad = _flows(graph, ctx)
+    flows = gradient_flow(ctx.captured)  # the captured graph is this one, collectives included
 
     def last_use(node: torch.fx.Node) -> int:
         return max((n - 1 if u is output else u.meta[STAGE] for u in node.users), default=-1)
@@ -102,7 +89,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
                 f"{node.name} ({type(val).__name__}) crosses a pipeline stage boundary; only tensors can"
             )
         shape = local_shape(tuple(val.shape), node.meta[LAYOUTS][1][0], ctx.mesh)
-        return Boundary(node.name, shape, val.dtype, node in needs_grad)
+        return Boundary(node.name, shape, val.dtype, flows.get(node, False))
 
     values = [node for node in graph.nodes if node in inputs or (node.op == "call_function" and node.users)]
     crossing = [

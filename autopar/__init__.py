@@ -15,6 +15,7 @@ from autopar.annotations import constrain, pipeline_stage, recompute, shard
 from autopar.compiler import compile
 from autopar.cost import Cluster, LinkSpec, get_cluster
 from autopar.errors import AnnotationError, AutoparError, CaptureError, CompileError, PlanError, ShapeError
+from autopar.memory import Memory
 from autopar.mesh import MeshSpec
 from autopar.pipeline import Pipeline
 from autopar.planner import plan
@@ -27,6 +28,7 @@ __all__ = [
     "Cluster",
     "CompileError",
     "LinkSpec",
+    "Memory",
     "MeshSpec",
     "Plan",
     "Pipeline",

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AnnotationError
 from autopar.layout import REPLICATE, Layout, format_layout, parse_layout
+from autopar.memory import POLICIES
 from autopar.mesh import MeshSpec
 
 AxisNames = str | tuple[str, ...] | None
@@ -423,10 +424,20 @@ def pipeline_stage(module: ModuleT, k: int) -> ModuleT:
     return module
 
 
-def recompute(module: ModuleT) -> ModuleT:
-    """Record that ``module``'s activations are recomputed in backward; return ``module``."""
+def recompute(module: ModuleT, policy: str = "full") -> ModuleT:
+    """Recompute ``module``'s activations in backward instead of keeping them; return ``module``.
+
+    MindSpore's rule: the module's outputs are kept, everything it computes inside is
+    recomputed. ``policy="selective"`` keeps the outputs of its matrix products and
+    attention too and recomputes only the cheap ops. Communication is never repeated
+    (collective outputs are kept), except gathers of ZeRO-3 parameters.
+    """
     _require_module(module, "recompute")
-    setattr(module, _RECOMPUTE_ATTR, True)
+    if policy not in POLICIES:
+        raise AnnotationError(
+            f"recompute({type(module).__name__}, policy={policy!r}): the policy is one of {list(POLICIES)}"
+        )
+    setattr(module, _RECOMPUTE_ATTR, policy)
     return module
 
 
@@ -444,7 +455,7 @@ class ModelAnnotations:
 
     parameter_layouts: Mapping[str, Layout]
     stages: Mapping[str, int]
-    recompute: tuple[str, ...]
+    recompute: Mapping[str, str]  # module path -> policy
 
 
 def _describe(path: str, module: nn.Module) -> str:
@@ -480,7 +491,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
     layouts: dict[str, Layout] = {}
     layout_origin: dict[str, str] = {}
     stages: dict[str, int] = {}
-    recomputed: list[str] = []
+    recomputed: dict[str, str] = {}
     modules = dict(model.named_modules())
     for path, module in modules.items():
         desc = _describe(path, module)
@@ -507,7 +518,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
         if _STAGE_ATTR in vars(module):
             stages[path] = vars(module)[_STAGE_ATTR]
         if vars(module).get(_RECOMPUTE_ATTR):
-            recomputed.append(path)
+            recomputed[path] = vars(module)[_RECOMPUTE_ATTR]
     _check_stages(stages, modules)
     for outer in recomputed:
         for inner in recomputed:
@@ -516,7 +527,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
                     f"recompute() is set on {_describe(outer, modules[outer])} and on "
                     f"{_describe(inner, modules[inner])} inside it; set it at most once along a hierarchy"
                 )
-    return ModelAnnotations(MappingProxyType(layouts), MappingProxyType(stages), tuple(recomputed))
+    return ModelAnnotations(MappingProxyType(layouts), MappingProxyType(stages), MappingProxyType(recomputed))
 
 
 def _check_stages(stages: dict[str, int], modules: dict[str, nn.Module]) -> None:

@@ -66,6 +66,16 @@ def module_stack(node: torch.fx.Node) -> list[str]:
 BLOCK_PATH = re.compile(r"^(.*\.)?\d+$")  # a numbered child: one of a ModuleList's repeated blocks
 
 
+def block_of(node: torch.fx.Node) -> str | None:
+    """The outermost repeated block (``blocks.3``) a node runs in, if any."""
+    return next((p for p in module_stack(node) if p and BLOCK_PATH.match(p)), None)
+
+
+def repeated_blocks(graph: torch.fx.Graph) -> list[str]:
+    """The outermost repeated blocks the ops of ``graph`` run in, in execution order."""
+    return list(dict.fromkeys(b for n in graph.nodes if n.op == "call_function" and (b := block_of(n))))
+
+
 def _clean_path(path: str) -> str:
     # strict-mode style paths look like L['self'].h[0].attn; normalise to h.0.attn
     path = re.sub(r"^L\['self'\]\.?", "", path)
@@ -220,7 +230,7 @@ def gradient_flow(captured: Captured) -> dict[torch.fx.Node, bool]:
         floating = any(v.dtype.is_floating_point for v in vals)
         if node.op == "placeholder":
             flows[node] = captured.requires_grad.get(node.name, False) and floating
-        elif node.op == "call_function":
+        elif node.op in ("call_function", "call_module"):  # call_module: a recompute region
             no_grad = bool(node.args) and node.args[0] is False and "set_grad_enabled" in str(node.target)
             flows[node] = floating and not no_grad and any(flows.get(a, False) for a in node.all_input_nodes)
     return flows

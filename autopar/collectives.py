@@ -79,6 +79,11 @@ def register_mesh(mesh: DeviceMesh) -> dict[str, str]:
     return keys
 
 
+def is_autopar_op(target: object) -> bool:
+    """True for the ops this module registers (``torch.ops.autopar.*``)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "autopar"
+
+
 def forget_meshes() -> None:
     """Drop every registered axis (their process groups are gone after ``destroy_process_group``)."""
     _AXES.clear()

@@ -22,6 +22,7 @@ from autopar import collectives
 from autopar.capture import Captured
 from autopar.cost import Cluster, CostModel
 from autopar.errors import CompileError, PlanError
+from autopar.memory import Memory
 from autopar.mesh import MeshSpec
 from autopar.pipeline import Pipeline
 from autopar.planner import capture_for, layout_mesh, plan_captured
@@ -54,11 +55,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     time_limit: float = 30.0,
     seed: int = 0,
     pipeline: Pipeline | None = None,
+    memory: Memory | None = None,
+    memory_budget: float | None = None,
 ) -> torch.nn.Module:
     """Compile ``model`` for ``mesh`` (a ``DeviceMesh`` with axis names); see the module docstring.
 
     ``example_args``/``example_kwargs`` are *global* example inputs (the whole batch).
     ``pipeline`` pipelines over one mesh axis (a saved ``plan`` brings its own).
+    ``memory`` and ``memory_budget`` are :func:`autopar.plan`'s (a saved plan brings its
+    memory plan).
     Returns a :class:`~autopar.runtime.DistributedModule` whose parameters are
     DTensors under the original names, each rank holding its piece of the model's
     weights (under a pipeline, of its stages' weights only); a model built on ``meta``
@@ -95,6 +100,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             seed=seed,
             capture_s=time.perf_counter() - t0,
             pipeline=pipeline,
+            memory=memory,
+            memory_budget=memory_budget,
         )
     if plan.device_mesh_spec != spec:
         raise PlanError(

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.capture import BLOCK_PATH, Captured, module_stack
+from autopar.capture import BLOCK_PATH, Captured, block_of, module_stack
 from autopar.cost import LinkSpec
 from autopar.errors import AnnotationError, PlanError
 from autopar.mesh import MeshSpec
@@ -275,8 +275,7 @@ def _where(node: torch.fx.Node) -> str:
 def _unit_name(node: torch.fx.Node) -> str:
     """The outermost repeated block (``blocks.3``) a node runs in, else its top-level module."""
     paths = [p for p in module_stack(node) if p]
-    blocks = [p for p in paths if BLOCK_PATH.match(p)]
-    return blocks[0] if blocks else (paths[0] if paths else "<root>")
+    return block_of(node) or (paths[0] if paths else "<root>")
 
 
 def units(captured: Captured) -> list[list[torch.fx.Node]]:
@@ -432,13 +431,16 @@ def plan_pipeline(
     memory_bytes: float,
     local_bytes: Mapping[str, float],
     activation_bytes: Mapping[str, float],
+    state_bytes: Mapping[str, tuple[float, ...]],
     flows: Mapping[torch.fx.Node, bool],
 ) -> PipelinePlan:
     """The :class:`~autopar.plans.PipelinePlan` of a solved ``plan`` (planned per microbatch).
 
     ``mesh`` is the whole mesh, ``p2p_link`` the link of its pipeline axis,
     ``local_bytes`` each tensor node's bytes on one rank, ``activation_bytes`` what
-    each node keeps for backward, ``flows`` which nodes carry a gradient.
+    each node keeps for backward, ``state_bytes`` each parameter's and buffer's bytes on
+    one rank (itself, its gradient, its optimizer state: see :mod:`autopar.memory`),
+    ``flows`` which nodes carry a gradient.
     """
     p, n_stages, m = pipeline.size(mesh), pipeline.stages(mesh), pipeline.microbatches
     graph = captured.graph
@@ -466,13 +468,8 @@ def plan_pipeline(
         return tensors * p2p_link.latency_s + nbytes / p2p_link.bandwidth_Bps
 
     def held(node: torch.fx.Node) -> tuple[float, float, float]:
-        """Bytes of a parameter or buffer on one rank, of its gradient, of its Adam state (2 fp32)."""
-        if node.name not in state:
-            return 0.0, 0.0, 0.0
-        size = local_bytes[node.name]
-        if node.name not in captured.params or not flows.get(node):
-            return size, 0.0, 0.0
-        return size, size, 2 * 4 * size / node.meta["val"].element_size()
+        """Bytes of a parameter or buffer on one rank, of its gradient, of its optimizer state."""
+        return tuple(state_bytes[node.name][:3]) if node.name in state_bytes else (0.0, 0.0, 0.0)
 
     if captured.annotations.stages:
         anchors = annotated_anchors(captured)

@@ -27,15 +27,16 @@ import operator
 import re
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from autopar.activations import saved_by
 from autopar.annotations import parse_constraint_spec
-from autopar.capture import Captured, capture, gradient_flow, module_path, module_stack
+from autopar.capture import Captured, capture, gradient_flow, module_path, module_stack, repeated_blocks
 from autopar.cost import Cluster, Collective, CostModel, get_cluster
 from autopar.errors import PlanError
 from autopar.gradient_sums import planned_edges
@@ -47,9 +48,31 @@ from autopar.layout import (
     local_fraction,
     replicated,
 )
+from autopar.memory import (
+    FULL,
+    MATMUL_OPS,
+    SELECTIVE,
+    Memory,
+    activation_memory,
+    largest_operand,
+    regions_of,
+    source_of,
+    state_bytes,
+    storage_of,
+    with_split,
+    zero_split,
+)
 from autopar.mesh import MeshSpec
 from autopar.pipeline import Pipeline, microbatch, plan_pipeline
-from autopar.plans import CollectiveStep, NodeDecision, Plan, Prediction, Redistribution, SolverReport
+from autopar.plans import (
+    CollectiveStep,
+    MemoryPlan,
+    NodeDecision,
+    Plan,
+    Prediction,
+    Redistribution,
+    SolverReport,
+)
 from autopar.printing import GRADS, LAYOUTS, format_graph
 from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
 from autopar.solver import StrategyILP
@@ -503,6 +526,8 @@ def plan(
     time_limit: float = 30.0,
     seed: int = 0,
     pipeline: Pipeline | None = None,
+    memory: Memory | None = None,
+    memory_budget: float | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh``: capture, read annotations, solve, report.
 
@@ -512,7 +537,10 @@ def plan(
     solver in deterministic seconds (about wall seconds on one core); with the same
     ``seed`` every call, on every rank, returns the same plan. ``pipeline`` runs a
     pipeline over one mesh axis (see :mod:`autopar.pipeline`); the example inputs are
-    the whole batch.
+    the whole batch. ``memory`` sets ZeRO, the optimizer's state and offload
+    (:class:`~autopar.memory.Memory`); ``memory_budget`` (bytes per device) makes the
+    planner choose sharding, the ZeRO stage and recompute so that the plan fits, or
+    raise :class:`~autopar.errors.PlanError` with the least memory it could reach.
     """
     mesh = MeshSpec.of(mesh)
     t0 = time.perf_counter()
@@ -525,6 +553,8 @@ def plan(
         seed=seed,
         capture_s=time.perf_counter() - t0,
         pipeline=pipeline,
+        memory=memory,
+        memory_budget=memory_budget,
     )
 
 
@@ -565,137 +595,430 @@ def plan_captured(
     capture_s: float = 0.0,
     pipeline: Pipeline | None = None,
     fixed_inputs: Mapping[str, Layout] | None = None,
+    memory: Memory | None = None,
+    memory_budget: float | None = None,
 ) -> Plan:
     """:func:`plan` for a model captured by :func:`capture_for` (``autopar.compile`` captures once).
 
     ``fixed_inputs`` pins the layouts of user inputs by placeholder name (a loss
-    compiled for a model's outputs takes them as they come).
+    compiled for a model's outputs takes them as they come). Every candidate of
+    :func:`memory_choices` is solved (under a budget, with the memory constraint); the
+    fastest plan that fits wins, the earlier candidate on a tie.
     """
     cluster = get_cluster(cluster or "cpu-gloo") if not isinstance(cluster, Cluster) else cluster
+    memory = memory or Memory()
+    if memory_budget is not None and memory_budget <= 0:
+        raise PlanError(f"memory_budget is bytes per device and must be positive, got {memory_budget}")
     t1 = time.perf_counter()
     stage_mesh = layout_mesh(mesh, pipeline)
     g = build_strategy_graph(captured, stage_mesh, CostModel(stage_mesh, cluster), fixed_inputs)
     if pipeline is not None:
         g.grad_sum_weight = 1.0 / pipeline.microbatches
-    node_costs, pair_costs, constant = cost_tables(g)
-    t2 = time.perf_counter()
-    ilp = StrategyILP(node_costs, pair_costs, constant)
-    assignment, stats = ilp.solve(time_limit=time_limit, seed=seed)
-    report = SolverReport(
-        variables=stats.variables,
-        constraints=stats.constraints,
-        roots=len(g.roots),
-        tied_blocks=g.tied_blocks,
-        capture_s=capture_s,
-        build_s=(t2 - t1) + stats.build_seconds,
-        solve_s=stats.solve_seconds,
-        gap=stats.gap,
-        status=stats.status,
-    )
-    result = assemble_plan(g, assignment, report, cluster)
-    if pipeline is not None:
-        names = {n.name: n for n in g.choices}
-        result.pipeline = plan_pipeline(
-            result,
-            captured,
-            pipeline,
-            mesh,
-            CostModel(mesh, cluster).link(0),
-            cluster.memory_bytes,
-            {
-                name: local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
-                for name, n in names.items()
-                if isinstance(n.meta.get("val"), torch.Tensor)
-            },
-            activation_bytes(g, assignment),
-            g.requires_grad,
+    tables = cost_tables(g)
+    build_s = time.perf_counter() - t1
+    best: Plan | None = None
+    choices = memory_choices(captured, memory, memory_budget)
+    for choice in choices:
+        found = _solve_choice(
+            g, tables, choice, memory, memory_budget, cluster, pipeline, mesh, time_limit, seed
         )
-    elif captured.annotations.stages:
-        result.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
-    return result
+        if found is not None and (best is None or _step_time(found) < _step_time(best)):
+            best = found
+    if best is None:
+        raise PlanError(_no_fit(g, tables, choices[-1], memory, memory_budget, cluster, pipeline, mesh, seed))
+    best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
+    if pipeline is None and captured.annotations.stages:
+        best.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
+    return best
 
 
-def activation_bytes(g: StrategyGraph, assignment: dict[str, int]) -> dict[str, float]:
-    """Bytes each op keeps for backward per rank: its output where a gradient flows (views excluded)."""
-    return {
-        n.name: local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
-        for n, c in g.choices.items()
-        if n.op == "call_function"
-        and g.requires_grad.get(n)
-        and c.kind != "getitem"
-        and isinstance(n.meta.get("val"), torch.Tensor)
-        and not (c.spec and c.spec.linear == frozenset({0}) and _is_view(n))
+@dataclass(frozen=True)
+class MemoryChoice:
+    """One candidate of the memory search: a ZeRO stage and the modules recomputed (path -> policy)."""
+
+    zero: int
+    recompute: Mapping[str, str]
+
+
+def memory_choices(captured: Captured, memory: Memory, budget: float | None) -> list[MemoryChoice]:
+    """The candidates, least memory last: the options as given; under a budget every ZeRO
+    stage (unless ``memory.zero`` fixes one) and, when no module is annotated
+    ``recompute``, no / selective / full recompute of every repeated block."""
+    annotated = dict(captured.annotations.recompute)
+    zeros = [memory.zero] if memory.zero is not None else ([0, 1, 2, 3] if budget is not None else [0])
+    recomputes: list[Mapping[str, str]] = [annotated]
+    blocks = repeated_blocks(captured.graph)
+    if budget is not None and not annotated and blocks:
+        recomputes += [dict.fromkeys(blocks, SELECTIVE), dict.fromkeys(blocks, FULL)]
+    return [MemoryChoice(z, r) for r in recomputes for z in zeros]
+
+
+def _step_time(p: Plan) -> float:
+    return p.pipeline.step_time_s if p.pipeline is not None else p.prediction.step_time_s
+
+
+def _peak_bytes(p: Plan) -> float:
+    if p.pipeline is not None:
+        return max(s.memory_bytes for s in p.pipeline.stages)
+    return p.prediction.memory_bytes
+
+
+def _solve_choice(
+    g: StrategyGraph,
+    tables: tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray], float],
+    choice: MemoryChoice,
+    memory: Memory,
+    budget: float | None,
+    cluster: Cluster,
+    pipeline: Pipeline | None,
+    mesh: MeshSpec,
+    time_limit: float,
+    seed: int,
+) -> Plan | None:
+    """The fastest plan under ``choice`` that fits ``budget``, or None.
+
+    The ILP's memory estimate is per node (see :func:`memory_tables`); the plan's
+    figure is exact (:mod:`autopar.memory`). Where it exceeds the budget, the ILP's
+    limit is lowered by the difference and solved again (twice at most). Under a
+    pipeline the budget bounds each stage (the ILP does not see microbatches in flight).
+    """
+    node_costs, pair_costs, constant = tables
+    extra, extra_constant, mem, mem_constant = memory_tables(g, choice, memory)
+    costs = {r: c + extra[r] for r, c in node_costs.items()}
+    limit = budget if pipeline is None else None
+    for _ in range(3):
+        ilp = StrategyILP(costs, pair_costs, constant + extra_constant, (mem, mem_constant), limit)
+        solved = ilp.solve(time_limit=time_limit, seed=seed)
+        if solved is None:
+            return None
+        assignment, stats = solved
+        report = SolverReport(
+            variables=stats.variables,
+            constraints=stats.constraints,
+            roots=len(g.roots),
+            tied_blocks=g.tied_blocks,
+            capture_s=0.0,
+            build_s=stats.build_seconds,
+            solve_s=stats.solve_seconds,
+            gap=stats.gap,
+            status=stats.status,
+        )
+        try:
+            result = assemble_plan(g, assignment, report, cluster, memory, choice, budget, pipeline, mesh)
+        except PlanError:
+            if pipeline is not None and budget is not None:  # no split of the stages fits the budget
+                return None
+            raise
+        if budget is None or _peak_bytes(result) <= budget or limit is None:
+            return result if budget is None or _peak_bytes(result) <= budget else None
+        limit -= _peak_bytes(result) - budget
+    return None
+
+
+def _no_fit(
+    g: StrategyGraph,
+    tables: tuple,
+    choice: MemoryChoice,
+    memory: Memory,
+    budget: float,
+    cluster: Cluster,
+    pipeline: Pipeline | None,
+    mesh: MeshSpec,
+    seed: int,
+) -> str:
+    """The error when no plan fits: the least memory reached and what dominates it."""
+    node_costs, pair_costs, constant = tables
+    _, _, mem, mem_constant = memory_tables(g, choice, memory)
+    ilp = StrategyILP(node_costs, pair_costs, constant, (mem, mem_constant))
+    assignment, _ = ilp.minimum_memory(seed=seed)
+    report = SolverReport(0, 0, len(g.roots), g.tied_blocks, 0.0, 0.0, 0.0, 0.0, "MIN_MEMORY")
+    least = assemble_plan(g, assignment, report, cluster, memory, choice, None, pipeline, mesh)
+    p = least.prediction
+    parts = {
+        "parameters": p.param_bytes,
+        "gradients": p.grad_bytes,
+        "optimizer state": p.optimizer_bytes,
+        "activations": p.activation_bytes,
     }
+    top = max(parts, key=parts.get)
+    how = f"ZeRO-{choice.zero}" + (
+        f", recompute of {len(choice.recompute)} modules ({next(iter(choice.recompute.values()))})"
+        if choice.recompute
+        else ""
+    )
+    breakdown = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
+    return (
+        f"no plan fits memory_budget={budget / 2**30:.2f} GiB per device on mesh {g.mesh}: the least "
+        f"memory reached is {_peak_bytes(least) / 2**30:.2f} GiB ({how}; {breakdown}), dominated by {top}; "
+        f"use more devices, a smaller batch, or offload"
+    )
+
+
+def memory_tables(
+    g: StrategyGraph, choice: MemoryChoice, memory: Memory
+) -> tuple[dict[str, np.ndarray], float, dict[str, np.ndarray], float]:
+    """Per root and strategy, the seconds ``choice`` adds and the bytes per device it holds; and constants.
+
+    Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers again
+    in backward (ZeRO-2's reduce-scatter and all-gather cost what the all-reduce does);
+    recomputed ops run their forward again. Bytes: each parameter's state
+    (:func:`~autopar.memory.state_bytes`, split over the axes it is replicated on),
+    and each op's saved values in the layouts of its strategy, each value counted at
+    its first saver; inside a recompute region only what the region keeps, plus the
+    first region's own values (the one being recomputed). The plan's figure is exact;
+    this is the linear estimate the ILP constrains.
+    """
+    mesh = g.mesh
+    seconds = {r: np.zeros(k) for r, k in g.roots.items()}
+    nbytes = {r: np.zeros(k) for r, k in g.roots.items()}
+    constants = [0.0, 0.0]
+
+    def add(table: dict[str, np.ndarray], which: int, c: Choice, values: np.ndarray) -> None:
+        if c.root is None:
+            constants[which] += float(values[0])
+        else:
+            table[c.root] += values
+
+    state = {**g.captured.params, **g.captured.buffers}
+    for node, c in g.choices.items():
+        if node.name not in state:
+            continue
+        grad = node.name in g.captured.params and bool(g.requires_grad.get(node))
+        itemsize = node.meta["val"].element_size()
+        held, extra = [], []
+        for s in c.strategies:
+            layout = s.outputs[0]
+            local = local_bytes(node, layout, mesh)
+            axes = [a for a, p in enumerate(layout) if isinstance(p, Replicate)] if grad else []
+            split = (
+                zero_split(shape_of(node), layout, axes, mesh, itemsize, memory.zero_threshold)
+                if choice.zero
+                else None
+            )
+            n = mesh.axis_sizes[split[0]] if split else 1
+            b = state_bytes(local, itemsize, n, choice.zero, memory, grad)
+            held.append(b.param + b.grad + b.optimizer)
+            extra.append(_zero_seconds(g, choice.zero, split, local))
+        add(nbytes, 1, c, np.array(held))
+        add(seconds, 0, c, np.array(extra))
+    regions = regions_of(g.captured.graph, choice.recompute)
+    first = next((name for name, _ in regions.values()), None)
+    claimed: set[object] = set()  # storages already counted
+    for node in g.captured.graph.nodes:
+        c = g.choices.get(node)
+        if c is None or node.op != "call_function" or c.kind in ("getitem", "output"):
+            continue
+        call = OpCall.of(node)
+        spec = saved_by(node, [bool(g.requires_grad.get(op)) for op in call.operands])
+        region = regions.get(node)
+        matmul = str(node.target) in MATMUL_OPS
+        items = []  # (operand or output, index, global bytes, kept)
+        for i in spec.inputs:
+            src, index = source_of(call.operands[i])
+            storage, size = storage_of(src, index)
+            if src.op == "placeholder" or storage in claimed:
+                continue
+            claimed.add(storage)
+            kept = region is None or regions.get(src, (None,))[0] != region[0]
+            items.append(("operand", i, size, kept))
+        for j in spec.outputs:
+            storage, size = storage_of(node, j)
+            if storage not in claimed:
+                claimed.add(storage)
+                kept = region is None or (region[1] == SELECTIVE and matmul)
+                items.append(("output", j, size, kept))
+        if spec.extra_bytes:
+            largest = largest_operand(call)
+            which = ("operand", largest) if largest is not None else ("output", 0)
+            items.append((*which, float(spec.extra_bytes), region is None))
+        weights = [1.0 if kept or (region is not None and region[0] == first) else 0.0 for *_, kept in items]
+        values = []
+        for s in c.strategies:
+            total = 0.0
+            for (which, index, size, _), w in zip(items, weights):
+                layout = (s.operands if which == "operand" else s.outputs)[index]
+                total += 0.0 if layout is None else w * size * local_fraction(layout, mesh)
+            values.append(total)
+        add(nbytes, 1, c, np.array(values))
+        if region is not None and g.requires_grad.get(node) and c.compute is not None:
+            if region[1] == FULL or not matmul:
+                add(seconds, 0, c, c.compute / 3.0)  # forward again: a third of forward + backward
+    return seconds, constants[0], nbytes, constants[1]
+
+
+def _zero_seconds(g: StrategyGraph, zero: int, split: tuple[int, int] | None, local: float) -> float:
+    """Seconds ZeRO adds for one parameter: an all-gather of its shard (ZeRO-1 after the step,
+    ZeRO-3 again in backward); ZeRO-2 trades the all-reduce for a reduce-scatter and an all-gather."""
+    if split is None or zero not in (1, 3):
+        return 0.0
+    axis = g.mesh.axis_names[split[0]]
+    shard = int(local / g.mesh.axis_sizes[split[0]])
+    return g.grad_sum_weight * g.cost.collective_time(Collective("all_gather", (axis,), shard), latency=False)
+
+
+def zero_splits(
+    g: StrategyGraph, assignment: dict[str, int], memory: Memory
+) -> dict[torch.fx.Node, tuple[int, int]]:
+    """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see :func:`~autopar.memory.zero_split`).
+
+    The axes a parameter's gradient is summed over are those the compiled program sums
+    (:func:`~autopar.gradient_sums.planned_edges`) under the assignment.
+    """
+    _lay_out(g, assignment)
+    state = set(g.captured.params) | set(g.captured.buffers)
+    _, summed = planned_edges(g.captured.graph, state, g.requires_grad, g.mesh.ndim)
+    splits = {}
+    for node in g.captured.graph.nodes:  # graph order: every rank lists the splits alike
+        axes = summed.get(node)
+        if axes and node.name in g.captured.params:
+            layout = g.strategy(node, assignment).outputs[0]
+            itemsize = node.meta["val"].element_size()
+            split = zero_split(shape_of(node), layout, axes, g.mesh, itemsize, memory.zero_threshold)
+            if split is not None:
+                splits[node] = split
+    return splits
+
+
+def _lay_out(g: StrategyGraph, assignment: dict[str, int]) -> None:
+    """The chosen layouts onto the captured graph's nodes (``autopar.layouts``, ``autopar.grads``)."""
+    for node, choice in g.choices.items():
+        if choice.kind != "output":
+            s = g.strategy(node, assignment)
+            node.meta[LAYOUTS] = (s.operands, s.outputs)
+            node.meta[GRADS] = s.grads
+
+
+def recompute_regions(
+    graph: torch.fx.Graph,
+    recompute: Mapping[str, str],
+    gathered: Iterable[torch.fx.Node],
+) -> dict[torch.fx.Node, tuple[str, str]]:
+    """Each recomputed op: ``(region, policy)``. Regions are the recompute modules and, for
+    each op taking a ZeRO-3 parameter gathered (``gathered``: those parameters) outside
+    them, a selective region of its own: the gather runs again in backward, the gathered
+    weight is never kept."""
+    regions = regions_of(graph, recompute)
+    for param in gathered:
+        for user in param.users:
+            slots = [i for i, op in enumerate(OpCall.of(user).operands) if op is param]
+            needs = user.meta[LAYOUTS][0] if LAYOUTS in user.meta else ()
+            if user in regions or user.op != "call_function" or not slots:
+                continue
+            if any(needs[i] is not None and needs[i] != param.meta[LAYOUTS][1][0] for i in slots):
+                regions[user] = (f"zero3:{user.name}", SELECTIVE)
+    return regions
 
 
 def assemble_plan(
-    g: StrategyGraph, assignment: dict[str, int], report: SolverReport, cluster: Cluster
+    g: StrategyGraph,
+    assignment: dict[str, int],
+    report: SolverReport,
+    cluster: Cluster,
+    memory: Memory | None = None,
+    choice: MemoryChoice | None = None,
+    budget: float | None = None,
+    pipeline: Pipeline | None = None,
+    mesh: MeshSpec | None = None,
 ) -> Plan:
-    """Turn solver choices into a :class:`Plan` with costs, bytes and memory."""
+    """Turn solver choices into a :class:`Plan` with costs, bytes and memory.
+
+    ``choice`` applies its ZeRO stage (ZeRO-3 stores each split parameter split, so the
+    consumers gather it) and its recompute; ``pipeline`` (on the whole ``mesh``) adds the
+    stages.
+    """
+    memory = memory or Memory()
+    choice = choice or MemoryChoice(0, {})
+    splits = zero_splits(g, assignment, memory) if choice.zero else {}
+    if choice.zero == 3:
+        stored = {
+            node: Choice(None, [_fixed(with_split(g.strategy(node, assignment).outputs[0], split))], "zero3")
+            for node, split in splits.items()
+        }
+        g = replace(g, choices={**g.choices, **stored})
+    _lay_out(g, assignment)
     nodes, redists, warnings = [], [], []
     compute = 0.0
-    for node, choice in g.choices.items():
-        if choice.kind == "output":
+    for node, c in g.choices.items():
+        if c.kind == "output":
             continue
         s = g.strategy(node, assignment)
-        node.meta[LAYOUTS] = (s.operands, s.outputs)
-        node.meta[GRADS] = s.grads
-        t = (
-            float(choice.compute[assignment[choice.root]] if choice.root else choice.compute[0])
-            if choice.compute is not None
-            else 0.0
-        )
+        t = float(c.compute[assignment[c.root]] if c.root else c.compute[0]) if c.compute is not None else 0.0
         compute += t
         nodes.append(
             NodeDecision(
                 node.name,
                 str(node.target) if node.op == "call_function" else node.op,
                 module_path(node),
-                choice.kind,
+                c.kind,
                 tuple(None if o is None else format_layout(o) for o in s.operands),
                 tuple(format_layout(o) for o in s.outputs),
                 tuple(None if o is None else format_layout(o) for o in s.grads),
                 t,
             )
         )
-    # the collectives exactly as the compiled program will issue them (same edges, same sums)
+    graph = g.captured.graph
     state = set(g.captured.params) | set(g.captured.buffers)
-    planned, summed = planned_edges(g.captured.graph, state, g.requires_grad, g.mesh.ndim)
+    regions = recompute_regions(graph, choice.recompute, splits if choice.zero == 3 else ())
+    # the collectives exactly as the compiled program will issue them (same edges, same sums)
+    planned, summed = planned_edges(graph, state, g.requires_grad, g.mesh.ndim)
     for (src, dst, slot), have, need, grad_need, grad_have in planned:
         if have == need and grad_need == grad_have:
             continue
         shape, itemsize = tuple(int(x) for x in src.meta["val"].shape), src.meta["val"].element_size()
         fwd, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
         bwd, t_bwd = g.cost.backward(have, need, grad_need, grad_have, shape, itemsize)
+        if src.name in state and dst in regions:  # gathered again when the region is recomputed
+            bwd, t_bwd = [*fwd, *bwd], t_bwd + t_fwd
         redists.append(
             _redistribution(g, src, dst.name, module_path(dst), slot, have, need, fwd, bwd, t_fwd + t_bwd)
         )
     for node, axes in summed.items():
         layout = g.strategy(node, assignment).outputs[0]
         size = int(local_bytes(node, layout, g.mesh))
-        bwd = [Collective("all_reduce", (g.mesh.axis_names[a],), size) for a in sorted(axes)]
+        split = splits.get(node) if choice.zero in (1, 2) else None
+        bwd = [
+            Collective(
+                "reduce_scatter" if split and a == split[0] and choice.zero == 2 else "all_reduce",
+                (g.mesh.axis_names[a],),
+                size,
+            )
+            for a in sorted(axes, key=lambda a: split is not None and a == split[0])
+        ]
+        if split is not None:  # the updated shards, gathered after the optimizer step
+            n = g.mesh.axis_sizes[split[0]]
+            bwd.append(Collective("all_gather", (g.mesh.axis_names[split[0]],), size // n))
         seconds = sum(g.cost.collective_time(c, latency=False) for c in bwd)  # bucketed
         redists.append(_redistribution(g, node, "<gradient sum>", "", 0, layout, layout, [], bwd, seconds))
+    recomputed = sum(
+        float(c.compute[assignment[c.root]] if c.root else c.compute[0]) / 3.0
+        for node, (_, policy) in regions.items()
+        if (c := g.choices.get(node)) is not None
+        and c.compute is not None
+        and g.requires_grad.get(node)
+        and (policy == FULL or str(node.target) not in MATMUL_OPS)
+    )
+    compute += recomputed
     comm = sum(r.seconds for r in redists)
     comm_bytes = sum(c.bytes for r in redists for c in (*r.forward, *r.backward))
     params: dict[str, str] = {}
-    param_bytes = grad_bytes = 0.0
+    held: dict[str, tuple[float, float, float, float]] = {}
     for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
         node = next(n for n in g.choices if n.name == name)
         layout = g.strategy(node, assignment).outputs[0]
         for alias in g.captured.aliases.get(fqn, [fqn]):
             params[alias] = format_layout(layout)
-        if name in g.captured.params:
-            size = local_bytes(node, layout, g.mesh)
-            param_bytes += size
-            if g.requires_grad.get(node):
-                grad_bytes += size
-    numel_fp32 = sum(
-        local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh) / n.meta["val"].element_size() * 4
-        for n in g.choices
-        if n.name in g.captured.params and g.requires_grad.get(n)
+        split = splits.get(node)
+        n = g.mesh.axis_sizes[split[0]] if split else 1
+        local = local_bytes(node, layout, g.mesh) * (n if choice.zero == 3 else 1)
+        grad = name in g.captured.params and bool(g.requires_grad.get(node))
+        b = state_bytes(local, node.meta["val"].element_size(), n, choice.zero, memory, grad)
+        held[name] = (b.param, b.grad, b.optimizer, b.host)
+    param_bytes, grad_bytes, optimizer_bytes, host_bytes = (
+        sum(b[k] for b in held.values()) for k in range(4)
     )
-    activations = sum(activation_bytes(g, assignment).values())
+    acts = activation_memory(graph, g.requires_grad, g.mesh, regions, memory.offload_activations)
+    host_acts = acts.by_autograd if memory.offload_activations else 0.0
+    device_acts = acts.peak
     seen = set()
     for op, path in g.fallbacks:
         if (op, path) not in seen:
@@ -713,11 +1036,28 @@ def assemble_plan(
         comm_bytes=int(comm_bytes),
         param_bytes=int(param_bytes),
         grad_bytes=int(grad_bytes),
-        optimizer_bytes=int(2 * numel_fp32),
-        activation_bytes=int(activations),
+        optimizer_bytes=int(optimizer_bytes),
+        activation_bytes=int(device_acts),
     )
-    code = format_graph(g.captured.graph, f"Constructed by autopar.plan on mesh {g.mesh} ({cluster.name})")
-    return Plan(
+    by_name = {n.name: n for n in g.choices}
+    memory_plan = MemoryPlan(
+        zero=choice.zero,
+        zero_threshold=memory.zero_threshold,
+        optimizer_states=memory.optimizer_states,
+        offload_optimizer=memory.offload_optimizer,
+        offload_activations=memory.offload_activations,
+        zero_splits={
+            g.captured.params[node.name]: (g.mesh.axis_names[a], d) for node, (a, d) in splits.items()
+        },
+        recompute=dict(choice.recompute),
+        budget=None if budget is None else int(budget),
+        chosen=budget is not None and memory.zero is None,
+        activation_kept_bytes=int(acts.kept),
+        host_optimizer_bytes=int(host_bytes),
+        host_activation_bytes=int(host_acts),
+    )
+    code = format_graph(graph, f"Constructed by autopar.plan on mesh {g.mesh} ({cluster.name})")
+    result = Plan(
         g.mesh.to_dict(),
         cluster.to_dict(),
         nodes,
@@ -728,7 +1068,26 @@ def assemble_plan(
         report,
         code,
         warnings,
+        memory=memory_plan,
     )
+    if pipeline is not None:
+        result.pipeline = plan_pipeline(
+            result,
+            g.captured,
+            pipeline,
+            mesh,
+            CostModel(mesh, cluster).link(0),
+            cluster.memory_bytes if budget is None else budget,
+            {
+                name: local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
+                for name, n in by_name.items()
+                if isinstance(n.meta.get("val"), torch.Tensor)
+            },
+            acts.by_node,
+            held,
+            g.requires_grad,
+        )
+    return result
 
 
 def _redistribution(
@@ -759,15 +1118,4 @@ def _redistribution(
         steps[0],
         steps[1],
         seconds,
-    )
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    return (
-        "view" in str(node.target)
-        or "reshape" in str(node.target)
-        or "transpose" in str(node.target)
-        or "permute" in str(node.target)
-        or "unsqueeze" in str(node.target)
-        or "expand" in str(node.target)
     )

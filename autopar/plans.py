@@ -19,7 +19,7 @@ from autopar.errors import PlanError
 from autopar.layout import parse_layout
 from autopar.mesh import MeshSpec
 
-FORMAT_VERSION = 2  # 2: pipeline plans
+FORMAT_VERSION = 3  # 2: pipeline plans; 3: memory plans
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,48 @@ class Prediction:
     comm_bytes: int
     param_bytes: int
     grad_bytes: int
-    optimizer_bytes: int  # Adam: two fp32 moments per parameter element
-    activation_bytes: int
+    optimizer_bytes: int  # the optimizer's fp32 states (see Memory.optimizer_states); 0 when offloaded
+    activation_bytes: int  # peak on the device (see autopar.memory)
 
     @property
     def memory_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How the plan holds its state and activations (see :mod:`autopar.memory`).
+
+    ``zero_splits`` maps each parameter ZeRO splits to ``(mesh axis, dim)``;
+    ``recompute`` each recomputed module to its policy; ``chosen`` says whether the
+    planner picked the ZeRO stage and recompute to fit ``budget``.
+    """
+
+    zero: int
+    zero_threshold: int
+    optimizer_states: int
+    offload_optimizer: bool
+    offload_activations: bool
+    zero_splits: dict[str, tuple[str, int]]
+    recompute: dict[str, str]
+    budget: int | None
+    chosen: bool
+    activation_kept_bytes: int  # held from the end of the forward into the backward
+    host_optimizer_bytes: int  # offloaded: fp32 master copies, their gradients, the optimizer state
+    host_activation_bytes: int  # offloaded: what autograd saves outside recompute regions
+
+    @property
+    def options(self) -> Any:
+        """The :class:`~autopar.memory.Memory` options this plan was made with, its ZeRO stage fixed."""
+        from autopar.memory import Memory
+
+        return Memory(
+            self.zero,
+            self.zero_threshold,
+            self.optimizer_states,
+            self.offload_optimizer,
+            self.offload_activations,
+        )
 
 
 @dataclass(frozen=True)
@@ -159,6 +195,7 @@ class Plan:
     code: str  # the captured graph as Python, layouts in comments
     warnings: list[str] = field(default_factory=list)
     pipeline: PipelinePlan | None = None
+    memory: MemoryPlan | None = None
 
     @property
     def mesh_spec(self) -> MeshSpec:
@@ -203,6 +240,8 @@ class Plan:
             f"optimizer {_bytes(p.optimizer_bytes)}, activations {_bytes(p.activation_bytes)}, "
             f"total {_bytes(p.memory_bytes)}"
         )
+        if self.memory is not None:
+            _print_memory(console, self.memory)
         ops = Table(title="operators", show_lines=False)
         for col in ("module", "op", "operands", "output", "compute"):
             ops.add_column(col)
@@ -303,7 +342,18 @@ class Plan:
             code=data["code"],
             warnings=list(data["warnings"]),
             pipeline=_pipeline_from_dict(data["pipeline"]) if data.get("pipeline") else None,
+            memory=_memory_from_dict(data["memory"]) if data.get("memory") else None,
         )
+
+
+def _memory_from_dict(data: dict[str, Any]) -> MemoryPlan:
+    return MemoryPlan(
+        **{
+            **data,
+            "zero_splits": {k: (v[0], int(v[1])) for k, v in data["zero_splits"].items()},
+            "recompute": dict(data["recompute"]),
+        }
+    )
 
 
 def _pipeline_from_dict(data: dict[str, Any]) -> PipelinePlan:
@@ -342,6 +392,20 @@ def _print_pipeline(console: Any, pp: PipelinePlan) -> None:
             f"{_bytes(s.peak_activation_bytes)} (×{s.in_flight:g})",
         )
     console.print(table)
+
+
+def _print_memory(console: Any, m: MemoryPlan) -> None:
+    how = f"chosen to fit {_bytes(m.budget)}" if m.chosen else "as asked"
+    budget = f", budget {_bytes(m.budget)}" if m.budget is not None and not m.chosen else ""
+    recompute = ", ".join(f"{path} ({policy})" for path, policy in m.recompute.items()) or "none"
+    offloaded = (("optimizer", m.offload_optimizer), ("activations", m.offload_activations))
+    offload = [what for what, on in offloaded if on]
+    console.print(
+        f"memory plan ({how}{budget}): ZeRO-{m.zero} ({len(m.zero_splits)} parameters split), "
+        f"recompute: {recompute}; offload: {', '.join(offload) or 'none'} "
+        f"(host {_bytes(m.host_optimizer_bytes + m.host_activation_bytes)}); "
+        f"activations kept {_bytes(m.activation_kept_bytes)}"
+    )
 
 
 def load_plan(path: str | Path) -> Plan:

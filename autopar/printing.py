@@ -37,23 +37,38 @@ def op_name(target: object) -> str:
 
 
 def format_graph(graph: torch.fx.Graph, header: str) -> str:
-    """The graph as a Python function; ``header`` becomes its first comment line."""
+    """The graph as a Python function; ``header`` becomes its first comment line.
+
+    A recompute region (a ``call_module`` of ``passes.apply_recompute``) prints as a
+    nested function, called through ``checkpoint`` with its policy.
+    """
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    lines = [f"# {header}", f"def forward({', '.join(n.name for n in placeholders)}):"]
+    lines = [f"# {header}", f"def forward({', '.join(n.name for n in placeholders)}):", *_body(graph, "    ")]
+    return "\n".join(lines) + "\n"
+
+
+def _body(graph: torch.fx.Graph, indent: str) -> list[str]:
+    lines = []
     for node in graph.nodes:
         layouts = node.meta.get(LAYOUTS)
+        args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
         if node.op == "placeholder":
             if layouts:
-                lines.append(f"    # {node.name}: {format_layout(layouts[1][0])}")
+                lines.append(f"{indent}# {node.name}: {format_layout(layouts[1][0])}")
         elif node.op == "call_function":
-            args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
-            call = f"{op_name(node.target)}({', '.join(args)})"
-            line = f"    {node.name} = {call}"
+            line = f"{indent}{node.name} = {op_name(node.target)}({', '.join(args)})"
             if layouts:
                 operands = ", ".join("-" if o is None else format_layout(o) for o in layouts[0])
                 outputs = ", ".join(format_layout(o) for o in layouts[1])
                 line += f"  # {operands} -> {outputs}" if operands else f"  # {outputs}"
             lines.append(line)
+        elif node.op == "call_module":
+            region = graph.owning_module.get_submodule(node.target)
+            inner = [n.name for n in region.region.graph.nodes if n.op == "placeholder"]
+            lines.append(f"{indent}def {node.target}({', '.join(inner)}):  # recomputed in backward")
+            lines += _body(region.region.graph, indent + "    ")
+            call = f"checkpoint({node.target}, {', '.join(args)}, policy={region.policy!r})"
+            lines.append(f"{indent}{node.name} = {call}")
         elif node.op == "output":
-            lines.append(f"    return {_arg(node.args[0])}")
-    return "\n".join(lines) + "\n"
+            lines.append(f"{indent}return {_arg(node.args[0])}")
+    return lines

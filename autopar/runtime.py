@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from autopar import collectives
 from autopar.errors import CompileError, ShapeError
 from autopar.layout import Layout, format_layout, local_shape
+from autopar.memory import Memory
 from autopar.mesh import MeshSpec
+from autopar.optimizer import ZeroShard, make_optimizer
 from autopar.pipeline import Pipeline
 from autopar.pipeline_runtime import PipelineRuntime
 from autopar.printing import LAYOUTS, format_graph
@@ -43,12 +46,16 @@ BUCKET_BYTES = 25 * 2**20
 
 
 def local_piece(t: torch.Tensor, layout: Layout, mesh: Any) -> torch.Tensor:
-    """This rank's piece of a global tensor that every rank holds whole (no communication)."""
+    """This rank's piece of a global tensor that every rank holds whole (no communication).
+
+    A split piece is a copy: a view would keep the whole tensor's memory alive.
+    """
+    piece = t
     for axis, p in enumerate(layout):
         if isinstance(p, Shard):
             n = mesh.size(axis)
-            t = t.chunk(n, dim=p.dim)[mesh.get_local_rank(axis)]
-    return t.contiguous()
+            piece = piece.chunk(n, dim=p.dim)[mesh.get_local_rank(axis)]
+    return piece.contiguous() if piece is t else piece.clone(memory_format=torch.contiguous_format)
 
 
 class GradReducer:
@@ -67,53 +74,68 @@ class GradReducer:
     :meth:`DistributedModule.no_sync` the leaves keep accumulating and the next pass
     outside it sums everything once. :meth:`expect` does the same for the microbatches
     of a pipeline step: each leaf is summed after its last microbatch's backward.
+
+    Under ZeRO-2 (``scattered``: the :class:`~autopar.optimizer.ZeroShard` of each
+    parameter split, by ``id``) a split parameter's bucket is laid out rank by rank (piece
+    ``r`` of every parameter in region ``r``), summed over its other axes, then
+    reduce-scattered over the split axis; each rank keeps only its region, as the shards'
+    gradients, and the full bucket lives only until then.
     """
 
     def __init__(
         self,
         params: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[str, ...]]],
         bucket_bytes: int = BUCKET_BYTES,
+        scattered: Mapping[int, ZeroShard] | None = None,
     ):
         self.enabled = True
         self.waiting: dict[int, int] = {}  # id(p) -> backward passes to accumulate locally first
         self.buckets: list[list[torch.nn.Parameter]] = []
         self.axes: list[tuple[str, ...]] = []
+        self.scattered = dict(scattered or {})
+        self.split: list[ZeroShard | None] = []  # per bucket: a shard of its split axis (ZeRO-2)
         self.leaf_of = {id(p): leaf for p, leaf, _ in params}
-        by_axes: dict[tuple[str, ...], list[torch.nn.Parameter]] = {}
+        by_axes: dict[tuple, list[torch.nn.Parameter]] = {}
         for p, _leaf, axes in reversed(params):
             if axes:
-                by_axes.setdefault(axes, []).append(p)
-        for axes, group in by_axes.items():
+                zero = self.scattered.get(id(p))
+                by_axes.setdefault((axes, zero.axis if zero else None), []).append(p)
+        for (axes, split), group in by_axes.items():
             size = 0
-            for p in group:
+            for k, p in enumerate(group):
                 nbytes = self.leaf_of[id(p)].numel() * self.leaf_of[id(p)].element_size()
                 cap = bucket_bytes if self.buckets else FIRST_BUCKET_BYTES
-                if not self.buckets or self.axes[-1] != axes or size + nbytes > cap:
+                if k == 0 or size + nbytes > cap:
                     self.buckets.append([])
                     self.axes.append(axes)
+                    self.split.append(self.scattered[id(p)] if split else None)
                     size = 0
                 self.buckets[-1].append(p)
                 size += nbytes
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.flat = [
-            torch.empty(sum(self.leaf_of[id(p)].numel() for p in b), dtype=self.leaf_of[id(b[0])].dtype)
-            for b in self.buckets
-        ]
+        # a scattered bucket's offsets are within one rank's region
         self.offsets = []
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
             offsets, at = {}, 0
             for p in b:
                 offsets[id(p)] = at
-                at += self.leaf_of[id(p)].numel()
+                at += self.leaf_of[id(p)].numel() // (self.split[i].n if self.split[i] else 1)
             self.offsets.append(offsets)
+        self.sizes = [sum(self.leaf_of[id(p)].numel() for p in b) for b in self.buckets]
+        self.flat: list[torch.Tensor | None] = [
+            None if self.split[i] else torch.empty(self.sizes[i], dtype=self.leaf_of[id(b[0])].dtype)
+            for i, b in enumerate(self.buckets)
+        ]
         self.pending = [len(b) for b in self.buckets]
         self.launched: list[tuple[int, list]] = []
+        self.regions: dict[int, torch.Tensor] = {}  # scattered bucket -> this rank's summed region
         # p.grad for a summed parameter is a view of its bucket, wrapped once
         self.wrapped = {
             id(p): DTensor.from_local(
                 self._view(i, p).view_as(self.leaf_of[id(p)]), p.device_mesh, p.placements, run_check=False
             )
             for i, b in enumerate(self.buckets)
+            if not self.split[i]
             for p in b
         }
         for p, leaf, _ in params:
@@ -135,12 +157,29 @@ class GradReducer:
         if i is None:
             _deliver(p, grad)
             return
+        if self.split[i] is not None:
+            self._scatter_in(i, p, grad)
+            return
         view = self._view(i, p)
         if p.grad is not None and p.grad.to_local().data_ptr() == view.data_ptr():
             # the user kept last pass's gradient (no zero_grad): it must outlive this bucket's reuse
             kept = view.view_as(leaf).clone()
             p.grad = DTensor.from_local(kept, p.device_mesh, p.placements, run_check=False)
         view.copy_(grad.reshape(-1))
+        self._arrived(i)
+
+    def _scatter_in(self, i: int, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Copy a ZeRO-2 gradient into its bucket, piece ``r`` into rank ``r``'s region."""
+        zero = self.scattered[id(p)]
+        if self.flat[i] is None:  # the full bucket exists only during this backward pass
+            self.flat[i] = torch.empty(self.sizes[i], dtype=grad.dtype)
+        regions = self.flat[i].view(zero.n, -1)
+        at, size = self.offsets[i][id(p)], grad.numel() // zero.n
+        pieces = grad.unflatten(zero.dim, (zero.n, -1)).movedim(zero.dim, 0)
+        regions[:, at : at + size].copy_(pieces.flatten(1))
+        self._arrived(i)
+
+    def _arrived(self, i: int) -> None:
         self.pending[i] -= 1
         if self.pending[i] == 0:
             self._launch(i)
@@ -153,19 +192,33 @@ class GradReducer:
 
     def _launch(self, i: int) -> None:
         works: list = []
-        flat = self.flat[i]
-        for axis in self.axes[i]:
+        flat, zero = self.flat[i], self.split[i]
+        nbytes = flat.numel() * flat.element_size()
+        for axis in sorted(self.axes[i], key=lambda a: zero is not None and a == zero.key):
             for w in works:  # summing over a second axis needs the first sum
                 w.wait()
             group, _, _ = collectives.axis_info(axis)
-            collectives.count_collective("all_reduce", axis, flat.numel() * flat.element_size())
-            works = [dist.all_reduce(flat, group=group, async_op=True)]
+            if zero is not None and axis == zero.key:
+                collectives.count_collective("reduce_scatter", axis, nbytes)
+                self.regions[i] = flat.new_empty(flat.numel() // zero.n)
+                works = [dist.reduce_scatter_single(self.regions[i], flat, group=group, async_op=True)]
+            else:
+                collectives.count_collective("all_reduce", axis, nbytes)
+                works = [dist.all_reduce(flat, group=group, async_op=True)]
         self.launched.append((i, works))
 
     def _finish(self) -> None:
         for i, works in self.launched:
             for w in works:
                 w.wait()
+            zero = self.split[i]
+            if zero is not None:
+                region, self.flat[i] = self.regions.pop(i), None
+                for p in self.buckets[i]:
+                    piece = self.scattered[id(p)]
+                    at, shape = self.offsets[i][id(p)], piece.piece(self.leaf_of[id(p)]).shape
+                    piece.set_grad(region[at : at + shape.numel()].view(shape))
+                continue
             for p in self.buckets[i]:
                 if p.grad is None:
                     p.grad = self.wrapped[id(p)]
@@ -338,8 +391,20 @@ class DistributedModule(torch.nn.Module):
             for s in specs
             if s.kind == InputKind.PARAMETER and s.target in named
         }
+        memory = ctx.plan.memory
+        self.memory = memory.options if memory is not None else Memory(zero=0)
+        # ZeRO-1/2: this rank's piece of each split parameter, for the optimizer (and ZeRO-2's gradients)
+        self.zero_shards: dict[int, ZeroShard] = {}
+        if memory is not None and memory.zero in (1, 2):
+            # in parameter order, the same on every rank: the shards are gathered in this order
+            for fqn, p in self.named_parameters():  # under a pipeline, this rank's stages' only
+                if fqn in memory.zero_splits:
+                    axis, dim = memory.zero_splits[fqn]
+                    shard = ZeroShard(p, self._leaves[id(p)], axis, dim, self.axis_keys[axis])
+                    self.zero_shards[id(p)] = shard
         self.grad_reducer = GradReducer(
-            [(p, self._leaves[id(p)], axes_of.get(id(p), ())) for p in self.parameters() if p.requires_grad]
+            [(p, self._leaves[id(p)], axes_of.get(id(p), ())) for p in self.parameters() if p.requires_grad],
+            scattered=self.zero_shards if self.memory.zero == 2 else None,
         )
         self._loss_tails: dict[Any, DistributedModule] = {}  # loss_fn -> its compiled program
         self.pipeline = None
@@ -418,7 +483,10 @@ class DistributedModule(torch.nn.Module):
                 "a pipelined module runs whole training steps across its stages' ranks: "
                 "call dmodel.train_step(inputs, target, loss_fn)"
             )
-        outs = self._program(*self.program_inputs(args, kwargs))
+        inputs = self.program_inputs(args, kwargs)
+        offload = self.memory.offload_activations
+        with self.activations_to_host(inputs) if offload else contextlib.nullcontext():
+            outs = self._program(*inputs)
         return pytree.tree_unflatten([outs[i] for i in self._user_outputs], self._out_spec)
 
     # --- training ----------------------------------------------------------------------
@@ -526,6 +594,106 @@ class DistributedModule(torch.nn.Module):
         tail = build_module(module, self.stage_mesh, self.stage_mesh, captured, plan)
         self._loss_tails[loss_fn] = tail
         return tail
+
+    @contextlib.contextmanager
+    def activations_to_host(self, inputs: Iterable[Any] = ()) -> Iterator[None]:
+        """Keep what autograd saves in this block in host memory, copied back in backward.
+
+        A tensor saved several times (or through views) is copied once; one living in
+        ``inputs`` (the parameters, the batch: memory the step does not allocate) stays
+        where it is. ``host_activation_bytes`` is what the last forward put on the host (the
+        plan predicts it). What a recompute region keeps (its inputs, the outputs its policy
+        saves) stays with the region.
+        """
+        host = torch.device("cpu")
+        pin = self.device_mesh.device_type == "cuda"
+        copies: dict[Any, torch.Tensor] = {}
+        resident = {StorageWeakRef(t.untyped_storage()) for t in inputs if isinstance(t, torch.Tensor)}
+        self.host_activation_bytes = 0
+
+        def pack(t: torch.Tensor) -> Any:
+            storage = t.untyped_storage()
+            key = StorageWeakRef(storage)
+            if key in resident:
+                return t
+            if key not in copies:
+                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                copies[key] = whole.to(host, copy=True).pin_memory() if pin else whole.to(host, copy=True)
+                self.host_activation_bytes += storage.nbytes()
+            return t.device, key, t.storage_offset(), t.size(), t.stride(), t.dtype
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, key, offset, size, stride, dtype = packed
+            storage = copies[key].to(device).untyped_storage()
+            return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def optimizer(
+        self, optimizer_class: Callable[..., torch.optim.Optimizer], **options: Any
+    ) -> torch.optim.Optimizer:
+        """``optimizer_class(params, **options)`` for this module, as its memory plan holds state.
+
+        Without ZeRO-1/2 or offload, a plain optimizer over ``self.parameters()``; with
+        them, one over this rank's ZeRO shards (or host copies) whose ``step()`` also
+        gathers the updated shards (see :mod:`autopar.optimizer`). Under ZeRO-2 the full
+        parameters have no ``grad``: the shards' optimizer holds the gradients.
+        """
+        m = self.memory
+        if m.zero not in (1, 2) and not m.offload_optimizer:
+            return optimizer_class(self.parameters(), **options)
+        return make_optimizer(
+            list(self.parameters()),
+            self.zero_shards,
+            m.zero,
+            m.offload_optimizer,
+            torch.device("cpu"),
+            optimizer_class,
+            **options,
+        )
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds now, measured from the live tensors (each storage once).
+
+        ``param`` and ``grad``: the parameters' local pieces and their gradients (ZeRO
+        shards' gradients included); ``optimizer``: the state tensors of ``optimizer``
+        shaped like its parameters (per-parameter step counters left out); under optimizer
+        offload those, the master copies and their gradients count as ``host`` instead.
+        The plan predicts the same (``plan.prediction``, ``plan.memory.host_bytes``).
+        """
+        seen: set = set()
+
+        def size(tensors: Iterable[Any]) -> int:
+            total = 0
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    key = StorageWeakRef(local.untyped_storage())
+                    if key not in seen:
+                        seen.add(key)
+                        total += local.untyped_storage().nbytes()
+            return total
+
+        params = list(self.parameters())
+        param = size([*params, *self.buffers()])
+        grad = size([p.grad for p in params] + [s.shard.grad for s in self.zero_shards.values()])
+        held = {"param": param, "grad": grad, "optimizer": 0, "host": 0}
+        if optimizer is not None:
+            owned = [p for group in optimizer.param_groups for p in group["params"]]
+            states = [
+                t
+                for p in owned
+                for t in optimizer.state.get(p, {}).values()
+                if isinstance(t, torch.Tensor) and t.shape == p.shape
+            ]
+            if self.memory.offload_optimizer:
+                held["host"] = size([*owned, *(p.grad for p in owned), *states])
+            else:
+                held["optimizer"] = size(states)
+        return held
 
     # --- introspection ------------------------------------------------------------------
     @property

@@ -17,6 +17,13 @@ Objective
 Constraints
     (one-hot)        \sum_i s_{r,i} = 1                                 for every r
     (edge)           e_{uv,ij} \ge s_{u,i} + s_{v,j} - 1               for every R'_{uv,ij} > 0
+    (memory)         m_0 + \sum_r \sum_i m_{r,i} s_{r,i} \le B          when a budget B is given
+
+``m_{r,i}`` are the bytes per device that choosing strategy i for root r implies
+(parameters, gradients, optimizer state and activations of every node sharing the
+variable, see :mod:`autopar.memory`), ``m_0`` those of fixed nodes; bytes are counted
+in KiB for CP-SAT. :meth:`StrategyILP.minimum_memory` solves ``min m_0 + \sum m s``
+instead, for the error that names the least memory any plan needs.
 
 Annotated nodes (constrained activations, annotated parameters) have a single
 strategy, so the planner gives them no variable: their edges fold into the cost
@@ -48,6 +55,7 @@ from ortools.sat.python import cp_model
 
 NANOSECONDS = 1e9
 MAX_OBJECTIVE = float(2**52)  # keep CP-SAT's integer objective far from overflow
+KIB = 1024.0
 
 
 @dataclass(frozen=True)
@@ -70,10 +78,14 @@ class StrategyILP:
         node_costs: dict[str, np.ndarray],
         pair_costs: dict[tuple[str, str], np.ndarray],
         constant: float = 0.0,
+        memory: tuple[dict[str, np.ndarray], float] | None = None,
+        budget: float | None = None,
     ) -> None:
         self.node_costs = node_costs
         self.pair_costs = pair_costs
         self.constant = constant
+        self.memory = memory  # (bytes per root and strategy, bytes of fixed nodes)
+        self.budget = budget
 
     # --- evaluation (also the reference for the exhaustive test) -------------------
     def evaluate(self, assignment: dict[str, int]) -> float:
@@ -119,6 +131,38 @@ class StrategyILP:
             model.AddExactlyOne(s[r])
         return s
 
+    def _memory_budget(self, model: cp_model.CpModel, s: dict[str, list]) -> None:
+        """Memory constraint: the bytes every choice implies fit the budget (in KiB)."""
+        _, fixed = self.memory
+        model.Add(self._memory_terms(s) <= int(math.floor((self.budget - fixed) / KIB)))
+
+    def _memory_terms(self, s: dict[str, list]) -> object:
+        per_root, _ = self.memory
+        return sum(
+            int(math.ceil(m[i] / KIB)) * s[r][i] for r, m in per_root.items() for i in np.nonzero(m > 0)[0]
+        )
+
+    def minimum_memory(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], float]:
+        """The choices needing the least memory, and those bytes (the memory objective alone)."""
+        per_root, fixed = self.memory
+        model = cp_model.CpModel()
+        s = self._choose_one(model, self.node_costs)
+        model.Minimize(self._memory_terms(s))
+        solver = self._solver(time_limit, seed)
+        status = solver.Solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise RuntimeError(f"the memory ILP has no solution ({solver.StatusName(status)})")
+        assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
+        return assignment, fixed + sum(float(per_root[r][i]) for r, i in assignment.items() if r in per_root)
+
+    @staticmethod
+    def _solver(time_limit: float, seed: int) -> cp_model.CpSolver:
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        solver.parameters.random_seed = seed
+        solver.parameters.max_deterministic_time = time_limit
+        return solver
+
     def _scale(self, nodes: dict[str, np.ndarray], pairs: dict) -> float:
         worst = sum(float(c.max()) for c in nodes.values()) + sum(float(m.max()) for m in pairs.values())
         return min(NANOSECONDS, MAX_OBJECTIVE / worst) if worst > 0 else NANOSECONDS
@@ -133,23 +177,25 @@ class StrategyILP:
                 terms.append((self._int(m[i, j]), e))
         return terms
 
-    def solve(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], SolverStats]:
+    def solve(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], SolverStats] | None:
+        """The cheapest choices and the solver's report; None if no choice fits the memory budget."""
         t0 = time.perf_counter()
         nodes, pairs = self._reduced()
         self.scale = self._scale(nodes, pairs)
         model = cp_model.CpModel()
         s = self._choose_one(model, nodes)
         terms = self._edges(model, s, pairs)
+        if self.budget is not None:
+            self._memory_budget(model, s)
         objective = [(self._int(c[i]), s[r][i]) for r, c in nodes.items() for i in range(len(c)) if c[i] > 0]
         model.Minimize(sum(w * v for w, v in objective + terms))
         build = time.perf_counter() - t0
-        solver = cp_model.CpSolver()
-        solver.parameters.num_workers = 1
-        solver.parameters.random_seed = seed
-        solver.parameters.max_deterministic_time = time_limit
+        solver = self._solver(time_limit, seed)
         t1 = time.perf_counter()
         status = solver.Solve(model)
         solve = time.perf_counter() - t1
+        if status == cp_model.INFEASIBLE and self.budget is not None:
+            return None
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(f"the strategy ILP has no solution ({solver.StatusName(status)})")
         assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}

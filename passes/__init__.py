@@ -7,10 +7,12 @@ graph plus a plan to the per-rank program. Each pass's docstring names the
 
 from autopar.passes import (
     apply_plan,
+    apply_recompute,
     drop_layout_constraints,
     insert_redistributions,
     localize_shapes,
     lower_collectives,
+    mark_recompute,
     split_stages,
     strip_export_checks,
     verify_layouts,
@@ -24,5 +26,7 @@ PIPELINE = (
     drop_layout_constraints,  # pinned layouts are in place: the constraints are identities now
     localize_shapes,  # size arguments -> local sizes; split means rescaled
     verify_layouts,  # every edge: producer layout == consumer expectation
+    mark_recompute,  # the ops recomputed in backward: recompute modules, ZeRO-3 gathers
+    apply_recompute,  # each recompute region -> one checkpointed submodule
     split_stages,  # under a pipeline: one program per stage, boundaries carried through
 )

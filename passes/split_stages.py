@@ -56,6 +56,9 @@ class StageProgram:
         return format_graph(self.program.graph, f"Constructed by split_stages: stage {self.index}")
 
 
+_OPS = ("call_function", "call_module")  # a call_module runs a recompute region
+
+
 def _stages_of_inserted(graph: torch.fx.Graph) -> None:
     for node in reversed(graph.nodes):  # users first: the first stage among them
         if node.op == "call_function" and STAGE not in node.meta:
@@ -91,7 +94,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         shape = local_shape(tuple(val.shape), node.meta[LAYOUTS][1][0], ctx.mesh)
         return Boundary(node.name, shape, val.dtype, flows.get(node, False))
 
-    values = [node for node in graph.nodes if node in inputs or (node.op == "call_function" and node.users)]
+    values = [node for node in graph.nodes if node in inputs or (node.op in _OPS and node.users)]
     crossing = [
         [v for v in values if (0 if v in inputs else v.meta[STAGE]) <= s < last_use(v)] for s in range(n - 1)
     ]
@@ -112,7 +115,7 @@ def _program(
     """Stage ``s``'s program and the names of the state placeholders it takes after ``received``."""
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    ops = [node for node in gm.graph.nodes if node.op == "call_function" and node.meta[STAGE] == s]
+    ops = [node for node in gm.graph.nodes if node.op in _OPS and node.meta[STAGE] == s]
     read = {a for op in ops for a in op.all_input_nodes if a not in received}
     state = [node for node in gm.graph.nodes if node in read and node.op == "placeholder"]
     for node in (*received, *state):

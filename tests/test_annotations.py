@@ -219,7 +219,7 @@ def test_pipeline_stage_and_recompute_record():
     recompute(model.mlp)  # a second call changes nothing
     annotations = collect_annotations(model, DP_TP)
     assert dict(annotations.stages) == {"mlp": 0, "head": 1}
-    assert annotations.recompute == ("mlp",)
+    assert dict(annotations.recompute) == {"mlp": "full"}
 
 
 def test_a_module_is_in_one_stage():

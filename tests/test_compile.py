@@ -66,6 +66,8 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
         "drop_layout_constraints",
         "localize_shapes",
         "verify_layouts",
+        "mark_recompute",
+        "apply_recompute",
         "split_stages",
     ]
     assert "redistribute(" in dmodel.pass_snapshots["insert_redistributions"]

@@ -1,0 +1,369 @@
+"""Activation memory: what autograd keeps for backward, predicted per op and measured on a real run.
+
+Prediction (:func:`saved_by`, :func:`saved_activation_bytes`) asks torch itself instead of a table:
+each op is re-run on fake tensors (no memory) of its operands' shapes, dtypes and strides under
+``torch.autograd.graph.saved_tensors_hooks``, and every tensor autograd packs is classified as one of
+the op's operands, one of its outputs, or something else it made (layer-norm statistics, a dropout
+mask, an attention logsumexp). Composite ops (``aten.linear``, ``aten.layer_norm``, ``aten.dropout``,
+``aten.scaled_dot_product_attention``) decompose there exactly as they do eagerly, so their internal
+saves are seen too.
+
+The fake tensors live on the operands' device, not on ``meta``: composite ops pick their kernels by
+device, and ``meta`` picks paths no real device runs (attention on ``meta`` takes the math path, which
+saves the ``seq x seq`` weights; on CPU it takes the flash kernel, which saves a logsumexp). A graph
+captured on ``meta`` is modelled as CPU, and so is one on an accelerator this process cannot use.
+
+Measurement (:class:`ActivationMeter`) counts the storages that ops allocate in the forward of a
+real run and are still alive at each moment. Right after the forward, that is what autograd saved
+plus the outputs the caller holds, which ``saved_activation_bytes(..., outputs=True)`` predicts: on
+CPU the two agree to the byte for the MLP and GPT of the tests (fp32 and bf16, with and without
+dropout). Known reasons they can differ:
+
+* the prediction follows storage sharing of the exported fake values, which can differ from the
+  eager run's (``dropout`` with ``p=0`` returns its input eagerly but a fresh value in export), and
+  ``capture`` adds ``layout_constraint`` copies at block boundaries that the eager model lacks;
+* export inlines ``torch.utils.checkpoint`` regions, so the prediction is for the model without
+  checkpointing, while the meter sees the checkpointed run;
+* accelerators save differently (a CUDA dropout mask is ``bool``, attention adds RNG state): the
+  prediction follows the device of the graph's operands (see above);
+* both count storage bytes, not the allocator's rounded blocks or its cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from autopar.rules import OpCall
+
+
+@dataclass(frozen=True)
+class SavedSpec:
+    """What autograd keeps for the backward of one op call, at the node's global shapes.
+
+    ``inputs`` are indexes into ``OpCall.of(node).operands`` (an fx value passed at several operand
+    positions is reported at its first), ``outputs`` indexes into the tensor leaves of
+    ``node.meta["val"]``, and ``extra_bytes`` the bytes of the other tensors saved (whole storages,
+    each counted once). A tensor saved as a view of an operand or output counts as that operand or
+    output.
+    """
+
+    inputs: frozenset[int] = frozenset()
+    outputs: frozenset[int] = frozenset()
+    extra_bytes: int = 0
+
+
+#: saved_by's results by op, operand metadata, non-tensor arguments, grad flags and device.
+_CACHE: dict[Hashable, SavedSpec] = {}
+
+
+def saved_by(node: torch.fx.Node, grad_operands: Sequence[bool]) -> SavedSpec:
+    """What autograd saves for ``node``'s backward when operand ``i`` requires grad iff ``grad_operands[i]``.
+
+    Only ``call_function`` nodes whose target is an ``OpOverload`` save anything; other nodes
+    (``getitem``, Python arithmetic on sizes), and calls where no floating operand requires grad,
+    get an empty spec. ``grad_operands`` has one flag per ``OpCall.of(node).operands``. An op that
+    cannot run on fake tensors (no fake kernel, a symbolic size from another trace) gets the
+    conservative spec: every grad-requiring floating operand saved, no outputs, no extra bytes.
+    Must be called outside any tracing or dispatch mode (it runs its own fake mode).
+    """
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return SavedSpec()
+    call = OpCall.of(node)
+    if len(grad_operands) != len(call.operands):
+        raise ValueError(
+            f"{node.name}: {len(grad_operands)} grad flags for {len(call.operands)} tensor operands"
+        )
+    flags = tuple(
+        bool(flag) and _differentiable(a.meta["val"].dtype) for a, flag in zip(call.operands, grad_operands)
+    )
+    if not any(flags):
+        return SavedSpec()
+    key = _cache_key(node, call, flags)
+    if key is not None and key in _CACHE:
+        return _CACHE[key]
+    try:
+        spec = _measure(node, call, flags)
+    except Exception:  # noqa: BLE001 - any failure to run the op means "assume the worst", as documented
+        spec = SavedSpec(frozenset(i for i, flag in enumerate(flags) if flag))
+    if key is not None:
+        _CACHE[key] = spec
+    return spec
+
+
+def saved_activation_bytes(
+    graph: torch.fx.Graph, flows: Mapping[torch.fx.Node, bool], *, outputs: bool = False
+) -> int:
+    """Bytes autograd holds for backward once the forward of ``graph`` has run (whole program, global shapes).
+
+    ``flows[n]`` says whether a gradient flows through value ``n`` (see
+    :func:`autopar.capture.gradient_flow`). Sums :func:`saved_by` over the call nodes: saved operands
+    and outputs are counted once per storage of their ``meta["val"]`` (a value and its views saved by
+    several ops count once; export's fake values share storages as the eager ones do), extra bytes
+    per op. Storages of placeholders (parameters, buffers, user inputs) are not activations and are
+    left out. With ``outputs`` the graph's outputs count too (once, even if saved): what is alive
+    after the forward when the caller keeps them, as :class:`ActivationMeter` sees it.
+    """
+    placeholders = {
+        _storage(n.meta["val"]) for n in graph.nodes if n.op == "placeholder" and _is_tensor_value(n)
+    }
+    held: dict[StorageWeakRef, int] = {}
+
+    def hold(value: torch.Tensor) -> None:
+        storage = _storage(value)
+        if storage not in placeholders:
+            held[storage] = value.untyped_storage().nbytes()
+
+    extra = 0
+    for node in graph.nodes:
+        if node.op == "output" and outputs:
+            for leaf in pytree.tree_leaves(node.args):
+                if isinstance(leaf, torch.fx.Node) and _is_tensor_value(leaf):
+                    hold(leaf.meta["val"])
+        if node.op != "call_function":
+            continue
+        call = OpCall.of(node)
+        spec = saved_by(node, [flows.get(a, False) for a in call.operands])
+        outs = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        for value in [call.operands[i].meta["val"] for i in spec.inputs] + [outs[j] for j in spec.outputs]:
+            hold(value)
+        extra += spec.extra_bytes
+    return sum(held.values()) + extra
+
+
+def _differentiable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _is_tensor_value(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _device(call: OpCall) -> torch.device:
+    """The device whose kernels decide how ``call``'s op decomposes (see the module docstring)."""
+    # an accelerator op may take CPU scalars among its operands: the accelerator decides
+    devices = [a.meta["val"].device for a in call.operands]
+    device = next((d for d in devices if d.type != "cpu"), devices[0])
+    backend = getattr(torch, device.type, None)
+    # creating a fake tensor on a device this build lacks aborts the process, so never try
+    if device.type not in ("cpu", "meta") and backend is not None and backend.is_available():
+        return device
+    return torch.device("cpu")
+
+
+def _cache_key(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...]) -> Hashable | None:
+    """A hashable summary of everything that decides what the call saves, or None if there is none."""
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    first = {}
+    for i, a in enumerate(call.operands):
+        first.setdefault(a, i)  # the same value twice (mul(x, x)) saves differently from two values
+
+    def summary(leaf: object) -> object:
+        if isinstance(leaf, torch.fx.Node):
+            val = leaf.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return ("tensor", first[leaf], tuple(val.shape), val.stride(), val.dtype)
+            return ("value", val)
+        return leaf
+
+    key = (node.target, str(spec), tuple(map(summary, leaves)), flags, _device(call))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...]) -> SavedSpec:
+    """Run the op on fake operands and classify what autograd packs."""
+    device = _device(call)
+    requires = {}
+    for a, flag in zip(call.operands, flags):
+        requires[a] = requires.get(a, False) or flag
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():
+        fakes = {a: _fake_operand(a.meta["val"], device, rg) for a, rg in requires.items()}
+        args, kwargs = pytree.tree_map(
+            lambda x: (fakes[x] if x in fakes else x.meta.get("val")) if isinstance(x, torch.fx.Node) else x,
+            (node.args, node.kwargs),
+        )
+        packed: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = node.target(*args, **kwargs)
+    operands = [fakes[a] for a in call.operands]
+    outputs = [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
+    inputs: set[int] = set()
+    saved_outputs: set[int] = set()
+    extra: dict[StorageWeakRef, int] = {}
+    for t in packed:
+        # operands first: an in-place op's or view op's output is its operand's storage
+        i = _find(t, operands)
+        if i is not None:
+            inputs.add(i)
+            continue
+        j = _find(t, outputs)
+        if j is not None:
+            saved_outputs.add(j)
+            continue
+        extra[_storage(t)] = t.untyped_storage().nbytes()
+    return SavedSpec(frozenset(inputs), frozenset(saved_outputs), sum(extra.values()))
+
+
+def _fake_operand(val: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
+    """A fresh fake tensor like ``val``: same shape, strides and dtype; its own storage.
+
+    One that requires grad is made a non-leaf (a copy of a leaf), as activations are: autograd
+    refuses in-place ops on leaves that require grad, and the graph may hold such ops.
+    """
+    shape = [int(s) for s in val.shape]
+    stride = [int(s) for s in val.stride()]
+    t = torch.empty_strided(shape, stride, dtype=val.dtype, device=device)
+    if requires_grad:
+        leaf = torch.empty_strided(shape, stride, dtype=val.dtype, device=device, requires_grad=True)
+        t.copy_(leaf)
+    return t
+
+
+def _find(t: torch.Tensor, candidates: Sequence[torch.Tensor]) -> int | None:
+    """Index of the first candidate ``t`` is, or is a view of (same storage), else None.
+
+    Autograd packs an operand or output itself (identity holds), but a composite op saves the views
+    its decomposition made (``linear`` saves ``weight.t()``), which only share the storage.
+    """
+    for i, c in enumerate(candidates):
+        if t is c:
+            return i
+    storage = _storage(t)
+    for i, c in enumerate(candidates):
+        if _storage(c) == storage:
+            return i
+    return None
+
+
+class ActivationMeter(TorchDispatchMode):
+    """Measures activation memory of real tensors during a training step (a ``with`` block).
+
+    Counts the storage of every tensor that an op (ATen or custom) allocates in the forward: while
+    ``torch.is_grad_enabled()`` (the forward pass, and activation-checkpoint recomputation inside
+    backward), and inside the forward of an ``autograd.Function``, which torch runs with grad mode
+    off: custom ops with autograd (``torch.library.custom_op``) are called that way, so their
+    outputs would otherwise be missed. Such a forward is told apart from ``torch.no_grad`` code and
+    from backward (both of which leave forward-mode AD on) by forward-mode AD being off too; code
+    under ``torch.inference_mode`` is not counted. So ordinary backward ops are not counted (nor are
+    the gradients), and neither is work under ``torch.no_grad`` (an optimizer step); a backward with
+    ``create_graph=True`` runs with grad mode on and is counted.
+
+    Outputs that alias an operand are not allocations and are skipped: those the op schema marks as
+    aliases (views, in-place and ``out=`` ops) and those sharing an operand's storage
+    (``_unsafe_view``). Each storage counts once, at ``untyped_storage().nbytes()``, for as long as
+    it is alive; a wrapper subclass such as DTensor counts by its inner tensors (the local shard),
+    sparse and nested tensors not at all. Liveness is re-checked after every op (any op, counted or
+    not), so the cost per op is O(tracked live storages).
+
+    What is alive after the forward is what autograd saved plus whatever the caller still holds:
+    the forward's outputs (the loss, logits) and any tensor kept in Python. Tensors created before
+    the block (parameters, inputs) and by code that dispatches no op are not counted.
+
+    ``live`` is the bytes alive now, ``peak`` the most seen alive after any op or :meth:`mark`
+    within the block, ``marks`` the live bytes recorded by :meth:`mark`. Entering the block again
+    starts from zero.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tracked: dict[StorageWeakRef, int] = {}
+        self._live = 0
+        self._peak = 0
+        self.marks: dict[str, int] = {}
+
+    def __enter__(self) -> ActivationMeter:
+        self._tracked.clear()
+        self._live = self._peak = 0
+        self.marks = {}
+        return super().__enter__()
+
+    @property
+    def live(self) -> int:
+        """Bytes of the tracked storages alive now."""
+        self._forget_freed()
+        return self._live
+
+    @property
+    def peak(self) -> int:
+        """The largest ``live`` seen after an op or a mark."""
+        return self._peak
+
+    def mark(self, name: str) -> int:
+        """Record the live bytes now as ``marks[name]`` and return them (e.g. ``"after_forward"``)."""
+        self.marks[name] = self.live
+        self._peak = max(self._peak, self._live)
+        return self._live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self._forget_freed()
+        if _in_forward():
+            self._track(func, args, kwargs or {}, out)
+        self._peak = max(self._peak, self._live)
+        return out
+
+    def _track(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        returns = func._schema.returns
+        if not returns:
+            return
+        results = [out] if len(returns) == 1 else list(out)
+        inputs = {_storage(t) for t in _memory_of(pytree.tree_leaves((args, kwargs)))}
+        for ret, value in zip(returns, results):
+            if ret.alias_info is not None:
+                continue
+            for t in _memory_of(pytree.tree_leaves(value)):
+                storage = _storage(t)
+                if storage not in inputs and storage not in self._tracked:
+                    size = t.untyped_storage().nbytes()
+                    self._tracked[storage] = size
+                    self._live += size
+
+    def _forget_freed(self) -> None:
+        freed = [s for s in self._tracked if s.expired()]
+        for s in freed:
+            self._live -= self._tracked.pop(s)
+
+
+def _in_forward() -> bool:
+    """Whether ops now run a forward pass (see :class:`ActivationMeter`)."""
+    if torch.is_grad_enabled():
+        return True
+    # autograd.Function.apply turns off both modes; no_grad and the backward engine only the first
+    return not torch._C._is_fwd_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def _memory_of(values: Sequence[object]) -> Iterator[torch.Tensor]:
+    """The plain strided tensors whose storages hold ``values``' tensors.
+
+    A wrapper subclass (DTensor) holds its memory in inner tensors (the local shard); its own
+    storage is a placeholder of the global size. Sparse and nested tensors, which have no single
+    storage, are left out.
+    """
+    for t in values:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            yield from _memory_of([getattr(t, name) for name in names])
+        elif t.layout == torch.strided:
+            yield t

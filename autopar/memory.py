@@ -1,0 +1,415 @@
+"""Memory: the options (ZeRO, offload), where ZeRO splits each parameter, and the per-rank memory model.
+
+Per rank, for one training step (bytes; ``n`` is the size of the mesh axis ZeRO
+splits a parameter over, ``s`` the optimizer's fp32 values per element)::
+
+    parameters   sum_p  bytes(p) / (n if ZeRO-3)
+    gradients    sum_p  bytes(p) / (n if ZeRO-2 or 3)              (p with a gradient)
+    optimizer    sum_p  4 s numel(p) / (n if ZeRO >= 1)            (on the host under offload)
+    host         sum_p  4 (s + 2) numel(p) / n   under optimizer offload (master copy, its
+                                                 gradient and the states), else 0
+    activations  kept:  every value some op saves for backward, once per (value, layout),
+                        outside recompute regions; a region keeps only its inputs and the
+                        outputs its policy saves
+                 peak:  kept + the largest region's own saved values (recomputed in backward)
+
+``bytes(p)`` is the parameter's local size in its planned layout. A parameter is split
+by ZeRO only along a mesh axis its gradient is summed over (a data-parallel axis for
+it), along a dimension no other axis splits and that the axis divides, and only when
+its local size is at least ``zero_threshold`` (:func:`zero_split`). What autograd
+saves per op comes from :func:`autopar.activations.saved_by` (the op run once on
+``meta`` tensors); under a pipeline a stage keeps its activations for as many
+microbatches as its schedule has in flight.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.activations import saved_by
+from autopar.layout import Layout, local_fraction, local_shape
+from autopar.mesh import MeshSpec
+from autopar.printing import LAYOUTS
+from autopar.rules import OpCall
+
+FULL, SELECTIVE = "full", "selective"
+POLICIES = (FULL, SELECTIVE)
+# ops whose outputs selective recompute keeps: matrix products and attention (graph-level names;
+# at run time they dispatch to mm/addmm/bmm and the fused attention kernels)
+MATMUL_OPS = frozenset(
+    {
+        "aten.linear.default",
+        "aten.matmul.default",
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.baddbmm.default",
+        "aten.einsum.default",
+        "aten.scaled_dot_product_attention.default",
+    }
+)
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Memory:
+    """How a plan holds its state; see the module docstring.
+
+    ``zero``: the ZeRO stage (0: none; 1: optimizer state split over each parameter's
+    data-parallel axis; 2: gradients reduce-scattered too; 3: parameters split too,
+    all-gathered just in time in forward and again in backward). ``None`` lets the
+    planner choose under a ``memory_budget`` (0 without one).
+    ``zero_threshold``: parameters smaller than this many bytes (per rank) stay whole.
+    ``optimizer_states``: fp32 values the optimizer keeps per parameter element
+    (AdamW 2, SGD with momentum 1, plain SGD 0).
+    ``offload_optimizer``: the optimizer state, an fp32 master copy of the (ZeRO) shard
+    and its gradient live on the host; the update runs there.
+    ``offload_activations``: tensors saved for backward go to host memory
+    (``torch.autograd.graph.save_on_cpu``); recompute regions still recompute.
+    """
+
+    zero: int | None = None
+    zero_threshold: int = 0
+    optimizer_states: int = 2
+    offload_optimizer: bool = False
+    offload_activations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.zero not in (None, 0, 1, 2, 3):
+            raise ValueError(f"Memory(zero=...) is a ZeRO stage 0, 1, 2 or 3 (or None), got {self.zero!r}")
+        if self.zero_threshold < 0 or self.optimizer_states < 0:
+            raise ValueError(
+                f"Memory: zero_threshold and optimizer_states must be >= 0, got "
+                f"{self.zero_threshold} and {self.optimizer_states}"
+            )
+
+
+def zero_split(
+    shape: tuple[int, ...],
+    layout: Layout,
+    summed_axes: Iterable[int],
+    mesh: MeshSpec,
+    itemsize: int,
+    threshold: int,
+) -> tuple[int, int] | None:
+    """``(mesh axis, tensor dim)`` ZeRO splits a parameter along, or None to keep it whole.
+
+    The axis is the first of ``summed_axes`` (those its gradient is summed over) of size
+    above 1 on which the parameter is replicated; the dim the first one no axis splits
+    whose local size that axis divides. Parameters under ``threshold`` bytes per rank stay whole.
+    """
+    local = local_shape(shape, layout, mesh)
+    if math.prod(local) * itemsize < max(threshold, 1):
+        return None
+    used = {p.dim for p in layout if isinstance(p, Shard)}
+    for a in sorted(summed_axes):
+        n = mesh.axis_sizes[a]
+        if n == 1 or not isinstance(layout[a], Replicate):
+            continue
+        for d, size in enumerate(local):
+            if d not in used and size % n == 0:
+                return a, d
+    return None
+
+
+def with_split(layout: Layout, split: tuple[int, int]) -> Layout:
+    """``layout`` with mesh axis ``split[0]`` splitting tensor dim ``split[1]``."""
+    axis, dim = split
+    return (*layout[:axis], Shard(dim), *layout[axis + 1 :])
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Per-rank bytes of one parameter's state (see the module docstring)."""
+
+    param: float
+    grad: float
+    optimizer: float
+    host: float
+
+
+def state_bytes(local: float, itemsize: int, split: int, zero: int, memory: Memory, grad: bool) -> StateBytes:
+    """The state of a parameter of ``local`` bytes per rank, split ``split`` ways by ZeRO stage ``zero``."""
+    numel = local / itemsize
+    shard = numel / split
+    param = local / split if zero == 3 else local
+    g = (local / split if zero >= 2 else local) if grad else 0.0
+    states = FP32_BYTES * memory.optimizer_states * (shard if zero >= 1 else numel) if grad else 0.0
+    if memory.offload_optimizer and grad:
+        host = FP32_BYTES * (memory.optimizer_states + 2) * (shard if zero >= 1 else numel)
+        return StateBytes(param, g, 0.0, host)
+    return StateBytes(param, g, states, 0.0)
+
+
+# --- activations ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Per-rank activation bytes of one forward and backward (one microbatch)."""
+
+    kept: float  # held from the end of the forward into the backward
+    peak: float  # kept + the largest recompute region's own values, recomputed in backward
+    regions: Mapping[str, float]  # region -> bytes it recomputes
+    by_node: Mapping[str, float]  # kept bytes by the op that first keeps them
+    by_autograd: float  # of ``kept``, what autograd saves outside regions (what offload moves to the host)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor an op keeps for backward, per rank.
+
+    ``key`` identifies the memory: ``(storage, layout)`` of a value (a value and its views
+    share a storage, so saving both counts once), or ``(op name, "extra")`` for an op's
+    own other tensors (statistics, masks), scaled like its first output. ``source`` is
+    the op or placeholder whose value it is (None for extra tensors); ``redistributed``
+    says the op keeps an operand in another layout than its producer's (a collective's output).
+    """
+
+    key: tuple
+    nbytes: float
+    source: torch.fx.Node | None
+    redistributed: bool = False
+
+
+def _value(node: torch.fx.Node, index: int) -> torch.Tensor:
+    return [v for v in torch.utils._pytree.tree_leaves(node.meta["val"]) if isinstance(v, torch.Tensor)][
+        index
+    ]
+
+
+def _out_layout(node: torch.fx.Node, index: int) -> Layout:
+    outs = node.meta[LAYOUTS][1]
+    return outs[index] if index < len(outs) else outs[0]
+
+
+def source_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
+    """The op and output index whose memory a value is: through ``getitem`` of a multi-output
+    op, through views (values sharing an operand's storage), and through a dropout that
+    returns its input (``p=0`` or not training), which export records as a fresh value."""
+    while True:
+        if node.op == "call_function" and node.target is operator.getitem:
+            return node.args[0], node.args[1]
+        viewed = _viewed(node)
+        if viewed is None:
+            return node, 0
+        node = viewed
+
+
+def _viewed(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The operand ``node`` is a view of (or returns unchanged), if any."""
+    if node.op != "call_function":
+        return None
+    if str(node.target) == "aten.dropout.default":
+        p, train = (list(node.args[1:3]) + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
+        if p == 0 or train is False:
+            return node.args[0]
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    storage = StorageWeakRef(val.untyped_storage())
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) == storage:
+            return a
+    return None
+
+
+def storage_of(node: torch.fx.Node, index: int) -> tuple[StorageWeakRef, int]:
+    """The storage of output ``index`` of ``node`` (shared by its views) and its global bytes."""
+    storage = _value(node, index).untyped_storage()
+    return StorageWeakRef(storage), storage.nbytes()
+
+
+def held_value(
+    value: torch.fx.Node, layout: Layout, mesh: MeshSpec, edge: tuple[str, int] | None = None
+) -> Saved:
+    """``value`` kept in ``layout``: the whole storage it lives in (see :func:`source_of`), on one rank.
+
+    In another layout than its own it is a collective's output, one per ``edge`` (consumer,
+    operand slot): the program redistributes for each consumer separately.
+    """
+    source, index = source_of(value)
+    storage, nbytes = storage_of(source, index)
+    fraction = local_fraction(layout, mesh)
+    redistributed = layout != value.meta[LAYOUTS][1][0]
+    key = (storage, layout, edge) if redistributed else (storage, fraction)
+    return Saved(key, nbytes * fraction, source, redistributed)
+
+
+def saved_values(node: torch.fx.Node, flows: Mapping[torch.fx.Node, bool], mesh: MeshSpec) -> list[Saved]:
+    """What ``node`` keeps for backward, per rank (see :class:`Saved`).
+
+    A placeholder's value kept in its own layout (a parameter, a buffer, the batch; or a
+    view of one) is not allocated by the step and is left out; one redistributed is a
+    copy and counts. The op's other tensors are scaled like its largest operand.
+    """
+    if node.op != "call_function" or node.target is operator.getitem or LAYOUTS not in node.meta:
+        return []
+    call = OpCall.of(node)
+    spec = saved_by(node, [bool(flows.get(op, False)) for op in call.operands])
+    operand_layouts = node.meta[LAYOUTS][0]
+    out = []
+    for i in spec.inputs:
+        operand, layout = call.operands[i], operand_layouts[i]
+        if layout is None or LAYOUTS not in operand.meta:
+            continue
+        item = held_value(operand, layout, mesh, (node.name, i))
+        if not (item.source.op == "placeholder" and not item.redistributed):
+            out.append(item)
+    for j in spec.outputs:
+        storage, nbytes = storage_of(node, j)
+        fraction = local_fraction(_out_layout(node, j), mesh)
+        out.append(Saved((storage, fraction), nbytes * fraction, node))
+    if spec.extra_bytes:
+        i = largest_operand(call)
+        layout = operand_layouts[i] if i is not None else _out_layout(node, 0)
+        out.append(Saved((node.name, "extra"), spec.extra_bytes * local_fraction(layout, mesh), None))
+    return out
+
+
+def largest_operand(call: OpCall) -> int | None:
+    """The operand an op's other saved tensors scale like: its largest (statistics, masks)."""
+    return max(range(len(call.operands)), key=lambda i: math.prod(call.shapes[i]), default=None)
+
+
+def _forward_peak(
+    graph: torch.fx.Graph, mesh: MeshSpec, kept: Mapping[tuple, float], owner: Mapping[tuple, int]
+) -> float:
+    """The most bytes alive during the forward: every value an op allocates lives from its op
+    to its last use (to the end when kept), a collective's output for its one consumer, and
+    what is kept otherwise (an op's statistics) from the op that keeps it."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    delta = [0.0] * (end + 2)
+    covered: set[tuple] = set()
+
+    def alive(first: int, last: int, nbytes: float) -> None:
+        delta[first] += nbytes
+        delta[last + 1] -= nbytes
+
+    def last_use(node: torch.fx.Node, index: int) -> int:
+        users = [u for u in node.users if u.target is not operator.getitem or u.args[1] == index]
+        through = [u for u in users if u.target is operator.getitem or _viewed(u) is node]  # same memory
+        uses = [last_use(u, 0) for u in through] + [position[u] for u in users if u not in through]
+        return max(uses, default=position[node])
+
+    for at, node in enumerate(nodes):
+        if node.op != "call_function" or LAYOUTS not in node.meta or node.target is operator.getitem:
+            continue
+        call = OpCall.of(node)
+        for slot, (src, need) in enumerate(zip(call.operands, node.meta[LAYOUTS][0])):
+            if need is not None and LAYOUTS in src.meta and need != src.meta[LAYOUTS][1][0]:
+                item = held_value(src, need, mesh, (node.name, slot))
+                covered.add(item.key)
+                alive(at, end if item.key in kept else at, item.nbytes)
+        if _viewed(node) is not None:
+            continue
+        for j in range(len(node.meta[LAYOUTS][1])):
+            storage, nbytes = storage_of(node, j)
+            fraction = local_fraction(_out_layout(node, j), mesh)
+            covered.add((storage, fraction))
+            alive(at, end if (storage, fraction) in kept else last_use(node, j), nbytes * fraction)
+    for key, nbytes in kept.items():
+        if key not in covered:
+            alive(owner[key], end, nbytes)
+    return _max_prefix(delta)
+
+
+def _max_prefix(delta: list[float]) -> float:
+    peak = running = 0.0
+    for d in delta:
+        running += d
+        peak = max(peak, running)
+    return peak
+
+
+def regions_of(graph: torch.fx.Graph, recompute: Mapping[str, str]) -> dict[torch.fx.Node, tuple[str, str]]:
+    """Each op inside a recompute module: ``(module path, policy)`` (innermost module first)."""
+    from autopar.capture import module_stack
+
+    found = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        for path in reversed(module_stack(node)):
+            if path in recompute:
+                found[node] = (path, recompute[path])
+                break
+    return found
+
+
+def activation_memory(
+    graph: torch.fx.Graph,
+    flows: Mapping[torch.fx.Node, bool],
+    mesh: MeshSpec,
+    regions: Mapping[torch.fx.Node, tuple[str, str]],
+    offload: bool = False,
+) -> ActivationMemory:
+    """Activation bytes of a graph whose nodes carry layouts (see the module docstring).
+
+    With ``offload`` what autograd saves outside regions goes to the host as it is saved:
+    on the device it lives only until its last use, and ``peak`` is the device's.
+
+    ``regions`` maps ops to ``(region, policy)``. A region keeps every value entering it
+    from outside (its checkpoint holds them), the output of every collective it runs (a
+    redistributed operand: communication is never repeated, except a gather of a
+    parameter or another placeholder, which runs again) and, under the selective policy,
+    the outputs of its matrix products and attention; everything else its ops save is
+    recomputed in backward. Liveness: backward frees what the ops after a region kept
+    before it recomputes that region, so the peak is the larger of everything kept at the
+    end of the forward and, over regions, what the ops up to the region keep plus the
+    region's own recomputed values.
+    """
+    kept: dict[tuple, float] = {}
+    owner: dict[tuple, int] = {}  # key -> position of the first op keeping it
+    inside: dict[str, dict[tuple, float]] = {}
+    last: dict[str, int] = {}  # region -> position of its last op
+    by_regions: set[tuple] = set()
+
+    def keep(at: int, item: Saved, by_region: bool) -> None:
+        kept[item.key] = item.nbytes
+        owner.setdefault(item.key, at)
+        if by_region:
+            by_regions.add(item.key)
+
+    for at, node in enumerate(graph.nodes):
+        saved = saved_values(node, flows, mesh)
+        region = regions.get(node)
+        if region is None:
+            for item in saved:
+                keep(at, item, False)
+            continue
+        name, policy = region
+        last[name] = at
+        inside.setdefault(name, {}).update((item.key, item.nbytes) for item in saved)
+        for slot, (src, need) in enumerate(zip(OpCall.of(node).operands, node.meta[LAYOUTS][0])):
+            if need is None or LAYOUTS not in src.meta or source_of(src)[0].op == "placeholder":
+                continue
+            if regions.get(src, (None,))[0] != name:
+                keep(at, held_value(src, src.meta[LAYOUTS][1][0], mesh), True)
+            if need != src.meta[LAYOUTS][1][0]:
+                keep(at, held_value(src, need, mesh, (node.name, slot)), True)
+        if policy == SELECTIVE and str(node.target) in MATMUL_OPS:
+            keep(at, held_value(node, _out_layout(node, 0), mesh), True)
+    own = {name: sum(v for k, v in values.items() if k not in kept) for name, values in inside.items()}
+    total = sum(kept.values())
+    device = {k: v for k, v in kept.items() if k in by_regions or not offload}
+    peak = max(
+        [_forward_peak(graph, mesh, device, owner)]
+        + [sum(v for k, v in device.items() if owner[k] <= last[name]) + own[name] for name in own]
+    )
+    names = [n.name for n in graph.nodes]
+    by_node: dict[str, float] = {}
+    for key, at in owner.items():
+        by_node[names[at]] = by_node.get(names[at], 0.0) + kept[key]
+    by_autograd = sum(v for k, v in kept.items() if k not in by_regions)
+    return ActivationMemory(total, peak, own, by_node, by_autograd)

@@ -1,0 +1,121 @@
+"""The optimizer side of ZeRO and of host offload.
+
+A :class:`ZeroShard` is this rank's piece of a parameter ZeRO splits (``plan.memory.zero_splits``):
+a DTensor parameter whose local tensor is a view of the full local parameter along the split
+dim, with the parameter's placements plus ``Shard(dim)`` on the split axis. Under ZeRO-1 its
+gradient is the same view of the all-reduced gradient; under ZeRO-2 the reduce-scattered
+piece itself (the full gradient is never kept). :func:`make_optimizer` builds the user's torch
+optimizer over the shards (and over the parameters ZeRO keeps whole), so its state is split;
+after each step every shard is all-gathered back into the full parameter. With offload, the
+optimizer steps fp32 master copies on the host instead: gradients are copied there before the
+step and the updated values back after it.
+
+ZeRO-3 needs nothing here: its parameters are stored split (DTensors with the extra ``Shard``),
+so any optimizer over ``dmodel.parameters()`` holds split state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from autopar import collectives
+
+
+class ZeroShard:
+    """This rank's piece of a parameter split over mesh axis ``axis`` along ``dim`` (see module docstring)."""
+
+    def __init__(self, param: torch.nn.Parameter, leaf: torch.Tensor, axis: str, dim: int, key: str) -> None:
+        mesh = param.device_mesh
+        a = mesh.mesh_dim_names.index(axis)
+        self.param, self.leaf, self.axis, self.dim, self.key = param, leaf, axis, dim, key
+        self.n, self.coordinate = mesh.size(a), mesh.get_local_rank(axis)
+        self.placements = (*param.placements[:a], Shard(dim), *param.placements[a + 1 :])
+        self.shard = torch.nn.Parameter(
+            DTensor.from_local(self.piece(leaf.detach()), mesh, self.placements, run_check=False)
+        )
+
+    def piece(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full local tensor shaped like the parameter (a view)."""
+        size = full.shape[self.dim] // self.n
+        return full.narrow(self.dim, self.coordinate * size, size)
+
+    def set_grad(self, local: torch.Tensor) -> None:
+        """Add ``local`` (a piece) to the shard's gradient."""
+        if self.shard.grad is None:
+            self.shard.grad = DTensor.from_local(
+                local, self.param.device_mesh, self.placements, run_check=False
+            )
+        else:
+            self.shard.grad.to_local().add_(local)
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Every rank's updated piece, concatenated back into the full parameter."""
+        piece = self.shard.to_local().contiguous()
+        self.leaf.copy_(collectives.all_gather(piece, self.dim, self.key, "slice"))
+
+
+class HostCopy:
+    """An fp32 master copy of ``target`` (a parameter or a ZeRO shard) on the host, for offload."""
+
+    def __init__(self, target: torch.nn.Parameter, host: torch.device) -> None:
+        self.target = target
+        local = target.to_local() if isinstance(target, DTensor) else target
+        self.master = torch.nn.Parameter(local.detach().to(host, dtype=torch.float32, copy=True))
+
+    @torch.no_grad()
+    def pull_grad(self) -> None:
+        grad = self.target.grad
+        if grad is not None:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            self.master.grad = local.to(self.master.device, dtype=torch.float32, copy=True)
+
+    @torch.no_grad()
+    def push(self) -> None:
+        local = self.target.to_local() if isinstance(self.target, DTensor) else self.target
+        local.copy_(self.master)
+
+
+def make_optimizer(
+    params: list[torch.nn.Parameter],
+    shards: dict[int, ZeroShard],
+    zero: int,
+    offload: bool,
+    host: torch.device,
+    optimizer_class: Callable[..., torch.optim.Optimizer],
+    **options: Any,
+) -> torch.optim.Optimizer:
+    """``optimizer_class(**options)`` over ``params`` as ZeRO and offload ask (see module docstring).
+
+    ``shards`` are the ZeRO-1/2 pieces by ``id`` of their parameter. The hooks run around
+    every ``step()``: ZeRO-1 points each shard's gradient at its piece of the summed
+    gradient first (and releases the full gradient after); offload copies gradients to
+    the host first and values back after; every shard is gathered last.
+    """
+    targets = [shards[id(p)].shard if id(p) in shards else p for p in params if p.requires_grad]
+    copies = [HostCopy(t, host) for t in targets] if offload else []
+    optimizer = optimizer_class([c.master for c in copies] if offload else targets, **options)
+
+    def before(*_: Any) -> None:
+        if zero == 1:
+            for s in shards.values():
+                if s.param.grad is not None:
+                    s.shard.grad = None
+                    s.set_grad(s.piece(s.param.grad.to_local()))
+        for c in copies:
+            c.pull_grad()
+
+    def after(*_: Any) -> None:
+        for c in copies:
+            c.push()
+        for s in shards.values():
+            s.gather()
+            s.param.grad = None  # ZeRO-1: the full gradient is used up; zero_grad() clears the pieces
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+    return optimizer

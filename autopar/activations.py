@@ -1,6 +1,6 @@
 """Activation memory: what autograd keeps for backward, predicted per op and measured on a real run.
 
-Prediction (:func:`saved_by`, :func:`saved_activation_bytes`) asks torch itself instead of a table:
+Prediction (:func:`saved_by`; :mod:`autopar.memory` sums it over a planned graph) asks torch itself:
 each op is re-run on fake tensors (no memory) of its operands' shapes, dtypes and strides under
 ``torch.autograd.graph.saved_tensors_hooks``, and every tensor autograd packs is classified as one of
 the op's operands, one of its outputs, or something else it made (layer-norm statistics, a dropout
@@ -15,15 +15,16 @@ captured on ``meta`` is modelled as CPU, and so is one on an accelerator this pr
 
 Measurement (:class:`ActivationMeter`) counts the storages that ops allocate in the forward of a
 real run and are still alive at each moment. Right after the forward, that is what autograd saved
-plus the outputs the caller holds, which ``saved_activation_bytes(..., outputs=True)`` predicts: on
+plus the outputs the caller holds, which a plan's ``memory.activation_kept_bytes`` predicts: on
 CPU the two agree to the byte for the MLP and GPT of the tests (fp32 and bf16, with and without
 dropout). Known reasons they can differ:
 
 * the prediction follows storage sharing of the exported fake values, which can differ from the
-  eager run's (``dropout`` with ``p=0`` returns its input eagerly but a fresh value in export), and
-  ``capture`` adds ``layout_constraint`` copies at block boundaries that the eager model lacks;
-* export inlines ``torch.utils.checkpoint`` regions, so the prediction is for the model without
-  checkpointing, while the meter sees the checkpointed run;
+  eager run's (``dropout`` with ``p=0`` returns its input eagerly but a fresh value in export:
+  :func:`autopar.memory.source_of` follows it through), and ``capture`` adds ``layout_constraint``
+  copies at block boundaries that the eager model lacks;
+* export inlines a model's own ``torch.utils.checkpoint`` regions, so the prediction is for the
+  model without them (``autopar.recompute`` regions are predicted: :mod:`autopar.memory`);
 * accelerators save differently (a CUDA dropout mask is ``bool``, attention adds RNG state): the
   prediction follows the device of the graph's operands (see above);
 * both count storage bytes, not the allocator's rounded blocks or its cache.
@@ -31,7 +32,7 @@ dropout). Known reasons they can differ:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,46 +97,6 @@ def saved_by(node: torch.fx.Node, grad_operands: Sequence[bool]) -> SavedSpec:
     if key is not None:
         _CACHE[key] = spec
     return spec
-
-
-def saved_activation_bytes(
-    graph: torch.fx.Graph, flows: Mapping[torch.fx.Node, bool], *, outputs: bool = False
-) -> int:
-    """Bytes autograd holds for backward once the forward of ``graph`` has run (whole program, global shapes).
-
-    ``flows[n]`` says whether a gradient flows through value ``n`` (see
-    :func:`autopar.capture.gradient_flow`). Sums :func:`saved_by` over the call nodes: saved operands
-    and outputs are counted once per storage of their ``meta["val"]`` (a value and its views saved by
-    several ops count once; export's fake values share storages as the eager ones do), extra bytes
-    per op. Storages of placeholders (parameters, buffers, user inputs) are not activations and are
-    left out. With ``outputs`` the graph's outputs count too (once, even if saved): what is alive
-    after the forward when the caller keeps them, as :class:`ActivationMeter` sees it.
-    """
-    placeholders = {
-        _storage(n.meta["val"]) for n in graph.nodes if n.op == "placeholder" and _is_tensor_value(n)
-    }
-    held: dict[StorageWeakRef, int] = {}
-
-    def hold(value: torch.Tensor) -> None:
-        storage = _storage(value)
-        if storage not in placeholders:
-            held[storage] = value.untyped_storage().nbytes()
-
-    extra = 0
-    for node in graph.nodes:
-        if node.op == "output" and outputs:
-            for leaf in pytree.tree_leaves(node.args):
-                if isinstance(leaf, torch.fx.Node) and _is_tensor_value(leaf):
-                    hold(leaf.meta["val"])
-        if node.op != "call_function":
-            continue
-        call = OpCall.of(node)
-        spec = saved_by(node, [flows.get(a, False) for a in call.operands])
-        outs = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-        for value in [call.operands[i].meta["val"] for i in spec.inputs] + [outs[j] for j in spec.outputs]:
-            hold(value)
-        extra += spec.extra_bytes
-    return sum(held.values()) + extra
 
 
 def _differentiable(dtype: torch.dtype) -> bool:

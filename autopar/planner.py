@@ -609,6 +609,11 @@ def plan_captured(
     memory = memory or Memory()
     if memory_budget is not None and memory_budget <= 0:
         raise PlanError(f"memory_budget is bytes per device and must be positive, got {memory_budget}")
+    if pipeline is not None and memory.offload_activations:
+        raise PlanError(
+            "Memory(offload_activations=True) is not supported with a pipeline (its stages keep "
+            "activations per microbatch on the device); use recompute or ZeRO instead"
+        )
     t1 = time.perf_counter()
     stage_mesh = layout_mesh(mesh, pipeline)
     g = build_strategy_graph(captured, stage_mesh, CostModel(stage_mesh, cluster), fixed_inputs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import pytest
@@ -10,10 +11,9 @@ from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils.checkpoint import checkpoint
 
+import autopar
 import examples.gpt as gpt
-from autopar.activations import ActivationMeter, SavedSpec, saved_activation_bytes, saved_by
-from autopar.capture import capture, gradient_flow
-from autopar.mesh import MeshSpec
+from autopar.activations import ActivationMeter, SavedSpec, saved_by
 
 aten = torch.ops.aten
 F32 = 4
@@ -200,9 +200,12 @@ class SquareMLP(nn.Module):
 
 
 def predicted(model: nn.Module, args: tuple) -> int:
-    """Saved bytes of the captured model, plus its outputs: those are alive after the forward too."""
-    captured = capture(model, args, None, MeshSpec.of({"dp": 1}))
-    return saved_activation_bytes(captured.graph, gradient_flow(captured), outputs=True)
+    """The plan's activations kept for backward on one device, plus the model's outputs: those
+    are alive after the forward too."""
+    plan = autopar.plan(model, args, {"dp": 1})
+    out = copy.deepcopy(model).to("meta")(*(a.to("meta") for a in args))
+    outputs = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out))
+    return plan.memory.activation_kept_bytes + outputs
 
 
 def measured(model: nn.Module, args: tuple) -> tuple[ActivationMeter, torch.Tensor]:

@@ -1,0 +1,160 @@
+"""Memory plans without ranks: options, ZeRO splits, state bytes, recompute, budgets, the printed program."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar.errors import AnnotationError, PlanError
+from autopar.memory import Memory, state_bytes, zero_split
+from autopar.mesh import MeshSpec
+from autopar.plans import Plan
+from autopar.solver import StrategyILP
+from examples import gpt
+
+DP4 = {"dp": 4}
+
+
+def _gpt(**overrides):
+    torch.manual_seed(0)
+    return gpt.build(batch_size=8, n_layers=2, **overrides)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="ZeRO stage 0, 1, 2 or 3"):
+        Memory(zero=4)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Memory(zero_threshold=-1)
+    model, _ = _gpt()
+    with pytest.raises(AnnotationError, match=r"recompute\(Block, policy='some'\).*\['full', 'selective'\]"):
+        autopar.recompute(model.blocks[0], "some")
+
+
+def test_zero_splits_a_free_dimension_of_a_data_parallel_axis():
+    mesh = MeshSpec(("dp", "tp"), (2, 2))
+    # column-parallel weight: tp splits dim 0, so dp takes dim 1
+    assert zero_split((64, 32), (Replicate(), Shard(0)), [0], mesh, 4, 0) == (0, 1)
+    # replicated: the first dimension the axis divides
+    assert zero_split((3, 8), (Replicate(), Replicate()), [0, 1], mesh, 4, 0) == (0, 1)
+    # not summed over dp (no data parallelism for it): nothing to split
+    assert zero_split((64, 32), (Replicate(), Shard(0)), [1], mesh, 4, 0) is None
+    # under the threshold (per-rank bytes): kept whole
+    assert zero_split((64,), (Replicate(), Replicate()), [0], mesh, 4, 257) is None
+    assert zero_split((64,), (Replicate(), Replicate()), [0], mesh, 4, 256) == (0, 0)
+    # no dimension the axis divides
+    assert zero_split((3, 5), (Replicate(), Replicate()), [0], mesh, 4, 0) is None
+
+
+@pytest.mark.parametrize(
+    ("zero", "offload", "expected"),
+    [
+        (0, False, (400, 400, 800, 0)),
+        (1, False, (400, 400, 200, 0)),
+        (2, False, (400, 100, 200, 0)),
+        (3, False, (100, 100, 200, 0)),
+        (2, True, (400, 100, 0, 400)),  # host: fp32 master + its gradient + 2 states, of the shard
+    ],
+)
+def test_state_bytes_per_zero_stage(zero, offload, expected):
+    b = state_bytes(400, 4, 4, zero, Memory(offload_optimizer=offload), grad=True)
+    assert (b.param, b.grad, b.optimizer, b.host) == expected
+
+
+def test_zero3_on_four_ranks_holds_a_quarter_of_the_state():
+    model, args = _gpt()
+    gpt.annotate(model, "dp")
+    replicated = autopar.plan(model, args, DP4, memory=Memory(zero=0)).prediction
+    plan = autopar.plan(model, args, DP4, memory=Memory(zero=3))
+    p = plan.prediction
+    assert (p.param_bytes * 4, p.grad_bytes * 4, p.optimizer_bytes * 4) == (
+        replicated.param_bytes,
+        replicated.grad_bytes,
+        replicated.optimizer_bytes,
+    )
+    assert set(plan.memory.zero_splits) == {n for n, _ in model.named_parameters()}
+    # stored split: the consumers gather; the gathers run again in backward (a region each)
+    assert plan.parameters["blocks.0.attn.q.weight"] == "S(0)"
+    assert "ZeRO-3" in plan.summary()
+    again = Plan.from_dict(plan.to_dict())
+    assert again.memory == plan.memory
+
+
+def test_zero_threshold_keeps_small_parameters_whole():
+    model, args = _gpt()
+    gpt.annotate(model, "dp")
+    plan = autopar.plan(model, args, DP4, memory=Memory(zero=2, zero_threshold=1024))
+    split = plan.memory.zero_splits
+    assert "blocks.0.ln_1.weight" not in split  # 64 floats: 256 bytes
+    assert split["blocks.0.mlp.fc.weight"] == ("dp", 0)
+
+
+def test_recompute_trades_compute_for_activations():
+    plans = {}
+    for policy in (None, "selective", "full"):
+        model, args = _gpt()
+        gpt.annotate(model, "dp")
+        if policy:
+            for block in model.blocks:
+                autopar.recompute(block, policy)
+        plans[policy] = autopar.plan(model, args, DP4)
+    kept = {k: p.memory.activation_kept_bytes for k, p in plans.items()}
+    compute = {k: p.prediction.compute_s for k, p in plans.items()}
+    assert kept["full"] < kept["selective"] < kept[None]
+    assert compute["full"] > compute["selective"] > compute[None]
+    assert plans["full"].memory.recompute == {"blocks.0": "full", "blocks.1": "full"}
+
+
+def test_a_budget_picks_zero_and_recompute_or_names_the_minimum():
+    model, args = _gpt()
+    free = autopar.plan(model, args, DP4)
+    budget = 0.6 * free.prediction.memory_bytes
+    plan = autopar.plan(model, args, DP4, memory_budget=budget)
+    assert plan.memory.chosen and plan.prediction.memory_bytes <= budget
+    assert plan.memory.zero > 0 or plan.memory.recompute
+    with pytest.raises(
+        PlanError, match=r"no plan fits memory_budget=.*least memory reached is .*dominated by"
+    ):
+        autopar.plan(model, args, DP4, memory_budget=10_000)
+    with pytest.raises(PlanError, match="must be positive"):
+        autopar.plan(model, args, DP4, memory_budget=0)
+
+
+def test_activation_offload_is_refused_under_a_pipeline():
+    model, args = gpt.build(batch_size=8, n_layers=4)
+    with pytest.raises(PlanError, match="offload_activations=True.*pipeline"):
+        autopar.plan(
+            model,
+            (args[0],),
+            {"pp": 2, "dp": 1},
+            pipeline=autopar.Pipeline(2),
+            memory=Memory(offload_activations=True),
+        )
+
+
+def test_the_memory_constraint_and_the_least_memory():
+    # two roots, two strategies each: the fast one holds more
+    nodes = {"a": np.array([1.0, 2.0]), "b": np.array([1.0, 3.0])}
+    memory = ({"a": np.array([8192.0, 1024.0]), "b": np.array([8192.0, 2048.0])}, 1024.0)
+    assert StrategyILP(nodes, {}, 0.0, memory, budget=20_000.0).solve()[0] == {"a": 0, "b": 0}
+    assert StrategyILP(nodes, {}, 0.0, memory, budget=10_500.0).solve()[0] == {"a": 1, "b": 0}
+    assert StrategyILP(nodes, {}, 0.0, memory, budget=3_000.0).solve() is None
+    assert StrategyILP(nodes, {}, 0.0, memory).minimum_memory() == ({"a": 1, "b": 1}, 4096.0)
+
+
+def test_recompute_regions_print_as_checkpointed_functions(fake_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, args = _gpt()
+    gpt.annotate(model, "dp")
+    autopar.recompute(model.blocks[1], "selective")
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    dmodel = autopar.compile(model, mesh, args, memory=Memory(zero=3))
+    code = dmodel.code
+    assert "    def recompute_" in code and "policy='selective')" in code
+    # ZeRO-3: the gather of a weight sits in the region of the op using it
+    region = code[code.index("def recompute_0(") : code.index("recompute_0 = checkpoint(")]
+    assert "autopar.all_gather(p_wte_weight, 0, 'dp', 'reduce_scatter')  # S(0) -> R" in region
+    assert isinstance(dmodel.get_parameter("wte.weight").placements[0], Shard)

@@ -383,7 +383,7 @@ def activation_memory(
 
     for at, node in enumerate(graph.nodes):
         saved = saved_values(node, flows, mesh)
-        region = regions.get(node)
+        region = regions.get(node) if LAYOUTS in node.meta else None
         if region is None:
             for item in saved:
                 keep(at, item, False)

@@ -310,6 +310,10 @@ def units(captured: Captured) -> list[list[torch.fx.Node]]:
     return out
 
 
+class PipelineFitError(PlanError):
+    """No split of the model into pipeline stages fits the memory per device."""
+
+
 @dataclass(frozen=True)
 class UnitCosts:
     """Per unit: seconds of one microbatch (forward and backward), bytes of memory
@@ -382,7 +386,7 @@ def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float)
             if best is None or (objective, peak) < best[:2]:
                 best = (objective, peak, cuts)
     if best is None:
-        raise PlanError(
+        raise PipelineFitError(
             f"no split of the model into {stages} pipeline stages fits in {memory_bytes / 2**30:.2f} GiB "
             f"per device (the smallest stage needs {smallest_peak / 2**30:.2f} GiB); use more devices, "
             f"fewer microbatches in flight (schedule '1f1b') or a larger cluster memory"

@@ -63,7 +63,7 @@ from autopar.memory import (
     zero_split,
 )
 from autopar.mesh import MeshSpec
-from autopar.pipeline import Pipeline, microbatch, plan_pipeline
+from autopar.pipeline import Pipeline, PipelineFitError, microbatch, plan_pipeline
 from autopar.plans import (
     CollectiveStep,
     MemoryPlan,
@@ -621,16 +621,25 @@ def plan_captured(
         g.grad_sum_weight = 1.0 / pipeline.microbatches
     tables = cost_tables(g)
     build_s = time.perf_counter() - t1
-    best: Plan | None = None
-    choices = memory_choices(captured, memory, memory_budget)
-    for choice in choices:
-        found = _solve_choice(
-            g, tables, choice, memory, memory_budget, cluster, pipeline, mesh, time_limit, seed
+    budget = memory_budget if memory_budget is not None else cluster.memory_bytes
+    choices = memory_choices(captured, memory, budget)
+
+    def solve(choice: MemoryChoice, constrained: bool) -> Plan | None:
+        return _solve_choice(
+            g, tables, choice, memory, budget, constrained, cluster, pipeline, mesh, time_limit, seed
         )
-        if found is not None and (best is None or _step_time(found) < _step_time(best)):
-            best = found
+
+    # the first candidate without the memory constraint is the fastest plan of all: if it fits, it wins
+    best = solve(choices[0], constrained=False)
     if best is None:
-        raise PlanError(_no_fit(g, tables, choices[-1], memory, memory_budget, cluster, pipeline, mesh, seed))
+        for choice in choices:
+            found = solve(choice, constrained=True)
+            if found is not None and (best is None or _step_time(found) < _step_time(best)):
+                best = found
+        if best is not None and memory.zero is None:
+            best.memory = replace(best.memory, chosen=True)
+    if best is None:
+        raise PlanError(_no_fit(g, tables, choices, memory, budget, cluster, pipeline, mesh, seed))
     best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
     if pipeline is None and captured.annotations.stages:
         best.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
@@ -673,7 +682,8 @@ def _solve_choice(
     tables: tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray], float],
     choice: MemoryChoice,
     memory: Memory,
-    budget: float | None,
+    budget: float,
+    constrained: bool,
     cluster: Cluster,
     pipeline: Pipeline | None,
     mesh: MeshSpec,
@@ -682,15 +692,16 @@ def _solve_choice(
 ) -> Plan | None:
     """The fastest plan under ``choice`` that fits ``budget``, or None.
 
-    The ILP's memory estimate is per node (see :func:`memory_tables`); the plan's
-    figure is exact (:mod:`autopar.memory`). Where it exceeds the budget, the ILP's
-    limit is lowered by the difference and solved again (twice at most). Under a
-    pipeline the budget bounds each stage (the ILP does not see microbatches in flight).
+    ``constrained`` puts the budget into the ILP. Its memory estimate is per node (see
+    :func:`memory_tables`); the plan's figure is exact (:mod:`autopar.memory`). Where it
+    exceeds the budget, the ILP's limit is lowered by the difference and solved again
+    (twice at most). Under a pipeline the budget bounds each stage (the ILP does not see
+    microbatches in flight).
     """
     node_costs, pair_costs, constant = tables
     extra, extra_constant, mem, mem_constant = memory_tables(g, choice, memory)
     costs = {r: c + extra[r] for r, c in node_costs.items()}
-    limit = budget if pipeline is None else None
+    limit = budget if pipeline is None and constrained else None
     for _ in range(3):
         ilp = StrategyILP(costs, pair_costs, constant + extra_constant, (mem, mem_constant), limit)
         solved = ilp.solve(time_limit=time_limit, seed=seed)
@@ -710,12 +721,10 @@ def _solve_choice(
         )
         try:
             result = assemble_plan(g, assignment, report, cluster, memory, choice, budget, pipeline, mesh)
-        except PlanError:
-            if pipeline is not None and budget is not None:  # no split of the stages fits the budget
-                return None
-            raise
-        if budget is None or _peak_bytes(result) <= budget or limit is None:
-            return result if budget is None or _peak_bytes(result) <= budget else None
+        except PipelineFitError:  # no split of the model into stages fits the budget
+            return None
+        if _peak_bytes(result) <= budget or limit is None:
+            return result if _peak_bytes(result) <= budget else None
         limit -= _peak_bytes(result) - budget
     return None
 
@@ -723,7 +732,7 @@ def _solve_choice(
 def _no_fit(
     g: StrategyGraph,
     tables: tuple,
-    choice: MemoryChoice,
+    choices: list[MemoryChoice],
     memory: Memory,
     budget: float,
     cluster: Cluster,
@@ -731,13 +740,25 @@ def _no_fit(
     mesh: MeshSpec,
     seed: int,
 ) -> str:
-    """The error when no plan fits: the least memory reached and what dominates it."""
+    """The error when no plan fits: the least memory reached and what dominates it.
+
+    Candidates: every choice's fastest plan, and the last (least memory) choice's plan
+    minimising the ILP's memory estimate; the least exact figure among them is reported.
+    """
     node_costs, pair_costs, constant = tables
-    _, _, mem, mem_constant = memory_tables(g, choice, memory)
-    ilp = StrategyILP(node_costs, pair_costs, constant, (mem, mem_constant))
-    assignment, _ = ilp.minimum_memory(seed=seed)
     report = SolverReport(0, 0, len(g.roots), g.tied_blocks, 0.0, 0.0, 0.0, 0.0, "MIN_MEMORY")
-    least = assemble_plan(g, assignment, report, cluster, memory, choice, None, pipeline, mesh)
+    tried = []
+    for choice in choices:
+        extra, extra_constant, mem, mem_constant = memory_tables(g, choice, memory)
+        costs = {r: c + extra[r] for r, c in node_costs.items()}
+        ilp = StrategyILP(costs, pair_costs, constant + extra_constant, (mem, mem_constant))
+        assignments = [ilp.solve(seed=seed)[0]]
+        if choice is choices[-1]:
+            assignments.append(ilp.minimum_memory(seed=seed)[0])
+        for assignment in assignments:
+            plan = assemble_plan(g, assignment, report, cluster, memory, choice, None, pipeline, mesh)
+            tried.append((_peak_bytes(plan), plan, choice))
+    peak, least, choice = min(tried, key=lambda t: t[0])
     p = least.prediction
     parts = {
         "parameters": p.param_bytes,
@@ -754,7 +775,7 @@ def _no_fit(
     breakdown = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
     return (
         f"no plan fits memory_budget={budget / 2**30:.2f} GiB per device on mesh {g.mesh}: the least "
-        f"memory reached is {_peak_bytes(least) / 2**30:.2f} GiB ({how}; {breakdown}), dominated by {top}; "
+        f"memory reached is {peak / 2**30:.2f} GiB ({how}; {breakdown}), dominated by {top}; "
         f"use more devices, a smaller batch, or offload"
     )
 
@@ -1056,7 +1077,7 @@ def assemble_plan(
         },
         recompute=dict(choice.recompute),
         budget=None if budget is None else int(budget),
-        chosen=budget is not None and memory.zero is None,
+        chosen=False,
         activation_kept_bytes=int(acts.kept),
         host_optimizer_bytes=int(host_bytes),
         host_activation_bytes=int(host_acts),
@@ -1082,7 +1103,7 @@ def assemble_plan(
             pipeline,
             mesh,
             CostModel(mesh, cluster).link(0),
-            cluster.memory_bytes if budget is None else budget,
+            math.inf if budget is None else budget,
             {
                 name: local_bytes(n, g.strategy(n, assignment).outputs[0], g.mesh)
                 for name, n in by_name.items()

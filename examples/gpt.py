@@ -249,18 +249,31 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b", choices=autopar.pipeline.SCHEDULES)
     parser.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved-1f1b)")
     parser.add_argument("--tiny", action="store_true", help="the small test model instead of the demo one")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: the planner's)")
+    parser.add_argument("--recompute", choices=("full", "selective"), help="recompute every block")
+    parser.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the host")
+    parser.add_argument("--offload-activations", action="store_true", help="saved activations on the host")
+    parser.add_argument("--memory-budget", type=float, help="bytes per device the plan must fit")
     a = parser.parse_args()
+    memory = autopar.Memory(
+        zero=a.zero, offload_optimizer=a.offload_optimizer, offload_activations=a.offload_activations
+    )
+    planning = dict(pipeline=None, memory=memory, memory_budget=a.memory_budget)
     axes = dict(item.split("=") for item in a.mesh.split(","))
     mesh_sizes = {name: int(size) for name, size in axes.items()}
-    pipeline = autopar.Pipeline(a.microbatches, a.schedule, a.virtual_stages) if "pp" in mesh_sizes else None
+    if "pp" in mesh_sizes:
+        planning["pipeline"] = autopar.Pipeline(a.microbatches, a.schedule, a.virtual_stages)
     config = TINY if a.tiny else DEMO
     torch.manual_seed(0)
     model, (idx, _) = build(config, batch_size=a.batch_size)
+    if a.recompute:
+        for block in model.blocks:
+            autopar.recompute(block, a.recompute)
     n_params = sum(p.numel() for p in model.parameters())
     if os.environ.get("RANK", "0") == "0":
         print(f"GPT {config}: {n_params:,} parameters")
     if "RANK" not in os.environ:
-        print(autopar.plan(model, (idx,), mesh_sizes, pipeline=pipeline).summary())
+        print(autopar.plan(model, (idx,), mesh_sizes, **planning).summary())
         return
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -268,11 +281,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     mesh = init_device_mesh("cpu", tuple(mesh_sizes.values()), mesh_dim_names=tuple(mesh_sizes))
-    dmodel = autopar.compile(model, mesh, (idx,), pipeline=pipeline)
+    dmodel = autopar.compile(model, mesh, (idx,), **planning)
     rank0 = dist.get_rank() == 0
     if rank0:
         print(dmodel.plan.summary())
-    optimizer = torch.optim.AdamW(dmodel.parameters(), lr=2e-3)
+    optimizer = dmodel.optimizer(torch.optim.AdamW, lr=2e-3)  # over ZeRO's pieces, or host copies
     # one fixed batch (the same on every rank) to memorise: the loss must fall fast
     idx = torch.randint(0, config.vocab_size, idx.shape, generator=torch.Generator().manual_seed(1))
     targets = torch.roll(idx, -1, dims=1)

@@ -147,6 +147,18 @@ _PRESETS: dict[str, Cluster] = {
         intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=450e9),
         inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=50e9),
     ),
+    # Not a machine: slow compute and fast links, so that splitting pays even for the tiny
+    # models of tests and benchmarks, whose plans then exercise real communication (with the
+    # measured cpu-gloo figures the solver keeps such models on one rank).
+    "fast-links": Cluster(
+        name="fast-links",
+        peak_flops={"float32": 1e9},
+        memory_bandwidth_Bps=1e10,
+        memory_bytes=10**10,
+        devices_per_node=8,
+        intra_node=LinkSpec(latency_s=1e-6, bandwidth_Bps=1e10),
+        inter_node=LinkSpec(latency_s=1e-6, bandwidth_Bps=1e10),
+    ),
 }
 
 

@@ -46,21 +46,9 @@ MEASURED = [  # (mesh, annotation style, Memory options, recompute policy of eve
 
 
 def plan_llama(layers: int, mesh: dict[str, int], budgets: list[float | None]) -> list[dict[str, Any]]:
-    import transformers
+    from plan_llama7b import llama_2_7b  # this directory is on sys.path when run as a script
 
-    transformers.logging.set_verbosity_error()
-    config = transformers.LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        intermediate_size=11008,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        use_cache=False,
-    )
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = llama_2_7b(layers, torch.bfloat16)
     ids = torch.zeros(8, 4096, dtype=torch.long, device="meta")
     rows = []
     for budget in budgets:
@@ -109,16 +97,7 @@ def _measure_case(mesh_shape: dict[str, int], style: str, options: dict, recompu
         for block in model.blocks:
             autopar.recompute(block, recompute)
     mesh = init_device_mesh("cpu", tuple(mesh_shape.values()), mesh_dim_names=tuple(mesh_shape))
-    fast = autopar.Cluster(
-        name="slow-compute-fast-links",
-        peak_flops={"float32": 1e9},
-        memory_bandwidth_Bps=1e10,
-        memory_bytes=10**10,
-        devices_per_node=8,
-        intra_node=autopar.LinkSpec(1e-6, 1e10),
-        inter_node=autopar.LinkSpec(1e-6, 1e10),
-    )
-    dmodel = autopar.compile(model, mesh, args, memory=autopar.Memory(**options), cluster=fast)
+    dmodel = autopar.compile(model, mesh, args, memory=autopar.Memory(**options), cluster="fast-links")
     opt = dmodel.optimizer(torch.optim.AdamW, lr=1e-3)
     peak = 0
     for step in range(3):

@@ -22,15 +22,10 @@ import autopar
 transformers.logging.set_verbosity_error()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--cluster", default="h100")
-    parser.add_argument("--mesh", default="dp=8,tp=8")
-    a = parser.parse_args()
-    mesh = {k: int(v) for k, v in (item.split("=") for item in a.mesh.split(","))}
+def llama_2_7b(layers: int = 32, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' ``LlamaForCausalLM`` with Llama-2-7B's shape, on ``meta`` (no memory)."""
     config = transformers.LlamaConfig(
-        num_hidden_layers=a.layers,
+        num_hidden_layers=layers,
         hidden_size=4096,
         num_attention_heads=32,
         num_key_value_heads=32,
@@ -39,9 +34,19 @@ def main() -> None:
         max_position_embeddings=4096,
         use_cache=False,
     )
-    t0 = time.perf_counter()
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--cluster", default="h100")
+    parser.add_argument("--mesh", default="dp=8,tp=8")
+    a = parser.parse_args()
+    mesh = {k: int(v) for k, v in (item.split("=") for item in a.mesh.split(","))}
+    t0 = time.perf_counter()
+    model = llama_2_7b(a.layers)
     ids = torch.zeros(8, 4096, dtype=torch.long, device="meta")
     plan = autopar.plan(model, (), mesh, example_kwargs={"input_ids": ids, "labels": ids}, cluster=a.cluster)
     wall = time.perf_counter() - t0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_distributed import FAST_LINKS
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -28,7 +27,7 @@ def mesh(fake_process_group):
 
 def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
     model, args = _megatron_gpt()
-    dmodel = autopar.compile(model, mesh, args, cluster=autopar.Cluster(**FAST_LINKS))
+    dmodel = autopar.compile(model, mesh, args, cluster="fast-links")
     code = dmodel.code
     assert code.startswith("# Constructed by autopar.compile on mesh dp=2×tp=2\ndef forward(")
     # row-parallel linear: partial sums all-reduced in forward, identity in backward ("g") ...

@@ -19,7 +19,7 @@ compiling another module for another mesh with the same axis name. The 8-rank wo
 trains pipelines (``pp x dp x tp`` and ``pp x dp``, GPipe, 1F1B and interleaved 1F1B)
 the same way and checks a pipelined module's checkpoint round trip.
 
-The solver's own plans use a cluster model with slow compute and fast links, so
+The solver's own plans use the ``fast-links`` cluster model (slow compute, fast links), so
 that splitting pays and the plans exercise real communication; with the measured
 ``cpu-gloo`` numbers the solver keeps models this small on one rank.
 """
@@ -33,15 +33,6 @@ import autopar
 from autopar.launch import spawn
 
 ATOL, RTOL = 1e-5, 1e-4
-FAST_LINKS = dict(
-    name="slow-compute-fast-links",
-    peak_flops={"float32": 1e9},
-    memory_bandwidth_Bps=1e10,
-    memory_bytes=10**10,
-    devices_per_node=8,
-    intra_node=autopar.LinkSpec(1e-6, 1e10),
-    inter_node=autopar.LinkSpec(1e-6, 1e10),
-)
 
 
 def _hf_gpt2(tied: bool = True, batch_size: int = 4):
@@ -106,7 +97,7 @@ def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> di
     elif mode != "auto":
         gpt.annotate(model, mode)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    dmodel = autopar.compile(model, mesh, args, example_kwargs=kwargs, cluster=autopar.Cluster(**FAST_LINKS))
+    dmodel = autopar.compile(model, mesh, args, example_kwargs=kwargs, cluster="fast-links")
     assert set(dmodel.state_dict()) == set(model.state_dict())
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -172,14 +163,14 @@ def _outputs_and_checkpoint(checkpoint_dir: str) -> None:
 
     model, idx = annotated(0)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dmodel = autopar.compile(model, mesh, (idx,), cluster=autopar.Cluster(**FAST_LINKS))
+    dmodel = autopar.compile(model, mesh, (idx,), cluster="fast-links")
     logits = dmodel.gather_outputs(dmodel(*dmodel.shard_inputs(idx)[0]))
     torch.testing.assert_close(logits, model(idx), atol=ATOL, rtol=RTOL)
     fresh = autopar.compile(annotated(1)[0], mesh, (idx,), plan=dmodel.plan)
     _assert_checkpoint_round_trip(dmodel, fresh, model, checkpoint_dir)
     # a module compiled later for another mesh with the same axis name leaves this one intact
     other_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    autopar.compile(gpt.build(batch_size=4)[0], other_mesh, (idx,), cluster=autopar.Cluster(**FAST_LINKS))
+    autopar.compile(gpt.build(batch_size=4)[0], other_mesh, (idx,), cluster="fast-links")
     again = dmodel.gather_outputs(dmodel(*dmodel.shard_inputs(idx)[0]))
     torch.testing.assert_close(again, logits)
 
@@ -226,7 +217,7 @@ def _train_step_without_pipeline() -> None:
     reference.load_state_dict(model.state_dict())
     gpt.annotate(model, "tp")
     autopar.shard(model.lm_head, parameter_plan={"weight": ("tp", None)})  # logits split by vocabulary
-    dmodel = autopar.compile(model, mesh, (idx,), cluster=autopar.Cluster(**FAST_LINKS))
+    dmodel = autopar.compile(model, mesh, (idx,), cluster="fast-links")
     loss = dmodel.train_step(idx, targets, _gpt_loss)
     ref_loss = _gpt_loss(reference(idx), targets)
     ref_loss.backward()
@@ -295,7 +286,7 @@ def _pipeline_case(model_name: str, shape: tuple[int, ...], schedule: str, style
         example[0],
         example_kwargs=example[1],
         pipeline=pipeline,
-        cluster=autopar.Cluster(**FAST_LINKS),
+        cluster="fast-links",
     )
     pp = dmodel.plan.pipeline
     assert pp.automatic == (style != "stages")
@@ -348,7 +339,7 @@ def _pipeline_checkpoint(checkpoint_dir: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     model, idx = annotated(0)
     pipeline = autopar.Pipeline(4)
-    dmodel = autopar.compile(model, mesh, (idx,), pipeline=pipeline, cluster=autopar.Cluster(**FAST_LINKS))
+    dmodel = autopar.compile(model, mesh, (idx,), pipeline=pipeline, cluster="fast-links")
     fresh = autopar.compile(annotated(1)[0], mesh, (idx,), plan=dmodel.plan)
     _assert_checkpoint_round_trip(dmodel, fresh, model, checkpoint_dir)
 

@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-from test_distributed import FAST_LINKS
 from torch.distributed.tensor import DTensor
 
 import autopar
@@ -242,7 +241,7 @@ def test_a_pipelined_module_holds_its_stage_and_prints_each_program(world_of_8):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     model, args = gpt.build(batch_size=8, n_layers=4)
     gpt.annotate(model, "tp")
-    dmodel = autopar.compile(model, mesh, args, pipeline=Pipeline(4), cluster=autopar.Cluster(**FAST_LINKS))
+    dmodel = autopar.compile(model, mesh, args, pipeline=Pipeline(4), cluster="fast-links")
     stages = dmodel.plan.pipeline.stages
     held = {name for name, _ in dmodel.named_parameters()}
     first = {n for n, p in model.named_parameters() if dmodel.plan.pipeline.node_stages[_placeholder(n)] == 0}

@@ -37,7 +37,6 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AnnotationError
 from autopar.layout import REPLICATE, Layout, format_layout, parse_layout
-from autopar.memory import POLICIES
 from autopar.mesh import MeshSpec
 
 AxisNames = str | tuple[str, ...] | None
@@ -264,6 +263,11 @@ def lower_strategy(strategy: Strategy, shape: Sequence[int], mesh: MeshSpec, *, 
 
 
 # --------------------------------------------------------------------------- the custom op
+
+
+LAYOUT_CONSTRAINT = "autopar.layout_constraint.default"  # the op's name on graph nodes
+FULL, SELECTIVE = "full", "selective"  # recompute policies
+POLICIES = (FULL, SELECTIVE)
 
 
 @torch.library.custom_op("autopar::layout_constraint", mutates_args=())

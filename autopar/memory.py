@@ -34,13 +34,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.activations import saved_by
+from autopar.annotations import LAYOUT_CONSTRAINT, SELECTIVE
 from autopar.layout import Layout, local_fraction, local_shape
 from autopar.mesh import MeshSpec
 from autopar.printing import LAYOUTS
 from autopar.rules import OpCall
 
-FULL, SELECTIVE = "full", "selective"
-POLICIES = (FULL, SELECTIVE)
 # ops whose outputs selective recompute keeps: matrix products and attention (graph-level names;
 # at run time they dispatch to mm/addmm/bmm and the fused attention kernels)
 MATMUL_OPS = frozenset(
@@ -234,12 +233,17 @@ def held_value(
     """``value`` kept in ``layout``: the whole storage it lives in (see :func:`source_of`), on one rank.
 
     In another layout than its own it is a collective's output, one per ``edge`` (consumer,
-    operand slot): the program redistributes for each consumer separately.
+    operand slot): the program redistributes for each consumer separately. A value passed
+    on by layout constraints (identities in the program) is what entered the first of
+    them: the copy a redistribution made for it, if one did.
     """
+    redistributed = layout != value.meta[LAYOUTS][1][0]
+    while not redistributed and str(value.target) == LAYOUT_CONSTRAINT:
+        value, edge = value.args[0], (value.name, 0)
+        redistributed = layout != value.meta[LAYOUTS][1][0]
     source, index = source_of(value)
     storage, nbytes = storage_of(source, index)
     fraction = local_fraction(layout, mesh)
-    redistributed = layout != value.meta[LAYOUTS][1][0]
     key = (storage, layout, edge) if redistributed else (storage, fraction)
     return Saved(key, nbytes * fraction, source, redistributed)
 

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.activations import saved_by
-from autopar.annotations import parse_constraint_spec
+from autopar.annotations import FULL, LAYOUT_CONSTRAINT, SELECTIVE, parse_constraint_spec
 from autopar.capture import Captured, capture, gradient_flow, module_path, module_stack, repeated_blocks
 from autopar.cost import Cluster, Collective, CostModel, get_cluster
 from autopar.errors import PlanError
@@ -49,9 +49,7 @@ from autopar.layout import (
     replicated,
 )
 from autopar.memory import (
-    FULL,
     MATMUL_OPS,
-    SELECTIVE,
     Memory,
     activation_memory,
     largest_operand,
@@ -77,7 +75,6 @@ from autopar.printing import GRADS, LAYOUTS, format_graph
 from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
 from autopar.solver import StrategyILP
 
-LAYOUT_CONSTRAINT = "autopar.layout_constraint.default"
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
 _FREE_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_size.int"}
 

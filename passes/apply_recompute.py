@@ -43,9 +43,9 @@ import torch
 from autopar.passes.apply_plan import STAGE
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autopar.annotations import POLICIES, SELECTIVE
 from autopar.collectives import is_autopar_op
 from autopar.errors import CompileError
-from autopar.memory import POLICIES, SELECTIVE
 from autopar.printing import GRADS, LAYOUTS
 
 RECOMPUTE = "autopar.recompute"  # (region name, policy) on the call_function nodes of a region

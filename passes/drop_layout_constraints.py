@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from autopar.annotations import LAYOUT_CONSTRAINT
 from autopar.compiler import PassContext
-
-CONSTRAINT = "autopar.layout_constraint.default"
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and str(node.target) == CONSTRAINT:
+        if node.op == "call_function" and str(node.target) == LAYOUT_CONSTRAINT:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
     return gm

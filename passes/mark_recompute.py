@@ -20,10 +20,10 @@ from collections.abc import Iterator
 import torch
 from autopar.passes.apply_recompute import RECOMPUTE, REGATHER
 
+from autopar.annotations import SELECTIVE
 from autopar.capture import module_stack
 from autopar.collectives import is_autopar_op
 from autopar.compiler import PassContext
-from autopar.memory import SELECTIVE
 
 
 def _collective(node: torch.fx.Node) -> bool:

@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autopar import collectives
+from autopar.annotations import FULL, SELECTIVE
 from autopar.errors import CompileError
-from autopar.memory import FULL, SELECTIVE
 from autopar.printing import GRADS, LAYOUTS
 
 

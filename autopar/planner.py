@@ -598,9 +598,10 @@ def plan_captured(
     """:func:`plan` for a model captured by :func:`capture_for` (``autopar.compile`` captures once).
 
     ``fixed_inputs`` pins the layouts of user inputs by placeholder name (a loss
-    compiled for a model's outputs takes them as they come). Every candidate of
-    :func:`memory_choices` is solved (under a budget, with the memory constraint); the
-    fastest plan that fits wins, the earlier candidate on a tie.
+    compiled for a model's outputs takes them as they come). The budget is
+    ``memory_budget`` or the cluster's memory. The fastest plan of the first candidate of
+    :func:`memory_choices` wins if it fits; otherwise every candidate is solved with the
+    memory constraint and the fastest plan that fits wins, the earlier on a tie.
     """
     cluster = get_cluster(cluster or "cpu-gloo") if not isinstance(cluster, Cluster) else cluster
     memory = memory or Memory()
@@ -619,7 +620,7 @@ def plan_captured(
     tables = cost_tables(g)
     build_s = time.perf_counter() - t1
     budget = memory_budget if memory_budget is not None else cluster.memory_bytes
-    choices = memory_choices(captured, memory, budget)
+    choices = memory_choices(captured, memory)
 
     def solve(choice: MemoryChoice, constrained: bool) -> Plan | None:
         return _solve_choice(
@@ -651,15 +652,15 @@ class MemoryChoice:
     recompute: Mapping[str, str]
 
 
-def memory_choices(captured: Captured, memory: Memory, budget: float | None) -> list[MemoryChoice]:
-    """The candidates, least memory last: the options as given; under a budget every ZeRO
-    stage (unless ``memory.zero`` fixes one) and, when no module is annotated
-    ``recompute``, no / selective / full recompute of every repeated block."""
+def memory_choices(captured: Captured, memory: Memory) -> list[MemoryChoice]:
+    """The candidates, the options as given first and least memory last: every ZeRO stage
+    (unless ``memory.zero`` fixes one) with the annotated recompute or, when no module is
+    annotated ``recompute``, no / selective / full recompute of every repeated block."""
     annotated = dict(captured.annotations.recompute)
-    zeros = [memory.zero] if memory.zero is not None else ([0, 1, 2, 3] if budget is not None else [0])
+    zeros = [memory.zero] if memory.zero is not None else [0, 1, 2, 3]
     recomputes: list[Mapping[str, str]] = [annotated]
     blocks = repeated_blocks(captured.graph)
-    if budget is not None and not annotated and blocks:
+    if not annotated and blocks:
         recomputes += [dict.fromkeys(blocks, SELECTIVE), dict.fromkeys(blocks, FULL)]
     return [MemoryChoice(z, r) for r in recomputes for z in zeros]
 

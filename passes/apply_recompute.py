@@ -74,7 +74,6 @@ SELECTIVE_SAVES = frozenset(
 )
 
 
-
 def policy_fn(policy: str, regathers: tuple[bool, ...]) -> Callable[..., CheckpointPolicy]:
     """A selective-checkpoint policy function for one run of a region.
 

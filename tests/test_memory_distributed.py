@@ -52,9 +52,7 @@ def _case(mesh_shape: tuple, names: tuple, style: str, memory: dict, recompute: 
         for block in model.blocks:
             autopar.recompute(block, recompute)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    dmodel = autopar.compile(
-        model, mesh, args, memory=autopar.Memory(**memory), cluster="fast-links"
-    )
+    dmodel = autopar.compile(model, mesh, args, memory=autopar.Memory(**memory), cluster="fast-links")
     # eps well above gradient noise: some gradients are zero in exact arithmetic (attention's key
     # bias), and Adam would turn their last-ulp differences into whole steps
     opt = dmodel.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3)

@@ -257,7 +257,7 @@ def test_presets_load():
 
 
 def test_unknown_preset_lists_presets():
-    with pytest.raises(ValueError, match=r"'tpu'.*\['cpu-gloo', 'h100'\]"):
+    with pytest.raises(ValueError, match=r"'tpu'.*\['cpu-gloo', 'fast-links', 'h100'\]"):
         get_cluster("tpu")
 
 

@@ -158,3 +158,13 @@ def test_recompute_regions_print_as_checkpointed_functions(fake_process_group):
     region = code[code.index("def recompute_0(") : code.index("recompute_0 = checkpoint(")]
     assert "autopar.all_gather(p_wte_weight, 0, 'dp', 'reduce_scatter')  # S(0) -> R" in region
     assert isinstance(dmodel.get_parameter("wte.weight").placements[0], Shard)
+
+
+def test_a_budget_bounds_every_pipeline_stage():
+    model, (idx, _) = gpt.build(batch_size=8, n_layers=4)
+    pipeline = autopar.Pipeline(4)
+    mesh = {"pp": 2, "dp": 2}
+    free = autopar.plan(model, (idx,), mesh, pipeline=pipeline, cluster="fast-links")
+    budget = 0.7 * max(s.memory_bytes for s in free.pipeline.stages)
+    plan = autopar.plan(model, (idx,), mesh, pipeline=pipeline, cluster="fast-links", memory_budget=budget)
+    assert plan.memory.chosen and max(s.memory_bytes for s in plan.pipeline.stages) <= budget

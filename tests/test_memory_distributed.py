@@ -16,7 +16,9 @@ trained for three AdamW steps next to a single-device copy, and checked:
   the bytes copied to the host are within 1% of the prediction.
 
 ZeRO-3 on dp=4 must hold a quarter of the replicated state, and ZeRO with tensor
-parallelism (dp=2 x tp=2) splits what TP leaves replicated over dp.
+parallelism (dp=2 x tp=2) splits what TP leaves replicated over dp. The same world also
+trains a pipeline (pp=2 x dp=2, 1F1B) with ZeRO-2 and full recompute, and with ZeRO-3 and
+selective recompute, against one device.
 """
 
 from __future__ import annotations
@@ -115,13 +117,21 @@ CASES = [
 ]
 
 
-def _world(cases: list[tuple]) -> list[dict]:
-    return [_case(*c) for c in cases]
+def _world(cases: list[tuple]) -> dict:
+    return {
+        "cases": [_case(*c) for c in cases],
+        "pipelines": [_pipelined(2, "full"), _pipelined(3, "selective")],
+    }
 
 
 def test_memory_plans_on_4_gloo_ranks_equal_one_device_and_the_prediction():
     results = spawn(_world, 4, CASES)
-    for rank in results:
+    for world in results:
+        assert world["pipelines"] == [
+            "pp=2 x dp=2 ZeRO-2 recompute=full",
+            "pp=2 x dp=2 ZeRO-3 recompute=selective",
+        ]
+        rank = world["cases"]
         by_zero = {r["where"]: r["held"] for r in rank}
         replicated = by_zero["dp (4,) {'zero': 0} recompute=None"]
         zero3 = by_zero["dp (4,) {'zero': 3} recompute=None"]
@@ -131,3 +141,52 @@ def test_memory_plans_on_4_gloo_ranks_equal_one_device_and_the_prediction():
         for r in rank:
             measured, predicted = r["activations"]
             assert abs(measured - predicted) <= 0.1 * predicted, (r["where"], measured, predicted)
+
+
+def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _pipelined(zero: int, recompute: str | None) -> str:
+    """pp=2 x dp=2, 1F1B over 4 microbatches: three AdamW steps against one device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples import gpt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model, (idx, targets) = gpt.build(batch_size=8, n_layers=4)
+    reference = gpt.build(batch_size=8, n_layers=4)[0]
+    reference.load_state_dict(model.state_dict())
+    if recompute:
+        for block in model.blocks:
+            autopar.recompute(block, recompute)
+    dmodel = autopar.compile(
+        model,
+        mesh,
+        (idx,),
+        pipeline=autopar.Pipeline(4, "1f1b"),
+        memory=autopar.Memory(zero=zero),
+        cluster="fast-links",
+    )
+    opt = dmodel.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3)
+    where = f"pp=2 x dp=2 ZeRO-{zero} recompute={recompute}"
+    for step in range(3):
+        torch.manual_seed(step)
+        batch, target = torch.randint_like(idx, 0, 128), torch.randint_like(targets, 0, 128)
+        loss = dmodel.train_step((batch,), target, _gpt_loss)
+        ref_loss = _gpt_loss(reference(batch), target)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}: loss {m}")
+        for name, p in dmodel.named_parameters():  # this rank's stages' parameters
+            torch.testing.assert_close(
+                _grad(dmodel, name, p), reference.get_parameter(name).grad, atol=ATOL, rtol=RTOL, msg=name
+            )
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in dmodel.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), reference.get_parameter(name), atol=ATOL, rtol=RTOL)
+    return where

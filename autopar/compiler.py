@@ -110,21 +110,13 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     return build_module(model, mesh, stage_mesh, captured, plan, pipeline)
 
 
-def build_module(
-    model: torch.nn.Module,
-    mesh: Any,
-    stage_mesh: Any,
-    captured: Captured,
-    plan: Plan,
-    pipeline: Pipeline | None = None,
-) -> torch.nn.Module:
-    """Run the passes on ``captured`` under ``plan`` and wrap the program in a ``DistributedModule``.
+def lower(captured: Captured, plan: Plan, stage_mesh: Any) -> tuple[torch.fx.GraphModule, PassContext]:
+    """The per-rank program: ``autopar.passes.PIPELINE`` run on ``captured`` under ``plan``.
 
-    ``stage_mesh`` is the ``DeviceMesh`` layouts refer to: ``mesh`` itself, or this
-    rank's slice of it without the pipeline axis.
+    ``stage_mesh`` is the ``DeviceMesh`` layouts refer to (one stage's under a pipeline).
+    Needs no weights: a model captured on ``meta`` lowers as well (``autopar show``).
     """
     from autopar.passes import PIPELINE
-    from autopar.runtime import DistributedModule
 
     ctx = PassContext(
         MeshSpec.of(stage_mesh),
@@ -140,4 +132,23 @@ def build_module(
         ctx.snapshots[name] = format_graph(gm.graph, f"after pass {name}")
     gm.graph.lint()
     gm.recompile()
+    return gm, ctx
+
+
+def build_module(
+    model: torch.nn.Module,
+    mesh: Any,
+    stage_mesh: Any,
+    captured: Captured,
+    plan: Plan,
+    pipeline: Pipeline | None = None,
+) -> torch.nn.Module:
+    """Lower ``captured`` under ``plan`` (:func:`lower`) and wrap the program in a ``DistributedModule``.
+
+    ``stage_mesh`` is the ``DeviceMesh`` layouts refer to: ``mesh`` itself, or this
+    rank's slice of it without the pipeline axis.
+    """
+    from autopar.runtime import DistributedModule
+
+    gm, ctx = lower(captured, plan, stage_mesh)
     return DistributedModule(model, mesh, ctx, gm, stage_mesh=stage_mesh, pipeline=pipeline)

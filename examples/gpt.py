@@ -227,6 +227,14 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def demo(batch_size: int = 16) -> tuple[GPT, tuple[torch.Tensor]]:
+    """The demo model and the example input :func:`main` compiles it with (a factory for
+    ``autopar plan examples/gpt.py:demo``: a plan saved from it trains with ``--plan``)."""
+    torch.manual_seed(0)
+    model, (idx, _) = build(DEMO, batch_size=batch_size)
+    return model, (idx,)
+
+
 def main() -> None:
     """The demo: compile and train the GPT on every rank of a ``torchrun`` job.
 
@@ -254,6 +262,7 @@ def main() -> None:
     parser.add_argument("--offload-optimizer", action="store_true", help="optimizer state on the host")
     parser.add_argument("--offload-activations", action="store_true", help="saved activations on the host")
     parser.add_argument("--memory-budget", type=float, help="bytes per device the plan must fit")
+    parser.add_argument("--plan", help="a plan saved by `autopar plan ... -o plan.json` (for this model)")
     a = parser.parse_args()
     memory = autopar.Memory(
         zero=a.zero, offload_optimizer=a.offload_optimizer, offload_activations=a.offload_activations
@@ -281,7 +290,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     mesh = init_device_mesh("cpu", tuple(mesh_sizes.values()), mesh_dim_names=tuple(mesh_sizes))
-    dmodel = autopar.compile(model, mesh, (idx,), **planning)
+    if a.plan:  # a saved plan brings its pipeline and memory plan
+        dmodel = autopar.compile(model, mesh, (idx,), plan=autopar.load_plan(a.plan))
+    else:
+        dmodel = autopar.compile(model, mesh, (idx,), **planning)
     rank0 = dist.get_rank() == 0
     if rank0:
         print(dmodel.plan.summary())

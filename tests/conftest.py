@@ -18,17 +18,8 @@ if str(REPO_ROOT) not in sys.path:
 
 @pytest.fixture
 def fake_process_group():
-    """A world of 4 ranks on torch's fake backend (no communication), torn down after the test.
+    """A world of 4 ranks on torch's fake backend (no communication), torn down after the test."""
+    from autopar.fake_ranks import fake_world
 
-    The fake backend and its store live in torch's testing package; importing them here, in one
-    place, makes a move in torch fail every test that needs them with an ImportError.
-    """
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from autopar import collectives
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield
-    dist.destroy_process_group()
-    collectives.forget_meshes()
+    with fake_world(4):
+        yield

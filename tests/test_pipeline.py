@@ -224,15 +224,10 @@ def test_microbatches_in_flight_match_torchs_schedules(fake_process_group, sched
 @pytest.fixture
 def world_of_8():
     """A fake process group of 8 ranks, this process rank 0 (pipeline coordinate 0)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from autopar.fake_ranks import fake_world
 
-    from autopar import collectives
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    yield
-    dist.destroy_process_group()
-    collectives.forget_meshes()
+    with fake_world(8):
+        yield
 
 
 def test_a_pipelined_module_holds_its_stage_and_prints_each_program(world_of_8):

@@ -1,0 +1,378 @@
+"""The ``autopar`` command line: plan a model, show its per-rank program, report how it scales.
+
+::
+
+    autopar plan MODEL --mesh dp=8,tp=8 [--cluster NAME] [--budget 80GB] [-o plan.json]
+    autopar show MODEL --mesh dp=2,tp=2 | autopar show plan.json
+    autopar scaling MODEL --devices 1,2,4,8 [--axis dp] [--plot scaling.png]
+
+``MODEL`` is ``path/to/file.py:factory`` (a function returning ``(model, args)`` or
+``(model, args, kwargs)`` of example inputs; ``key=value`` words after it are passed to the
+factory) or ``hf:ARCH`` (a transformers architecture built locally from its default
+config, ``key=value`` words overriding config fields, e.g. ``hf:gpt2 n_layer=2``; nothing is
+downloaded) with ``--batch`` x ``--seq`` token ids and labels. Models are built on ``meta``
+where the factory allows it, so planning needs no memory for weights.
+
+Bad input (a model spec, a mesh string, a cluster name, a budget) prints one line and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+# --- parsing ---------------------------------------------------------------------------
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``."""
+    mesh: dict[str, int] = {}
+    for item in text.split(","):
+        name, eq, size = item.strip().partition("=")
+        if not eq or not name.isidentifier() or not size.isdigit() or int(size) < 1 or name in mesh:
+            raise UsageError(
+                f"mesh {text!r}: expected axis=size items separated by commas, each axis once, e.g. dp=2,tp=4"
+            )
+        mesh[name] = int(size)
+    return mesh
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GB"``, ``"40e9"``, ``"512MiB"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise UsageError(f"budget {text!r}: expected bytes such as 80GB, 40e9 or 512MiB")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise UsageError(f"budget {text!r} must be positive")
+    return value
+
+
+def _value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _overrides(words: Sequence[str]) -> dict[str, Any]:
+    out = {}
+    for word in words:
+        key, eq, value = word.partition("=")
+        if not eq or not key.isidentifier():
+            raise UsageError(f"model option {word!r}: expected key=value, e.g. n_layer=2")
+        out[key] = _value(value)
+    return out
+
+
+# --- models ------------------------------------------------------------------------------
+
+
+def load_model(
+    spec: str, options: Sequence[str], batch: int, seq: int
+) -> tuple[torch.nn.Module, tuple, dict]:
+    """The model and example inputs ``(model, args, kwargs)`` a ``MODEL`` spec names."""
+    overrides = _overrides(options)
+    if spec.startswith("hf:"):
+        return _transformers_model(spec[3:], overrides, batch, seq)
+    path, colon, factory = spec.rpartition(":")
+    if not colon or not path.endswith(".py") or not factory.isidentifier():
+        raise UsageError(f"model {spec!r}: expected path/to/file.py:factory or hf:ARCH (e.g. hf:gpt2)")
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"model {spec!r}: no file {file}")
+    module_spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # dataclasses look their module up while it runs
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, factory, None)
+    if not callable(fn):
+        raise UsageError(f"model {spec!r}: {file} has no function {factory!r}")
+    try:
+        built = fn(**overrides)
+    except TypeError as exc:
+        raise UsageError(f"model {spec!r}: {factory}({', '.join(overrides)}) failed: {exc}") from None
+    if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
+        raise UsageError(f"model {spec!r}: {factory} must return (model, args) or (model, args, kwargs)")
+    model, args = built[0], built[1] if isinstance(built[1], tuple) else (built[1],)
+    return model, args, dict(built[2]) if len(built) == 3 else {}
+
+
+def _transformers_model(
+    arch: str, overrides: dict, batch: int, seq: int
+) -> tuple[torch.nn.Module, tuple, dict]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        # training captures no key/value cache (its objects are no tensors export can return)
+        config = transformers.AutoConfig.for_model(arch, **{"use_cache": False, **overrides})
+    except ValueError:
+        raise UsageError(
+            f"model hf:{arch}: not a transformers model type (e.g. hf:gpt2, hf:llama, hf:bert)"
+        ) from None
+    with torch.device("meta"):
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
+            try:
+                model = auto.from_config(config)
+                break
+            except ValueError:
+                continue
+        else:
+            raise UsageError(f"model hf:{arch}: neither a causal nor a masked language model")
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+# --- commands ----------------------------------------------------------------------------
+
+
+def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: dict, mesh: dict) -> Any:
+    """Capture, then solve, with a spinner for each on the terminal."""
+    from rich.console import Console
+
+    from autopar.mesh import MeshSpec
+    from autopar.planner import capture_for, plan_captured
+
+    cluster = _cluster(a.cluster)
+    budget = parse_bytes(a.budget) if a.budget else None
+    console = Console(stderr=True)
+    spec = MeshSpec.of(mesh)
+    with console.status(f"capturing {type(model).__name__} with torch.export ..."):
+        captured = capture_for(model, args, kwargs, spec, None)
+    with console.status(f"solving the strategy ILP for mesh {spec} ..."):
+        return plan_captured(captured, spec, cluster=cluster, memory_budget=budget)
+
+
+def _cluster(name: str) -> Any:
+    from autopar.cost import get_cluster
+
+    try:
+        return get_cluster(name)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
+    plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
+    print(plan.summary(width=a.width))
+    if a.output:
+        plan.save(a.output)
+        print(f"plan written to {a.output}")
+
+
+def cmd_show(a: argparse.Namespace) -> None:
+    if a.model.endswith(".json"):
+        from autopar.plans import load_plan
+
+        print(load_plan(a.model).code)  # the planned graph; the per-rank program needs the model
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.compiler import lower
+    from autopar.fake_ranks import fake_world
+    from autopar.mesh import MeshSpec
+    from autopar.planner import capture_for
+    from autopar.printing import format_graph
+
+    model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
+    mesh = parse_mesh(a.mesh)
+    plan = _plan(a, model, args, kwargs, mesh)
+    with fake_world(math.prod(mesh.values())):
+        device_mesh = init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
+        captured = capture_for(model, args, kwargs, MeshSpec.of(mesh), None)
+        gm, _ = lower(captured, plan, device_mesh)
+        print(format_graph(gm.graph, f"per-rank program on mesh {MeshSpec.of(mesh)} (rank 0)"))
+
+
+def scaling_table(
+    model: torch.nn.Module, args: tuple, kwargs: dict, devices: Sequence[int], axis: str, cluster: Any
+) -> list[dict[str, float]]:
+    """Per device count (the first is 1): the predicted step of the example batch (strong
+    scaling) and of the batch grown with the devices (weak scaling), planned on ``{axis: n}``."""
+    import autopar
+
+    rows = []
+    for n in devices:
+        strong = autopar.plan(model, args, {axis: n}, example_kwargs=kwargs, cluster=cluster)
+        grown_args, grown_kwargs = torch.utils._pytree.tree_map(lambda t, n=n: _grown(t, n), (args, kwargs))
+        weak = autopar.plan(model, grown_args, {axis: n}, example_kwargs=grown_kwargs, cluster=cluster)
+        step, grown = strong.prediction.step_time_s, weak.prediction.step_time_s
+        rows.append({"devices": n, "step_s": step, "grown_step_s": grown})
+    t1 = rows[0]["step_s"]
+    for r in rows:
+        r["speedup"] = t1 / r["step_s"]
+        r["efficiency"] = r["speedup"] / r["devices"]
+        r["scaled_speedup"] = r["devices"] * t1 / r["grown_step_s"]
+    return rows
+
+
+def _grown(t: Any, n: int) -> Any:
+    """``t`` with ``n`` times its batch (dim 0), for weak scaling."""
+    return t.repeat(n, *([1] * (t.dim() - 1))) if isinstance(t, torch.Tensor) and t.dim() else t
+
+
+def amdahl_fraction(rows: Sequence[dict[str, float]]) -> float:
+    """Least-squares serial fraction ``s`` of ``T(n) = T(1) (s + (1 - s) / n)`` (strong scaling)."""
+    pts = [(1 / r["devices"], 1 / r["speedup"]) for r in rows if r["devices"] > 1]
+    den = sum((1 - x) ** 2 for x, _ in pts)
+    return min(1.0, max(0.0, sum((y - x) * (1 - x) for x, y in pts) / den)) if den else 0.0
+
+
+def gustafson_fraction(rows: Sequence[dict[str, float]]) -> float:
+    """Least-squares serial fraction ``s`` of the scaled speedup ``S(n) = n - s (n - 1)``."""
+    pts = [(r["devices"], r["scaled_speedup"]) for r in rows if r["devices"] > 1]
+    den = sum((n - 1) ** 2 for n, _ in pts)
+    return min(1.0, max(0.0, sum((n - s) * (n - 1) for n, s in pts) / den)) if den else 0.0
+
+
+def cmd_scaling(a: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        devices = sorted({1, *(int(d) for d in a.devices.split(","))})  # one device is the reference
+    except ValueError:
+        raise UsageError(
+            f"devices {a.devices!r}: expected counts separated by commas, e.g. 1,2,4,8"
+        ) from None
+    if devices[0] < 1:
+        raise UsageError(f"devices {a.devices!r}: counts must be at least 1")
+    model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
+    with Console(stderr=True).status(f"planning for {len(devices)} device counts ..."):
+        rows = scaling_table(model, args, kwargs, devices, a.axis, _cluster(a.cluster))
+    s, g = amdahl_fraction(rows), gustafson_fraction(rows)
+    table = Table(title=f"predicted scaling over {a.axis} ({a.cluster})")
+    for col in ("devices", "step", "speedup", "efficiency", "grown-batch step", "scaled speedup"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            str(r["devices"]),
+            f"{r['step_s'] * 1e3:.3f} ms",
+            f"{r['speedup']:.2f}x",
+            f"{r['efficiency']:.0%}",
+            f"{r['grown_step_s'] * 1e3:.3f} ms",
+            f"{r['scaled_speedup']:.2f}x",
+        )
+    console = Console(width=a.width)
+    console.print(table)
+    console.print(
+        f"Amdahl (fixed batch): serial fraction {s:.3f}, speedup bound {1 / s if s else math.inf:.1f}x; "
+        f"Gustafson (batch grown with devices): serial fraction {g:.3f}"
+    )
+    if a.plot:
+        _plot(rows, s, g, a.plot)
+        console.print(f"plot written to {a.plot}")
+
+
+def _plot(rows: Sequence[dict[str, float]], s: float, g: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["devices"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(n, n, "k:", label="ideal")
+    ax.plot(n, [r["speedup"] for r in rows], "o-", label="fixed batch (predicted)")
+    ax.plot(n, [1 / (s + (1 - s) / k) for k in n], "--", label=f"Amdahl fit, s={s:.3f}")
+    ax.plot(n, [r["scaled_speedup"] for r in rows], "s-", label="grown batch (predicted)")
+    ax.plot(n, [k - g * (k - 1) for k in n], "--", label=f"Gustafson fit, s={g:.3f}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("devices")
+    ax.set_ylabel("speedup")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --- entry ---------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("model", help="path/to/file.py:factory or hf:ARCH")
+        p.add_argument("options", nargs="*", help="key=value for the factory or the transformers config")
+        p.add_argument("--cluster", default="cpu-gloo", help="cluster preset (cpu-gloo, h100, fast-links)")
+        p.add_argument("--batch", type=int, default=8, help="hf: models: sequences in the example batch")
+        p.add_argument("--seq", type=int, default=128, help="hf: models: tokens per sequence")
+        p.add_argument("--width", type=int, default=140, help="table width in characters")
+        return p
+
+    plan = model_command("plan", "plan a model and print the plan")
+    plan.add_argument("--mesh", required=True, help="e.g. dp=8,tp=8")
+    plan.add_argument("--budget", help="memory per device, e.g. 80GB (default: the cluster's)")
+    plan.add_argument("-o", "--output", help="save the plan as JSON here")
+    plan.set_defaults(run=cmd_plan)
+    show = model_command("show", "print the per-rank program (or a saved plan's graph)")
+    show.add_argument("--mesh", default="dp=1", help="e.g. dp=2,tp=2")
+    show.add_argument("--budget", help="memory per device, e.g. 80GB")
+    show.set_defaults(run=cmd_show)
+    scaling = model_command("scaling", "predicted speedup and efficiency over device counts")
+    scaling.add_argument("--devices", default="1,2,4,8", help="device counts, e.g. 1,2,4,8,16")
+    scaling.add_argument("--axis", default="dp", help="the mesh axis the devices form")
+    scaling.add_argument("--plot", help="write a speedup plot here (.png or .svg)")
+    scaling.set_defaults(run=cmd_scaling)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (2 for bad input, with one line on stderr)."""
+    from autopar.errors import AutoparError
+
+    parser = _parser()
+    a, extra = parser.parse_known_args(argv)
+    # key=value model options may also follow the flags
+    unknown = [w for w in extra if w.startswith("-") or "=" not in w]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    a.options = [*a.options, *extra]
+    try:
+        a.run(a)
+    except (UsageError, AutoparError) as exc:
+        print(f"autopar {a.command}: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The ``autopar`` command line, run as a subprocess (the installed console script's entry point)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def autopar(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "autopar.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_plan_prints_the_plan_and_saves_it(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    proc = autopar("plan", "examples/gpt.py:build", "--mesh", "dp=2,tp=2", "batch_size=4", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "autopar plan on mesh dp=2×tp=2 (cpu-gloo)" in proc.stdout
+    assert "memory per rank: parameters" in proc.stdout and "operators" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert saved["mesh"] == {"dp": 2, "tp": 2} and saved["inputs"]["idx"]
+    # show on a saved plan prints its planned graph
+    shown = autopar("show", str(out))
+    assert shown.returncode == 0 and shown.stdout.startswith(
+        "# Constructed by autopar.plan on mesh dp=2×tp=2"
+    )
+
+
+def test_show_prints_the_per_rank_program_of_a_transformers_model() -> None:
+    proc = autopar(
+        "show",
+        "hf:gpt2",
+        "n_layer=1",
+        "n_embd=32",
+        "n_head=4",
+        "vocab_size=64",
+        "--seq",
+        "16",
+        "--batch",
+        "4",
+        "--mesh",
+        "dp=2",
+        "--cluster",
+        "fast-links",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("# per-rank program on mesh dp=2 (rank 0)")
+    assert "input_ids: S(0)" in proc.stdout and "autopar.all_reduce(" in proc.stdout
+
+
+def test_scaling_reports_amdahl_and_gustafson_and_plots(tmp_path: Path) -> None:
+    plot = tmp_path / "scaling.png"
+    proc = autopar(
+        "scaling",
+        "examples/gpt.py:build",
+        "batch_size=8",
+        "--devices",
+        "2,4",
+        "--cluster",
+        "fast-links",
+        "--plot",
+        str(plot),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Amdahl (fixed batch): serial fraction" in proc.stdout and "Gustafson" in proc.stdout
+    assert "│ 1       │" in proc.stdout and "│ 4       │" in proc.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "nofile.py:build", "--mesh", "dp=2"], "model 'nofile.py:build': no file nofile.py"),
+        (["plan", "examples/gpt.py", "--mesh", "dp=2"], "expected path/to/file.py:factory or hf:ARCH"),
+        (["plan", "examples/gpt.py:build", "--mesh", "dp=two"], "mesh 'dp=two': expected axis=size"),
+        (
+            ["plan", "examples/gpt.py:build", "--mesh", "dp=2", "--cluster", "tpu"],
+            "unknown cluster preset 'tpu'",
+        ),
+        (
+            ["plan", "examples/gpt.py:build", "--mesh", "dp=2", "--budget", "lots"],
+            "budget 'lots': expected bytes",
+        ),
+        (["plan", "hf:nosuchmodel", "--mesh", "dp=2"], "model hf:nosuchmodel: not a transformers model type"),
+        (
+            ["plan", "examples/gpt.py:build", "--mesh", "dp=2", "--budget", "1KB"],
+            "no plan fits memory_budget",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(args: list[str], message: str) -> None:
+    proc = autopar(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"autopar {args[0]}: error: ") and message in lines[0], (
+        lines
+    )

@@ -102,3 +102,10 @@ def test_bad_input_is_one_line_and_status_2(args: list[str], message: str) -> No
     assert len(lines) == 1 and lines[0].startswith(f"autopar {args[0]}: error: ") and message in lines[0], (
         lines
     )
+
+
+def test_the_package_installs_the_console_script() -> None:
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="autopar")
+    assert script.value == "autopar.cli:main"

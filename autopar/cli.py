@@ -4,6 +4,7 @@
 
     autopar plan MODEL --mesh dp=8,tp=8 [--cluster NAME] [--budget 80GB] [-o plan.json]
     autopar show MODEL --mesh dp=2,tp=2 | autopar show plan.json
+    autopar explain plan.json NODE
     autopar scaling MODEL --devices 1,2,4,8 [--axis dp] [--plot scaling.png]
 
 ``MODEL`` is ``path/to/file.py:factory`` (a function returning ``(model, args)`` or
@@ -217,6 +218,61 @@ def cmd_show(a: argparse.Namespace) -> None:
         print(format_graph(gm.graph, f"per-rank program on mesh {MeshSpec.of(mesh)} (rank 0)"))
 
 
+def cmd_explain(a: argparse.Namespace) -> None:
+    from autopar.plans import load_plan
+
+    plan = load_plan(a.plan)
+    try:
+        node = plan.node(a.node)
+    except KeyError:
+        names = ", ".join(n.name for n in plan.nodes[:8])
+        raise UsageError(
+            f"{a.plan} has no node {a.node!r} (its nodes: {names}, ...; see `autopar show`)"
+        ) from None
+    print(f"{node.name}: {node.op} in module '{node.module or '<root>'}' ({node.kind})")
+    print(f"  chosen: {_strategy(node.operands, node.outputs)}, compute {_ms(node.compute_s)}")
+    if node.choice is None:
+        print(
+            "  why: it has a single strategy: an annotation or layout constraint fixes it, or no sharding "
+            "rule exists for the op (replicated; listed in the plan's warnings)"
+        )
+        return
+    shared = [n.name for n in plan.nodes if n.choice == node.choice]
+    print(
+        f"  its layouts follow solver variable {node.choice!r}, shared by {len(shared)} nodes "
+        f"(followers of one operand and tied repeated blocks); the variable's strategies, each with "
+        f"what its terms of the objective cost (compute and redistributions, neighbours as planned):"
+    )
+    options = sorted(plan.alternatives.get(node.choice, []), key=lambda alt: alt.seconds)
+    for alt in options:
+        mark = "->" if alt.chosen else "  "
+        print(f"  {mark} {_strategy(alt.operands, alt.outputs)}: {_ms(alt.seconds)}")
+    chosen = next((alt for alt in options if alt.chosen), None)
+    if chosen is None or len(options) < 2:
+        return
+    best = options[0] if not options[0].chosen else options[1]
+    if chosen is options[0]:
+        print(
+            f"  why: the cheapest of its {len(options)} strategies with every other choice as planned "
+            f"({_ms(best.seconds - chosen.seconds)} below the next): its compute plus the redistributions "
+            f"to and from its neighbours"
+        )
+    else:
+        print(
+            f"  why: not the cheapest alone ({_ms(chosen.seconds - options[0].seconds)} above the best); "
+            f"the ILP minimises the whole step (neighbours would change with it) within the memory budget "
+            f"({plan.memory.budget if plan.memory else '-'} bytes)"
+        )
+
+
+def _strategy(operands: Sequence[str | None], outputs: Sequence[str]) -> str:
+    return f"operands {', '.join(o or '-' for o in operands) or '-'} -> outputs {', '.join(outputs)}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4f} ms"
+
+
 def scaling_table(
     model: torch.nn.Module, args: tuple, kwargs: dict, devices: Sequence[int], axis: str, cluster: Any
 ) -> list[dict[str, float]]:
@@ -347,6 +403,12 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--mesh", default="dp=1", help="e.g. dp=2,tp=2")
     show.add_argument("--budget", help="memory per device, e.g. 80GB")
     show.set_defaults(run=cmd_show)
+    explain = sub.add_parser(
+        "explain", help="why a node of a saved plan has its layouts, and the alternatives"
+    )
+    explain.add_argument("plan", help="a plan saved by autopar plan -o")
+    explain.add_argument("node", help="a node name, as `autopar show` prints them")
+    explain.set_defaults(run=cmd_explain)
     scaling = model_command("scaling", "predicted speedup and efficiency over device counts")
     scaling.add_argument("--devices", default="1,2,4,8", help="device counts, e.g. 1,2,4,8,16")
     scaling.add_argument("--axis", default="dp", help="the mesh axis the devices form")
@@ -365,7 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [w for w in extra if w.startswith("-") or "=" not in w]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    a.options = [*a.options, *extra]
+    if hasattr(a, "options"):
+        a.options = [*a.options, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         a.run(a)
     except (UsageError, AutoparError) as exc:

@@ -63,6 +63,7 @@ from autopar.memory import (
 from autopar.mesh import MeshSpec
 from autopar.pipeline import Pipeline, PipelineFitError, microbatch, plan_pipeline
 from autopar.plans import (
+    Alternative,
     CollectiveStep,
     MemoryPlan,
     NodeDecision,
@@ -721,10 +722,39 @@ def _solve_choice(
             result = assemble_plan(g, assignment, report, cluster, memory, choice, budget, pipeline, mesh)
         except PipelineFitError:  # no split of the model into stages fits the budget
             return None
+        result.alternatives = alternatives(g, costs, pair_costs, assignment)
         if _peak_bytes(result) <= budget or limit is None:
             return result if _peak_bytes(result) <= budget else None
         limit -= _peak_bytes(result) - budget
     return None
+
+
+def alternatives(
+    g: StrategyGraph,
+    node_costs: dict[str, np.ndarray],
+    pair_costs: dict[tuple[str, str], np.ndarray],
+    assignment: dict[str, int],
+) -> dict[str, list[Alternative]]:
+    """Every variable's strategies, each priced by the variable's terms of the objective with
+    every other variable as assigned (what ``autopar explain`` shows)."""
+    local = {r: c.astype(float).copy() for r, c in node_costs.items()}
+    for (u, v), m in pair_costs.items():
+        local[u] += m[:, assignment[v]]
+        local[v] += m[assignment[u], :]
+    owner = {c.root: node for node, c in g.choices.items() if c.root is not None and c.root == node.name}
+    out = {}
+    for r, seconds in local.items():
+        strategies = g.choices[owner[r]].strategies if r in owner else []
+        out[r] = [
+            Alternative(
+                tuple(None if o is None else format_layout(o) for o in st.operands),
+                tuple(format_layout(o) for o in st.outputs),
+                float(seconds[i]),
+                i == assignment[r],
+            )
+            for i, st in enumerate(strategies)
+        ]
+    return out
 
 
 def _no_fit(
@@ -978,6 +1008,7 @@ def assemble_plan(
                 tuple(format_layout(o) for o in s.outputs),
                 tuple(None if o is None else format_layout(o) for o in s.grads),
                 t,
+                c.root,
             )
         )
     graph = g.captured.graph

@@ -34,6 +34,22 @@ class NodeDecision:
     outputs: tuple[str, ...]
     grads: tuple[str | None, ...]  # the layout of the gradient each operand receives
     compute_s: float
+    choice: str | None = None  # the solver variable (a node name) this node's strategy follows
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One strategy of a solver variable, priced with every other choice as planned.
+
+    ``seconds`` is what the variable's terms of the ILP objective cost under it: the
+    compute of every node sharing the variable plus the redistributions between them and
+    their neighbours (whose strategies stay as planned).
+    """
+
+    operands: tuple[str | None, ...]
+    outputs: tuple[str, ...]
+    seconds: float
+    chosen: bool
 
 
 @dataclass(frozen=True)
@@ -196,6 +212,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     pipeline: PipelinePlan | None = None
     memory: MemoryPlan | None = None
+    alternatives: dict[str, list[Alternative]] = field(default_factory=dict)  # variable -> its strategies
 
     @property
     def mesh_spec(self) -> MeshSpec:
@@ -317,6 +334,7 @@ class Plan:
                     tuple(n["outputs"]),
                     tuple(n["grads"]),
                     n["compute_s"],
+                    n.get("choice"),
                 )
                 for n in data["nodes"]
             ],
@@ -343,6 +361,13 @@ class Plan:
             warnings=list(data["warnings"]),
             pipeline=_pipeline_from_dict(data["pipeline"]) if data.get("pipeline") else None,
             memory=_memory_from_dict(data["memory"]) if data.get("memory") else None,
+            alternatives={
+                root: [
+                    Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})
+                    for a in alts
+                ]
+                for root, alts in data.get("alternatives", {}).items()
+            },
         )
 
 

@@ -26,6 +26,14 @@ def test_plan_prints_the_plan_and_saves_it(tmp_path: Path) -> None:
     assert "memory per rank: parameters" in proc.stdout and "operators" in proc.stdout
     saved = json.loads(out.read_text())
     assert saved["mesh"] == {"dp": 2, "tp": 2} and saved["inputs"]["idx"]
+    # explain: the chosen strategy among the alternatives, and why
+    explained = autopar("explain", str(out), "linear_3")
+    assert explained.returncode == 0, explained.stderr
+    lines = explained.stdout.splitlines()
+    assert lines[0] == "linear_3: aten.linear.default in module 'blocks.0.attn.proj' (anchor)"
+    assert sum(line.startswith("  -> operands") for line in lines) == 1 and lines[-1].startswith("  why: ")
+    missing = autopar("explain", str(out), "nothere")
+    assert missing.returncode == 2 and "has no node 'nothere'" in missing.stderr
     # show on a saved plan prints its planned graph
     shown = autopar("show", str(out))
     assert shown.returncode == 0 and shown.stdout.startswith(

@@ -1009,6 +1009,7 @@ def assemble_plan(
                 tuple(None if o is None else format_layout(o) for o in s.grads),
                 t,
                 c.root,
+                tuple(op.name for op in OpCall.of(node).operands) if node.op == "call_function" else (),
             )
         )
     graph = g.captured.graph

@@ -35,6 +35,7 @@ class NodeDecision:
     grads: tuple[str | None, ...]  # the layout of the gradient each operand receives
     compute_s: float
     choice: str | None = None  # the solver variable (a node name) this node's strategy follows
+    args: tuple[str, ...] = ()  # the nodes whose values are its tensor operands, in order
 
 
 @dataclass(frozen=True)
@@ -335,6 +336,7 @@ class Plan:
                     tuple(n["grads"]),
                     n["compute_s"],
                     n.get("choice"),
+                    tuple(n.get("args", ())),
                 )
                 for n in data["nodes"]
             ],

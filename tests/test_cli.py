@@ -34,6 +34,16 @@ def test_plan_prints_the_plan_and_saves_it(tmp_path: Path) -> None:
     assert sum(line.startswith("  -> operands") for line in lines) == 1 and lines[-1].startswith("  why: ")
     missing = autopar("explain", str(out), "nothere")
     assert missing.returncode == 2 and "has no node 'nothere'" in missing.stderr
+    # viz: the planned graph as Graphviz DOT, modules as clusters, redistributions in red
+    dot = tmp_path / "graph.dot"
+    drawn = autopar("viz", str(out), "-o", str(dot))
+    assert drawn.returncode == 0, drawn.stderr
+    text = dot.read_text()
+    assert text.startswith("digraph plan {") and text.rstrip().endswith("}")
+    assert 'subgraph "cluster_blocks.0.attn" { label="blocks.0.attn"' in text
+    assert text.count("color=red") == len(saved["redistributions"]) - sum(
+        r["dst"] in ("output", "<gradient sum>") for r in saved["redistributions"]
+    )
     # show on a saved plan prints its planned graph
     shown = autopar("show", str(out))
     assert shown.returncode == 0 and shown.stdout.startswith(

@@ -12,8 +12,9 @@
 ``(model, args, kwargs)`` of example inputs; ``key=value`` words after it are passed to the
 factory) or ``hf:ARCH`` (a transformers architecture built locally from its default
 config, ``key=value`` words overriding config fields, e.g. ``hf:gpt2 n_layer=2``; nothing is
-downloaded) with ``--batch`` x ``--seq`` token ids and labels. Models are built on ``meta``
-where the factory allows it, so planning needs no memory for weights.
+downloaded) with ``--batch`` x ``--seq`` token ids and labels. ``hf:`` models are built on
+``meta`` (a factory may build on ``meta`` too: ``examples/gpt.py:build device=meta``), so
+planning and ``show`` need no memory for weights.
 
 Bad input (a model spec, a mesh string, a cluster name, a budget) prints one line and
 exits with status 2.
@@ -161,7 +162,7 @@ def _transformers_model(
 
 
 def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: dict, mesh: dict) -> Any:
-    """Capture, then solve, with a spinner for each on the terminal."""
+    """Capture, then solve, with a spinner for each on the terminal: ``(captured, plan)``."""
     from rich.console import Console
 
     from autopar.mesh import MeshSpec
@@ -174,7 +175,7 @@ def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: di
     with console.status(f"capturing {type(model).__name__} with torch.export ..."):
         captured = capture_for(model, args, kwargs, spec, None)
     with console.status(f"solving the strategy ILP for mesh {spec} ..."):
-        return plan_captured(captured, spec, cluster=cluster, memory_budget=budget)
+        return captured, plan_captured(captured, spec, cluster=cluster, memory_budget=budget)
 
 
 def _cluster(name: str) -> Any:
@@ -188,7 +189,7 @@ def _cluster(name: str) -> Any:
 
 def cmd_plan(a: argparse.Namespace) -> None:
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
-    plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
+    _, plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
     print(plan.summary(width=a.width))
     if a.output:
         plan.save(a.output)
@@ -206,15 +207,13 @@ def cmd_show(a: argparse.Namespace) -> None:
     from autopar.compiler import lower
     from autopar.fake_ranks import fake_world
     from autopar.mesh import MeshSpec
-    from autopar.planner import capture_for
     from autopar.printing import format_graph
 
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
     mesh = parse_mesh(a.mesh)
-    plan = _plan(a, model, args, kwargs, mesh)
+    captured, plan = _plan(a, model, args, kwargs, mesh)  # lowered as compile does: one capture
     with fake_world(math.prod(mesh.values())):
         device_mesh = init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
-        captured = capture_for(model, args, kwargs, MeshSpec.of(mesh), None)
         gm, _ = lower(captured, plan, device_mesh)
         print(format_graph(gm.graph, f"per-rank program on mesh {MeshSpec.of(mesh)} (rank 0)"))
 
@@ -332,7 +331,7 @@ def cmd_viz(a: argparse.Namespace) -> None:
         plan = load_plan(a.model)
     else:
         model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
-        plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
+        _, plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
     Path(a.output).write_text(plan_dot(plan))
     print(
         f"graph written to {a.output} ({len(plan.nodes)} nodes, {len(plan.redistributions)} redistributions)"

@@ -5,7 +5,7 @@
     autopar plan MODEL --mesh dp=8,tp=8 [--cluster NAME] [--budget 80GB] [-o plan.json]
     autopar show MODEL --mesh dp=2,tp=2 | autopar show plan.json
     autopar explain plan.json NODE
-    autopar viz MODEL|plan.json -o graph.dot
+    autopar viz MODEL|plan.json -o graph.html|graph.dot
     autopar scaling MODEL --devices 1,2,4,8 [--axis dp] [--plot scaling.png]
 
 ``MODEL`` is ``path/to/file.py:factory`` (a function returning ``(model, args)`` or
@@ -273,58 +273,11 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4f} ms"
 
 
-NEWLINE = "\\n"  # a line break inside a DOT label
-STAGE_COLORS = ("#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd", "#d0e0e3", "#ead1dc")
-
-
-def plan_dot(plan: Any) -> str:
-    """The planned graph in Graphviz DOT: one box per op (its layouts inside), filled by pipeline
-    stage; edges labelled with the layout they carry, red with the collectives where a
-    redistribution is inserted; a cluster per module, nested as the modules are."""
-    stages = plan.pipeline.node_stages if plan.pipeline is not None else {}
-    moved = {(r.src, r.dst): r for r in plan.redistributions}
-    nodes = {n.name: n for n in plan.nodes}
-    tree: dict[str, Any] = {"nodes": [], "children": {}}
-    for n in plan.nodes:
-        where = tree
-        for part in [p for p in n.module.split(".") if p] if n.kind not in ("input", "param") else []:
-            where = where["children"].setdefault(part, {"nodes": [], "children": {}})
-        where["nodes"].append(n)
-    lines = ["digraph plan {", "  rankdir=TB; node [shape=box, style=filled, fontsize=10];"]
-
-    def emit(branch: dict, path: str, indent: str) -> None:
-        for n in branch["nodes"]:
-            color = STAGE_COLORS[stages[n.name] % len(STAGE_COLORS)] if n.name in stages else "#eeeeee"
-            op = n.op.removeprefix("aten.").removesuffix(".default")
-            label = NEWLINE.join((n.name, op, ", ".join(n.outputs)))
-            lines.append(f'{indent}"{n.name}" [label="{label}", fillcolor="{color}"];')
-        for name, child in branch["children"].items():
-            sub = f"{path}.{name}" if path else name
-            lines.append(f'{indent}subgraph "cluster_{sub}" {{ label="{sub}"; style=rounded;')
-            emit(child, sub, indent + "  ")
-            lines.append(f"{indent}}}")
-
-    emit(tree, "", "  ")
-    for n in plan.nodes:
-        for slot, src in enumerate(n.args):
-            if src not in nodes:
-                continue
-            r = moved.get((src, n.name))
-            if r is not None:
-                forward = " + ".join(f"{c.kind}({','.join(c.mesh_axes)})" for c in r.forward) or "local"
-                backward = " + ".join(f"{c.kind}({','.join(c.mesh_axes)})" for c in r.backward) or "local"
-                label = f"{r.have}->{r.need}{NEWLINE}fwd {forward}{NEWLINE}bwd {backward}"
-                lines.append(f'  "{src}" -> "{n.name}" [label="{label}", color=red, fontcolor=red];')
-            else:
-                layout = n.operands[slot] if slot < len(n.operands) else None
-                lines.append(f'  "{src}" -> "{n.name}" [label="{layout or ""}", fontsize=8];')
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
 def cmd_viz(a: argparse.Namespace) -> None:
-    if not a.output.endswith(".dot"):
-        raise UsageError(f"output {a.output!r}: viz writes Graphviz DOT (.dot) for now")
+    from autopar.plan_view import plan_dot, plan_html
+
+    if not a.output.endswith((".html", ".dot")):
+        raise UsageError(f"output {a.output!r}: viz writes a page (.html) or Graphviz DOT (.dot)")
     if a.model.endswith(".json"):
         from autopar.plans import load_plan
 
@@ -332,7 +285,8 @@ def cmd_viz(a: argparse.Namespace) -> None:
     else:
         model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
         _, plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
-    Path(a.output).write_text(plan_dot(plan))
+    title = f"autopar plan on mesh {plan.mesh_spec} ({plan.cluster['name']})"
+    Path(a.output).write_text(plan_html(plan, title) if a.output.endswith(".html") else plan_dot(plan))
     print(
         f"graph written to {a.output} ({len(plan.nodes)} nodes, {len(plan.redistributions)} redistributions)"
     )
@@ -468,10 +422,10 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--mesh", default="dp=1", help="e.g. dp=2,tp=2")
     show.add_argument("--budget", help="memory per device, e.g. 80GB")
     show.set_defaults(run=cmd_show)
-    viz = model_command("viz", "the planned graph for Graphviz (layouts on edges, collectives in red)")
+    viz = model_command("viz", "the planned graph as a page or for Graphviz (collectives in red)")
     viz.add_argument("--mesh", default="dp=1", help="e.g. dp=2,tp=2 (with a model)")
     viz.add_argument("--budget", help="memory per device, e.g. 80GB")
-    viz.add_argument("-o", "--output", required=True, help="graph.dot")
+    viz.add_argument("-o", "--output", required=True, help="graph.html or graph.dot")
     viz.set_defaults(run=cmd_viz)
     explain = sub.add_parser(
         "explain", help="why a node of a saved plan has its layouts, and the alternatives"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,3 +129,66 @@ def test_the_package_installs_the_console_script() -> None:
 
     (script,) = entry_points(group="console_scripts", name="autopar")
     assert script.value == "autopar.cli:main"
+
+
+CHROMIUM = shutil.which("chromium")
+
+
+def _screenshot(page: Path, out: Path, fragment: str = "") -> Any:
+    from PIL import Image
+
+    subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={out.parent / 'chromium'}",
+            "--window-size=1200,2400",
+            f"--screenshot={out}",
+            page.resolve().as_uri() + fragment,
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    return Image.open(out).convert("RGB")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
+    page = tmp_path / "graph.html"
+    proc = autopar(
+        "viz",
+        "examples/gpt.py:build",
+        "batch_size=4",
+        "--mesh",
+        "dp=2,tp=2",
+        "--cluster",
+        "fast-links",
+        "-o",
+        str(page),
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    # self-contained: nothing to fetch (the one URI is SVG's namespace name)
+    assert (
+        "src=" not in text and "href=" not in text and text.count("http") == text.count("http://www.w3.org/")
+    )
+
+    def inked(image: Any) -> tuple[int, int]:
+        """Pixels not white, and pixels of the red that marks inserted collectives."""
+        data = image.tobytes()
+        pixels = list(zip(data[0::3], data[1::3], data[2::3]))
+        red = sum(r > 180 and g < 80 and b < 80 for r, g, b in pixels)
+        return sum(p != (255, 255, 255) for p in pixels), red
+
+    closed = inked(_screenshot(page, tmp_path / "closed.png"))
+    opened = inked(_screenshot(page, tmp_path / "opened.png", "#open=blocks,blocks.0"))
+    assert closed[1] > 50, "collectives are drawn red"
+    assert opened[0] > 1.3 * closed[0], "opening modules draws their ops"

@@ -5,7 +5,7 @@
     autopar plan MODEL --mesh dp=8,tp=8 [--cluster NAME] [--budget 80GB] [-o plan.json]
     autopar show MODEL --mesh dp=2,tp=2 | autopar show plan.json
     autopar explain plan.json NODE
-    autopar viz MODEL|plan.json -o graph.html|graph.dot
+    autopar viz MODEL|plan.json -o graph.html|graph.svg|graph.dot
     autopar scaling MODEL --devices 1,2,4,8 [--axis dp] [--plot scaling.png]
 
 ``MODEL`` is ``path/to/file.py:factory`` (a function returning ``(model, args)`` or
@@ -274,10 +274,20 @@ def _ms(seconds: float) -> str:
 
 
 def cmd_viz(a: argparse.Namespace) -> None:
-    from autopar.plan_view import plan_dot, plan_html
+    import shutil
+    import tempfile
 
-    if not a.output.endswith((".html", ".dot")):
-        raise UsageError(f"output {a.output!r}: viz writes a page (.html) or Graphviz DOT (.dot)")
+    from autopar.plan_view import plan_dot, plan_html, plan_svg
+
+    if not a.output.endswith((".html", ".svg", ".dot")):
+        raise UsageError(
+            f"output {a.output!r}: viz writes a page (.html), an image (.svg) or Graphviz DOT (.dot)"
+        )
+    chromium = shutil.which("chromium")
+    if a.output.endswith(".svg") and chromium is None:
+        raise UsageError(
+            "viz -o .svg draws with headless Chromium: install Debian's chromium, or write .html"
+        )
     if a.model.endswith(".json"):
         from autopar.plans import load_plan
 
@@ -286,7 +296,13 @@ def cmd_viz(a: argparse.Namespace) -> None:
         model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
         _, plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
     title = f"autopar plan on mesh {plan.mesh_spec} ({plan.cluster['name']})"
-    Path(a.output).write_text(plan_html(plan, title) if a.output.endswith(".html") else plan_dot(plan))
+    if a.output.endswith(".dot"):
+        Path(a.output).write_text(plan_dot(plan))
+    elif a.output.endswith(".svg"):
+        with tempfile.TemporaryDirectory() as work:
+            Path(a.output).write_text(plan_svg(plan_html(plan, title), chromium, Path(work), a.open))
+    else:
+        Path(a.output).write_text(plan_html(plan, title))
     print(
         f"graph written to {a.output} ({len(plan.nodes)} nodes, {len(plan.redistributions)} redistributions)"
     )
@@ -425,7 +441,8 @@ def _parser() -> argparse.ArgumentParser:
     viz = model_command("viz", "the planned graph as a page or for Graphviz (collectives in red)")
     viz.add_argument("--mesh", default="dp=1", help="e.g. dp=2,tp=2 (with a model)")
     viz.add_argument("--budget", help="memory per device, e.g. 80GB")
-    viz.add_argument("-o", "--output", required=True, help="graph.html or graph.dot")
+    viz.add_argument("-o", "--output", required=True, help="graph.html, graph.svg or graph.dot")
+    viz.add_argument("--open", default="", help=".svg: modules to draw opened, e.g. blocks,blocks.0")
     viz.set_defaults(run=cmd_viz)
     explain = sub.add_parser(
         "explain", help="why a node of a saved plan has its layouts, and the alternatives"

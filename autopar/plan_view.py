@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import html
 import json
+import subprocess
+from pathlib import Path
 from typing import Any
 
 STAGE_COLORS = ("#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd", "#d0e0e3", "#ead1dc")
@@ -97,19 +99,60 @@ def plan_dot(plan: Any) -> str:
 def plan_html(plan: Any, title: str) -> str:
     """The page (see the module docstring)."""
     data = json.dumps(plan_graph(plan)).replace("</", "<\\/")
-    return _PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", data)
+    return (
+        _PAGE.replace("__TITLE__", html.escape(title)).replace("__STYLE__", _STYLE).replace("__DATA__", data)
+    )
 
+
+def plan_svg(page: str, chromium: str, workdir: Path, opened: str = "") -> str:
+    """The graph of ``page`` (from :func:`plan_html`) as a standalone SVG, drawn by the page's own
+    script in headless ``chromium`` (one renderer for both); ``opened`` lists modules to open."""
+    html_file = workdir / "graph.html"
+    html_file.write_text(page)
+    dom = subprocess.run(
+        [
+            chromium,
+            *HEADLESS,
+            f"--user-data-dir={workdir / 'profile'}",
+            "--dump-dom",
+            html_file.resolve().as_uri() + (f"#open={opened}" if opened else ""),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    start, end = dom.index('<svg id="graph"'), dom.index("</svg>") + len("</svg>")
+    svg = dom[start:end].replace(">", f"><style>{_STYLE}</style>", 1)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + svg + "\n"
+
+
+# Chromium headless with nothing reaching out: no background networking, updates or sync
+HEADLESS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+_STYLE = """
+text { font: 12px sans-serif; }
+.op rect { stroke: #555; }
+.module rect { stroke: #333; stroke-dasharray: 4 2; cursor: pointer; }
+.edge { fill: none; stroke: #999; }
+.edge.moved { stroke: #d00; stroke-width: 2; }
+.elabel { fill: #d00; font-size: 10px; }
+"""
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
 <style>
 body { font: 12px sans-serif; margin: 8px; }
 #open button { margin: 2px; font-size: 11px; }
-.op rect { stroke: #555; }
-.module rect { stroke: #333; stroke-dasharray: 4 2; cursor: pointer; }
-.edge { fill: none; stroke: #999; }
-.edge.moved { stroke: #d00; stroke-width: 2; }
-.elabel { fill: #d00; font-size: 10px; }
+__STYLE__
 </style></head>
 <body>
 <h3>__TITLE__</h3>

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 
@@ -192,3 +193,24 @@ def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     opened = inked(_screenshot(page, tmp_path / "opened.png", "#open=blocks,blocks.0"))
     assert closed[1] > 50, "collectives are drawn red"
     assert opened[0] > 1.3 * closed[0], "opening modules draws their ops"
+    # .svg: the page's own drawing, standalone
+    svg = tmp_path / "graph.svg"
+    proc = autopar(
+        "viz",
+        "examples/gpt.py:build",
+        "batch_size=4",
+        "--mesh",
+        "dp=2,tp=2",
+        "--cluster",
+        "fast-links",
+        "--open",
+        "blocks",
+        "-o",
+        str(svg),
+    )
+    assert proc.returncode == 0, proc.stderr
+    drawing = svg.read_text()
+    assert drawing.startswith('<?xml version="1.0" encoding="UTF-8"?>\n<svg id="graph"')
+    assert "blocks.0" in drawing and 'class="edge moved"' in drawing and "<style>" in drawing
+    root = ElementTree.fromstring(drawing.split("\n", 1)[1])  # well-formed XML
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"

@@ -190,6 +190,7 @@ def _cluster(name: str) -> Any:
 def cmd_plan(a: argparse.Namespace) -> None:
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
     _, plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
+    plan.source = [a.model, *a.options, f"--batch={a.batch}", f"--seq={a.seq}"]  # for `show plan.json`
     print(plan.summary(width=a.width))
     if a.output:
         plan.save(a.output)
@@ -197,21 +198,32 @@ def cmd_plan(a: argparse.Namespace) -> None:
 
 
 def cmd_show(a: argparse.Namespace) -> None:
-    if a.model.endswith(".json"):
-        from autopar.plans import load_plan
-
-        print(load_plan(a.model).code)  # the planned graph; the per-rank program needs the model
-        return
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.compiler import lower
     from autopar.fake_ranks import fake_world
     from autopar.mesh import MeshSpec
+    from autopar.planner import capture_for
+    from autopar.plans import load_plan
     from autopar.printing import format_graph
 
-    model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
-    mesh = parse_mesh(a.mesh)
-    captured, plan = _plan(a, model, args, kwargs, mesh)  # lowered as compile does: one capture
+    if a.model.endswith(".json"):
+        plan = load_plan(a.model)
+        if plan.source is None:  # saved from Python: the model is not known here
+            print(plan.code)
+            return
+        if plan.pipeline is not None:
+            raise UsageError(
+                f"{a.model}: show prints a pipelined plan's program from the model, not yet from the file"
+            )
+        spec = _parser().parse_args(["show", *plan.source])
+        model, args, kwargs = load_model(spec.model, spec.options, spec.batch, spec.seq)
+        mesh = plan.mesh
+        captured = capture_for(model, args, kwargs, MeshSpec.of(mesh), None)
+    else:
+        model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
+        mesh = parse_mesh(a.mesh)
+        captured, plan = _plan(a, model, args, kwargs, mesh)  # lowered as compile does: one capture
     with fake_world(math.prod(mesh.values())):
         device_mesh = init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
         gm, _ = lower(captured, plan, device_mesh)

@@ -2,11 +2,11 @@
 
 The page embeds the plan's nodes and edges as JSON and draws them as SVG with a small
 script: ops in layers from the inputs down, filled by pipeline stage, each showing its output
-layouts; an edge where the plan inserts a redistribution is red and labelled with its
-collectives (its layout change on hover). Every module with more than one op starts
-collapsed into one box, so a 32-layer model opens as a handful of boxes; clicking a module
-box opens it one level, and the list at the top closes it again (``graph.html#open=blocks``
-opens modules from the address).
+layouts; an edge is labelled with the layout it carries, or, where the plan inserts a
+redistribution, drawn red and labelled with its collectives (the layout change on hover).
+Every module with more than one op starts collapsed into one box, so a 32-layer model
+opens as a handful of boxes; clicking a module box opens it one level, and the list at the
+top closes it again (``graph.html#open=blocks`` opens modules from the address).
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ text { font: 12px sans-serif; }
 .edge { fill: none; stroke: #999; }
 .edge.moved { stroke: #d00; stroke-width: 2; }
 .elabel { fill: #d00; font-size: 10px; }
+.llabel { fill: #777; font-size: 9px; }
 """
 
 _PAGE = """<!DOCTYPE html>
@@ -249,6 +250,8 @@ function render() {
     if (l.moved) {
       el("text", { class: "elabel", x: (x1 + x2) / 2 + 4, y: (y1 + y2) / 2 }, svg).textContent = l.labels[0] +
         (l.labels.length > 1 ? ` (+${l.labels.length - 1})` : "");
+    } else if (new Set(l.layouts).size === 1 && l.layouts[0]) {
+      el("text", { class: "llabel", x: (x1 + x2) / 2 + 4, y: (y1 + y2) / 2 }, svg).textContent = l.layouts[0];
     }
   }
   for (const u of ordered) {

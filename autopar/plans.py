@@ -214,6 +214,7 @@ class Plan:
     pipeline: PipelinePlan | None = None
     memory: MemoryPlan | None = None
     alternatives: dict[str, list[Alternative]] = field(default_factory=dict)  # variable -> its strategies
+    source: list[str] | None = None  # the `autopar plan` words that name the model, when it made the plan
 
     @property
     def mesh_spec(self) -> MeshSpec:
@@ -363,6 +364,7 @@ class Plan:
             warnings=list(data["warnings"]),
             pipeline=_pipeline_from_dict(data["pipeline"]) if data.get("pipeline") else None,
             memory=_memory_from_dict(data["memory"]) if data.get("memory") else None,
+            source=data.get("source"),
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})

@@ -47,11 +47,11 @@ def test_plan_prints_the_plan_and_saves_it(tmp_path: Path) -> None:
     assert text.count("color=red") == len(saved["redistributions"]) - sum(
         r["dst"] in ("output", "<gradient sum>") for r in saved["redistributions"]
     )
-    # show on a saved plan prints its planned graph
+    # show on a saved plan: the per-rank program, the model rebuilt from the words that named it
     shown = autopar("show", str(out))
-    assert shown.returncode == 0 and shown.stdout.startswith(
-        "# Constructed by autopar.plan on mesh dp=2×tp=2"
-    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("# per-rank program on mesh dp=2×tp=2 (rank 0)")
+    assert saved["source"] == ["examples/gpt.py:build", "batch_size=4", "--batch=8", "--seq=128"]
 
 
 def test_show_prints_the_per_rank_program_of_a_transformers_model() -> None:

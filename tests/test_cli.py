@@ -138,43 +138,20 @@ CHROMIUM = shutil.which("chromium")
 def _screenshot(page: Path, out: Path, fragment: str = "") -> Any:
     from PIL import Image
 
-    subprocess.run(
-        [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={out.parent / 'chromium'}",
-            "--window-size=1200,2400",
-            f"--screenshot={out}",
-            page.resolve().as_uri() + fragment,
-        ],
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
+    from autopar.plan_view import HEADLESS
+
+    window = ["--window-size=1200,2400", f"--screenshot={out}"]
+    profile = f"--user-data-dir={out.parent / 'chromium'}"
+    url = page.resolve().as_uri() + fragment
+    subprocess.run([CHROMIUM, *HEADLESS, profile, *window, url], capture_output=True, timeout=120, check=True)
     return Image.open(out).convert("RGB")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     page = tmp_path / "graph.html"
-    proc = autopar(
-        "viz",
-        "examples/gpt.py:build",
-        "batch_size=4",
-        "--mesh",
-        "dp=2,tp=2",
-        "--cluster",
-        "fast-links",
-        "-o",
-        str(page),
-    )
+    model = ["examples/gpt.py:build", "batch_size=4", "--mesh", "dp=2,tp=2", "--cluster", "fast-links"]
+    proc = autopar("viz", *model, "-o", str(page))
     assert proc.returncode == 0, proc.stderr
     text = page.read_text()
     # self-contained: nothing to fetch (the one URI is SVG's namespace name)
@@ -195,19 +172,7 @@ def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert opened[0] > 1.3 * closed[0], "opening modules draws their ops"
     # .svg: the page's own drawing, standalone
     svg = tmp_path / "graph.svg"
-    proc = autopar(
-        "viz",
-        "examples/gpt.py:build",
-        "batch_size=4",
-        "--mesh",
-        "dp=2,tp=2",
-        "--cluster",
-        "fast-links",
-        "--open",
-        "blocks",
-        "-o",
-        str(svg),
-    )
+    proc = autopar("viz", *model, "--open", "blocks", "-o", str(svg))
     assert proc.returncode == 0, proc.stderr
     drawing = svg.read_text()
     assert drawing.startswith('<?xml version="1.0" encoding="UTF-8"?>\n<svg id="graph"')

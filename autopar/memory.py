@@ -155,8 +155,7 @@ class ActivationMemory:
     """Per-rank activation bytes of one forward and backward (one microbatch)."""
 
     kept: float  # held from the end of the forward into the backward
-    peak: float  # kept + the largest recompute region's own values, recomputed in backward
-    regions: Mapping[str, float]  # region -> bytes it recomputes
+    peak: float  # the most alive at once: the forward's peak, or a region being recomputed in backward
     by_node: Mapping[str, float]  # kept bytes by the op that first keeps them
     by_autograd: float  # of ``kept``, what autograd saves outside regions (what offload moves to the host)
 
@@ -336,18 +335,22 @@ def _max_prefix(delta: list[float]) -> float:
     return peak
 
 
-def regions_of(graph: torch.fx.Graph, recompute: Mapping[str, str]) -> dict[torch.fx.Node, tuple[str, str]]:
-    """Each op inside a recompute module: ``(module path, policy)`` (innermost module first)."""
+def region_of(node: torch.fx.Node, recompute: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(module path, policy)`` of the innermost recompute module ``node`` runs in, if any."""
     from autopar.capture import module_stack
 
+    path = next((p for p in reversed(module_stack(node)) if p in recompute), None)
+    return None if path is None else (path, recompute[path])
+
+
+def regions_of(graph: torch.fx.Graph, recompute: Mapping[str, str]) -> dict[torch.fx.Node, tuple[str, str]]:
+    """Each op inside a recompute module: ``(module path, policy)`` (innermost module first)."""
     found = {}
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        for path in reversed(module_stack(node)):
-            if path in recompute:
-                found[node] = (path, recompute[path])
-                break
+        if node.op == "call_function" and node.target is not operator.getitem:
+            region = region_of(node, recompute)
+            if region is not None:
+                found[node] = region
     return found
 
 
@@ -416,4 +419,4 @@ def activation_memory(
     for key, at in owner.items():
         by_node[names[at]] = by_node.get(names[at], 0.0) + kept[key]
     by_autograd = sum(v for k, v in kept.items() if k not in by_regions)
-    return ActivationMemory(total, peak, own, by_node, by_autograd)
+    return ActivationMemory(total, peak, by_node, by_autograd)

@@ -21,9 +21,9 @@ import torch
 from autopar.passes.apply_recompute import RECOMPUTE, REGATHER
 
 from autopar.annotations import SELECTIVE
-from autopar.capture import module_stack
 from autopar.collectives import is_autopar_op
 from autopar.compiler import PassContext
+from autopar.memory import region_of
 
 
 def _collective(node: torch.fx.Node) -> bool:
@@ -48,9 +48,9 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     for node in graph.nodes:
         if node.op == "call_function" and not _collective(node):
-            path = next((p for p in reversed(module_stack(node)) if p in memory.recompute), None)
-            if path is not None:
-                node.meta[RECOMPUTE] = (path, memory.recompute[path])
+            region = region_of(node, memory.recompute)
+            if region is not None:
+                node.meta[RECOMPUTE] = region
     for node in reversed(graph.nodes):  # users first: a chain's last step sees its consumer's mark
         if _collective(node) and RECOMPUTE not in node.meta:
             marks = {u.meta.get(RECOMPUTE) for u in node.users}

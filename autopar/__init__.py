@@ -11,15 +11,14 @@ or, on every rank of a job with a named ``DeviceMesh``, compile and train::
     loss = dmodel(*dmodel.shard_inputs(*batch)[0])
 """
 
-from autopar.annotations import constrain, pipeline_stage, recompute, shard
+from autopar.capture.annotations import constrain, pipeline_stage, recompute, shard
 from autopar.compiler import compile
-from autopar.cost import Cluster, LinkSpec, get_cluster
-from autopar.errors import AnnotationError, AutoparError, CaptureError, CompileError, PlanError, ShapeError
-from autopar.memory import Memory
-from autopar.mesh import MeshSpec
-from autopar.pipeline import Pipeline
-from autopar.planner import plan
-from autopar.plans import Plan, load_plan
+from autopar.ir.errors import AnnotationError, AutoparError, CaptureError, CompileError, PlanError, ShapeError
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import Memory, Pipeline
+from autopar.ir.plan import Plan, load_plan
+from autopar.planning.cost import Cluster, LinkSpec, get_cluster
+from autopar.planning.planner import plan
 
 __all__ = [
     "AnnotationError",

@@ -4,7 +4,7 @@ Called on every rank (under ``torchrun`` or spawned processes) with a real, name
 ``DeviceMesh``. The model is captured once; without a plan it is planned (the same
 plan on every rank: the solver is deterministic); then the passes in
 ``autopar.passes.PIPELINE`` turn the captured graph into the per-rank program, and
-:class:`~autopar.runtime.DistributedModule` runs it. Under a pipeline, layouts and
+:class:`~autopar.runtime.module.DistributedModule` runs it. Under a pipeline, layouts and
 collectives live on the mesh of this rank's stages (the mesh without the pipeline
 axis), and the program is split into one program per stage.
 """
@@ -13,35 +13,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from autopar import collectives
-from autopar.capture import Captured
-from autopar.cost import Cluster, CostModel
-from autopar.errors import CompileError, PlanError
-from autopar.memory import Memory
-from autopar.mesh import MeshSpec
-from autopar.pipeline import Pipeline
-from autopar.planner import capture_for, layout_mesh, plan_captured
-from autopar.plans import Plan
-from autopar.printing import format_graph
-
-
-@dataclass
-class PassContext:
-    """What every pass may read; passes record results here as documented in their docstrings."""
-
-    mesh: MeshSpec  # the mesh layouts refer to: one stage's under a pipeline
-    plan: Plan
-    cost: CostModel
-    captured: Captured
-    axis_keys: dict[str, str] = field(default_factory=dict)  # mesh axis -> the collectives' name for it
-    grad_reductions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param placeholder -> axes
-    snapshots: dict[str, str] = field(default_factory=dict)  # pass name -> graph printed after it
-    stages: list[Any] | None = None  # split_stages.StageProgram per pipeline stage
+from autopar.capture.export import Captured
+from autopar.ir.errors import CompileError, PlanError
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import Memory, Pipeline
+from autopar.ir.plan import Plan
+from autopar.ir.printing import format_graph
+from autopar.passes import PIPELINE
+from autopar.passes.context import PassContext
+from autopar.planning.cost import Cluster, CostModel
+from autopar.planning.planner import capture_for, layout_mesh, plan_captured
+from autopar.runtime import collectives
+from autopar.runtime.module import DistributedModule, materialize
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -64,14 +51,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     ``pipeline`` pipelines over one mesh axis (a saved ``plan`` brings its own).
     ``memory`` and ``memory_budget`` are :func:`autopar.plan`'s (a saved plan brings its
     memory plan).
-    Returns a :class:`~autopar.runtime.DistributedModule` whose parameters are
+    Returns a :class:`~autopar.runtime.module.DistributedModule` whose parameters are
     DTensors under the original names, each rank holding its piece of the model's
     weights (under a pipeline, of its stages' weights only); a model built on ``meta``
-    is initialised by :func:`~autopar.runtime.materialize` (``reset_parameters()``
+    is initialised by :func:`~autopar.runtime.module.materialize` (``reset_parameters()``
     under ``seed``).
     """
-    from autopar.runtime import materialize
-
     if not hasattr(mesh, "get_group"):
         raise CompileError(
             "autopar.compile needs a DeviceMesh with axis names (init_device_mesh(..., mesh_dim_names=...)); "
@@ -116,8 +101,6 @@ def lower(captured: Captured, plan: Plan, stage_mesh: Any) -> tuple[torch.fx.Gra
     ``stage_mesh`` is the ``DeviceMesh`` layouts refer to (one stage's under a pipeline).
     Needs no weights: a model captured on ``meta`` lowers as well (``autopar show``).
     """
-    from autopar.passes import PIPELINE
-
     ctx = PassContext(
         MeshSpec.of(stage_mesh),
         plan,
@@ -148,7 +131,5 @@ def build_module(
     ``stage_mesh`` is the ``DeviceMesh`` layouts refer to: ``mesh`` itself, or this
     rank's slice of it without the pipeline axis.
     """
-    from autopar.runtime import DistributedModule
-
     gm, ctx = lower(captured, plan, stage_mesh)
     return DistributedModule(model, mesh, ctx, gm, stage_mesh=stage_mesh, pipeline=pipeline)

@@ -21,8 +21,8 @@ from pathlib import Path
 # Run as a plain script from a checkout: make the repository importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autopar.cost import Collective, CostModel, measure_cpu_gloo  # noqa: E402
-from autopar.mesh import MeshSpec  # noqa: E402
+from autopar.ir.mesh import MeshSpec  # noqa: E402
+from autopar.planning.cost import Collective, CostModel, measure_cpu_gloo  # noqa: E402
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar.launch import spawn  # noqa: E402
+from autopar.tools.launch import spawn  # noqa: E402
 from examples import gpt  # noqa: E402
 
 

@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar.launch import free_port  # noqa: E402
+from autopar.tools.launch import free_port  # noqa: E402
 from examples import gpt  # noqa: E402
 
 WORLD_SIZE = 4

@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=4, help="with a pp axis: microbatches per step")
-    parser.add_argument("--schedule", default="1f1b", choices=autopar.pipeline.SCHEDULES)
+    parser.add_argument("--schedule", default="1f1b", choices=autopar.ir.options.SCHEDULES)
     parser.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (interleaved-1f1b)")
     parser.add_argument("--tiny", action="store_true", help="the small test model instead of the demo one")
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: the planner's)")

@@ -21,7 +21,7 @@ such value's node stays in the graph, under its name, as an ``operator.getitem``
 call, so the nodes reading it and everything keyed by node names are unaffected. Nodes of
 a region may be interleaved with other nodes: nodes between them that depend on the region
 move after the call. A region that reads a value depending on the region itself through
-an outside node cannot be outlined and raises :class:`~autopar.errors.CompileError`.
+an outside node cannot be outlined and raises :class:`~autopar.ir.errors.CompileError`.
 
 Reads: ``autopar.recompute``, ``autopar.regather``, ``autopar.stage``, ``autopar.layouts``,
 ``val``, ``nn_module_stack``. Writes: on the ``call_module`` node ``val`` (the tuple of
@@ -40,38 +40,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from autopar.passes.apply_plan import STAGE
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autopar.annotations import POLICIES, SELECTIVE
-from autopar.collectives import is_autopar_op
-from autopar.errors import CompileError
-from autopar.printing import GRADS, LAYOUTS
-
-RECOMPUTE = "autopar.recompute"  # (region name, policy) on the call_function nodes of a region
-REGATHER = "autopar.regather"  # True on an autopar collective to gather again in backward
-
-aten = torch.ops.aten
-
-# Expensive ops whose outputs "selective" keeps, as the dispatcher sees them: composite ops
-# such as linear, matmul or scaled_dot_product_attention arrive decomposed into these.
-SELECTIVE_SAVES = frozenset(
-    {
-        aten.mm,
-        aten.addmm,
-        aten.bmm,
-        aten.baddbmm,
-        aten._scaled_mm,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_cudnn_attention,
-        aten._scaled_dot_product_fused_attention_overrideable,
-        aten._flash_attention_forward,
-        aten._efficient_attention_forward,
-        aten._cudnn_attention_forward,
-    }
-)
+from autopar.ir.errors import CompileError
+from autopar.ir.meta import GRADS, LAYOUTS, RECOMPUTE, REGATHER, STAGE
+from autopar.ir.ops import is_autopar_op, is_selective_save
+from autopar.ir.options import POLICIES, SELECTIVE
 
 
 def policy_fn(policy: str, regathers: tuple[bool, ...]) -> Callable[..., CheckpointPolicy]:
@@ -100,7 +74,7 @@ def policy_fn(policy: str, regathers: tuple[bool, ...]) -> Callable[..., Checkpo
                     "autopar ops must be plain nodes of the region graph"
                 )
             return CheckpointPolicy.PREFER_RECOMPUTE if regathers[k] else CheckpointPolicy.MUST_SAVE
-        if policy == SELECTIVE and getattr(op, "overloadpacket", None) in SELECTIVE_SAVES:
+        if policy == SELECTIVE and is_selective_save(op):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

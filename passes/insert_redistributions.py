@@ -8,7 +8,7 @@ producer's output must receive: ``have`` with Partial read as Replicate). A
 and ``grad_need != grad_have``. Model outputs need their Partial axes reduced.
 
 Gradient sums that can wait until backward reaches the parameters (data parallelism;
-see :mod:`autopar.gradient_sums`) are left to the runtime's bucketed reducer:
+see :mod:`autopar.planning.gradient_sums`) are left to the runtime's bucketed reducer:
 ``ctx.grad_reductions[placeholder] = axis keys`` (see ``collectives.register_mesh``).
 
 Reads: ``autopar.layouts``, ``autopar.grads``, ``autopar.stage``. Writes: ``redistribute``
@@ -20,16 +20,13 @@ grad_have) and, under a pipeline, their consumer's ``autopar.stage``;
 from __future__ import annotations
 
 import torch
-from autopar.passes.apply_plan import STAGE
+from autopar.passes.context import PassContext
 from torch.utils import _pytree as pytree
 
-from autopar.capture import gradient_flow
-from autopar.compiler import PassContext
-from autopar.gradient_sums import planned_edges
-from autopar.layout import format_layout
-from autopar.printing import LAYOUTS
-
-REDISTRIBUTION = "autopar.redistribution"
+from autopar.capture.export import gradient_flow
+from autopar.ir.layout import format_layout
+from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, STAGE
+from autopar.planning.gradient_sums import planned_edges
 
 
 def redistribute(x: torch.Tensor, have: str, need: str, grad_need: str, grad_have: str) -> torch.Tensor:

@@ -14,16 +14,14 @@ nodes after rescaled means (with ``autopar.layouts`` and the mean's ``autopar.st
 from __future__ import annotations
 
 import torch
-from autopar.passes.apply_plan import STAGE
+from autopar.passes.context import PassContext
 from torch.distributed.tensor import Shard
 
-from autopar.compiler import PassContext
-from autopar.layout import local_shape
-from autopar.printing import LAYOUTS
+from autopar.ir.layout import local_shape
+from autopar.ir.meta import LAYOUTS, MEAN_SPLIT, STAGE
 from autopar.rules import OpCall, lookup
 
 _SIZE_ARGS = ("size", "shape")
-MEAN_SPLIT = "autopar.mean_split"  # on a split mean: how many ways; its result is rescaled by the next node
 
 
 def _localize_size(node: torch.fx.Node, ctx: PassContext) -> None:

@@ -23,14 +23,13 @@ Reads: ``autopar.redistribution``, ``autopar.stage``. Writes: collective nodes w
 from __future__ import annotations
 
 import torch
-from autopar.passes.apply_plan import STAGE
-from autopar.passes.insert_redistributions import REDISTRIBUTION, redistribute
+from autopar.passes.context import PassContext
+from autopar.passes.insert_redistributions import redistribute
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import autopar.collectives  # noqa: F401  (registers torch.ops.autopar)
-from autopar.compiler import PassContext
-from autopar.errors import CompileError
-from autopar.printing import LAYOUTS
+import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar)
+from autopar.ir.errors import CompileError
+from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, STAGE
 
 ops = torch.ops.autopar
 

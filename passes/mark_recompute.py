@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from autopar.passes.apply_recompute import RECOMPUTE, REGATHER
+from autopar.passes.context import PassContext
 
-from autopar.annotations import SELECTIVE
-from autopar.collectives import is_autopar_op
-from autopar.compiler import PassContext
-from autopar.memory import region_of
+from autopar.ir.meta import RECOMPUTE, REGATHER
+from autopar.ir.ops import is_autopar_op
+from autopar.ir.options import SELECTIVE
+from autopar.planning.memory import region_of
 
 
 def _collective(node: torch.fx.Node) -> bool:

@@ -20,15 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from autopar.passes.apply_plan import STAGE
+from autopar.passes.context import PassContext
 from torch.export.graph_signature import OutputKind
 from torch.utils import _pytree as pytree
 
-from autopar.capture import gradient_flow
-from autopar.compiler import PassContext
-from autopar.errors import CompileError
-from autopar.layout import local_shape
-from autopar.printing import LAYOUTS, format_graph
+from autopar.capture.export import gradient_flow
+from autopar.ir.errors import CompileError
+from autopar.ir.layout import local_shape
+from autopar.ir.meta import LAYOUTS, STAGE
+from autopar.ir.printing import format_graph
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import operator
 
 import torch
+from autopar.passes.context import PassContext
 from torch.utils import _pytree as pytree
 
-from autopar.compiler import PassContext
-from autopar.errors import CompileError
-from autopar.layout import format_layout, grad_layout
-from autopar.printing import LAYOUTS
+from autopar.ir.errors import CompileError
+from autopar.ir.layout import format_layout, grad_layout
+from autopar.ir.meta import LAYOUTS
 
 
 def _tensors(args: object) -> list[torch.fx.Node]:

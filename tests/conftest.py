@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path:
 @pytest.fixture
 def fake_process_group():
     """A world of 4 ranks on torch's fake backend (no communication), torn down after the test."""
-    from autopar.fake_ranks import fake_world
+    from autopar.tools.fake_ranks import fake_world
 
     with fake_world(4):
         yield

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import autopar
 import examples.gpt as gpt
-from autopar.activations import ActivationMeter, SavedSpec, saved_by
+from autopar.planning.activations import ActivationMeter, SavedSpec, saved_by
 
 aten = torch.ops.aten
 F32 = 4

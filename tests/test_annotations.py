@@ -1,4 +1,4 @@
-"""Tests of autopar.annotations: strategy lowering, recording, validation and capture hooks."""
+"""Tests of autopar.capture.annotations: strategy lowering, recording, validation and capture hooks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.annotations import (
+from autopar.capture.annotations import (
     ShardAnnotation,
     annotation_hooks,
     collect_annotations,
@@ -20,8 +20,8 @@ from autopar.annotations import (
     shard,
     shard_annotation,
 )
-from autopar.errors import AnnotationError
-from autopar.mesh import MeshSpec
+from autopar.ir.errors import AnnotationError
+from autopar.ir.mesh import MeshSpec
 
 R = Replicate()
 DP_TP = MeshSpec.of({"dp": 2, "tp": 4})

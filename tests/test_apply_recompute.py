@@ -20,18 +20,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from autopar.passes import apply_recompute
-from autopar.passes.apply_plan import STAGE
-from autopar.passes.apply_recompute import RECOMPUTE, REGATHER, region_nodes
+from autopar.passes.apply_recompute import region_nodes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autopar import collectives
-from autopar.annotations import FULL, SELECTIVE
-from autopar.errors import CompileError
-from autopar.printing import GRADS, LAYOUTS
+from autopar.ir.errors import CompileError
+from autopar.ir.meta import GRADS, LAYOUTS, RECOMPUTE, REGATHER, STAGE
+from autopar.ir.options import FULL, SELECTIVE
+from autopar.runtime import collectives
 
 
 class MLP(nn.Module):

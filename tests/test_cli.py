@@ -17,7 +17,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def autopar(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "autopar.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "autopar.tools.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -129,7 +133,7 @@ def test_the_package_installs_the_console_script() -> None:
     from importlib.metadata import entry_points
 
     (script,) = entry_points(group="console_scripts", name="autopar")
-    assert script.value == "autopar.cli:main"
+    assert script.value == "autopar.tools.cli:main"
 
 
 CHROMIUM = shutil.which("chromium")
@@ -138,7 +142,7 @@ CHROMIUM = shutil.which("chromium")
 def _screenshot(page: Path, out: Path, fragment: str = "") -> Any:
     from PIL import Image
 
-    from autopar.plan_view import HEADLESS
+    from autopar.tools.plan_view import HEADLESS
 
     window = ["--window-size=1200,2400", f"--screenshot={out}"]
     profile = f"--user-data-dir={out.parent / 'chromium'}"

@@ -1,4 +1,4 @@
-"""The per-axis collectives of ``autopar.collectives``.
+"""The per-axis collectives of ``autopar.runtime.collectives``.
 
 One spawned world of 4 gloo ranks on a named 2x2 mesh checks every op on both axes, then
 on a 1-D mesh of all 4 ranks: forward result, backward gradient and byte counters,
@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar import collectives as C
-from autopar.launch import free_port
+from autopar.runtime import collectives as C
+from autopar.tools.launch import free_port
 
 SHAPE = (4, 8, 12)  # every dimension divides by 2 and by 4
 
@@ -238,7 +238,9 @@ def test_collectives_on_gloo_ranks():
     # rank; it forks before any torch thread pool exists, which forking pytest would not.
     # Modules of the environment, not this file: Python 3.11's fork server ignores sys.path.
     # Were a fork server already running, the ranks would import on their own: slower, same result.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["autopar.collectives", "torch._dynamo"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["autopar.runtime.collectives", "torch._dynamo"]
+    )
     # A rank's exception (with its message) is re-raised here and the other ranks are stopped.
     mp.start_processes(_rank_main, args=(free_port(), 4), nprocs=4, start_method="forkserver")
 

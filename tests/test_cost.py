@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.cost import Cluster, Collective, CostModel, LinkSpec, dtype_name, get_cluster
-from autopar.mesh import MeshSpec
+from autopar.ir.mesh import MeshSpec
+from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, dtype_name, get_cluster
 
 R, P = Replicate(), Partial()
 S0, S1 = Shard(0), Shard(1)

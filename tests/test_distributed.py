@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.launch import spawn
+from autopar.tools.launch import spawn
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -83,7 +83,7 @@ def _build(name: str):
 def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar import collectives
+    from autopar.runtime import collectives
     from examples import gpt
 
     torch.manual_seed(0)
@@ -248,7 +248,7 @@ def _pipeline_case(model_name: str, shape: tuple[int, ...], schedule: str, style
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar import collectives
+    from autopar.runtime import collectives
     from examples import gpt
 
     names = ("pp", "dp", "tp")[: len(shape)]

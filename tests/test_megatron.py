@@ -7,7 +7,7 @@ import dataclasses
 from torch.distributed.tensor import Shard
 
 import autopar
-import autopar.layout
+import autopar.ir.layout
 from bench.megatron_check import run
 
 
@@ -18,7 +18,7 @@ def test_auto_plan_is_megatron_or_cheaper_and_communicates_no_more():
     auto, megatron = results["auto"], results["megatron"]
     assert auto["comm_ms"] <= megatron["comm_ms"] + 1e-9
     assert auto["step_ms"] <= megatron["step_ms"] + 1e-9
-    placements = {k: autopar.layout.parse_layout(v) for k, v in auto["layouts"].items()}
+    placements = {k: autopar.ir.layout.parse_layout(v) for k, v in auto["layouts"].items()}
     # over tp: column-parallel q, k, v and first MLP linear, row-parallel second MLP linear. (Over
     # dp a weight may also be stored split and gathered for use, ZeRO-3 style: in this cost model
     # an all-gather plus a reduce-scatter costs what the gradient all-reduce it replaces does.)

@@ -8,11 +8,12 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-from autopar.errors import AnnotationError, PlanError
-from autopar.memory import Memory, state_bytes, zero_split
-from autopar.mesh import MeshSpec
-from autopar.plans import Plan
-from autopar.solver import StrategyILP
+from autopar.ir.errors import AnnotationError, PlanError
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import Memory
+from autopar.ir.plan import Plan
+from autopar.planning.memory import state_bytes, zero_split
+from autopar.planning.solver import StrategyILP
 from examples import gpt
 
 DP4 = {"dp": 4}

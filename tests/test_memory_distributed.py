@@ -7,11 +7,11 @@ trained for three AdamW steps next to a single-device copy, and checked:
   ones (``atol=1e-5, rtol=1e-4``); under ZeRO-2 the full parameters have no gradient, so
   the shards' gradients are gathered;
 * the bytes of parameters, gradients and optimizer state each rank holds after a step
-  (:meth:`~autopar.runtime.DistributedModule.state_bytes`, measured from the live
+  (:meth:`~autopar.runtime.module.DistributedModule.state_bytes`, measured from the live
   tensors) equal the plan's prediction exactly, and so does the host memory under offload;
 * the bytes every collective moved in a step (optimizer step included: ZeRO-1/2 gather
   the updated shards) equal the prediction;
-* the peak activation memory, measured by :class:`~autopar.activations.ActivationMeter`,
+* the peak activation memory, measured by :class:`~autopar.planning.activations.ActivationMeter`,
   is within 10% of the prediction, with and without recompute; with activation offload
   the bytes copied to the host are within 1% of the prediction.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 import autopar
-from autopar.launch import spawn
+from autopar.tools.launch import spawn
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -41,8 +41,8 @@ def _grad(dmodel, name: str, p: torch.nn.Parameter) -> torch.Tensor:
 def _case(mesh_shape: tuple, names: tuple, style: str, memory: dict, recompute: str | None) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar import collectives
-    from autopar.activations import ActivationMeter
+    from autopar.planning.activations import ActivationMeter
+    from autopar.runtime import collectives
     from examples import gpt
 
     torch.manual_seed(0)

@@ -14,7 +14,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.pipeline import Pipeline, UnitCosts, partition
+from autopar.ir.options import Pipeline
+from autopar.planning.pipeline import UnitCosts, partition
 from examples import gpt
 
 MESH = {"pp": 2, "dp": 2, "tp": 2}
@@ -224,7 +225,7 @@ def test_microbatches_in_flight_match_torchs_schedules(fake_process_group, sched
 @pytest.fixture
 def world_of_8():
     """A fake process group of 8 ranks, this process rank 0 (pipeline coordinate 0)."""
-    from autopar.fake_ranks import fake_world
+    from autopar.tools.fake_ranks import fake_world
 
     with fake_world(8):
         yield

@@ -9,11 +9,11 @@ import transformers
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-from autopar.capture import capture
-from autopar.cost import CostModel, get_cluster
-from autopar.mesh import MeshSpec
-from autopar.planner import build_strategy_graph, cost_tables
-from autopar.solver import StrategyILP
+from autopar.capture.export import capture
+from autopar.ir.mesh import MeshSpec
+from autopar.planning.cost import CostModel, get_cluster
+from autopar.planning.planner import build_strategy_graph, cost_tables
+from autopar.planning.solver import StrategyILP
 from examples import gpt, mlp
 
 transformers.logging.set_verbosity_error()

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.layout import local_shape
-from autopar.mesh import MeshSpec
+from autopar.ir.layout import local_shape
+from autopar.ir.mesh import MeshSpec
 from autopar.rules import PASSTHROUGH, OpCall, build, enumerate_strategies, lookup
 
 aten = torch.ops.aten

@@ -33,8 +33,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.layout import Layout
-from autopar.mesh import MeshSpec
+from autopar.ir.layout import Layout
+from autopar.ir.mesh import MeshSpec
 
 Labels = tuple[str | None, ...]
 

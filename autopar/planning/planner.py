@@ -34,13 +34,17 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.activations import saved_by
-from autopar.annotations import FULL, LAYOUT_CONSTRAINT, SELECTIVE, parse_constraint_spec
-from autopar.capture import Captured, capture, gradient_flow, module_path, module_stack, repeated_blocks
-from autopar.cost import Cluster, Collective, CostModel, get_cluster
-from autopar.errors import PlanError
-from autopar.gradient_sums import planned_edges
-from autopar.layout import (
+from autopar.capture.annotations import parse_constraint_spec
+from autopar.capture.export import (
+    Captured,
+    capture,
+    gradient_flow,
+    module_path,
+    module_stack,
+    repeated_blocks,
+)
+from autopar.ir.errors import PlanError
+from autopar.ir.layout import (
     Layout,
     format_layout,
     grad_layout,
@@ -48,21 +52,11 @@ from autopar.layout import (
     local_fraction,
     replicated,
 )
-from autopar.memory import (
-    MATMUL_OPS,
-    Memory,
-    activation_memory,
-    largest_operand,
-    regions_of,
-    source_of,
-    state_bytes,
-    storage_of,
-    with_split,
-    zero_split,
-)
-from autopar.mesh import MeshSpec
-from autopar.pipeline import Pipeline, PipelineFitError, microbatch, plan_pipeline
-from autopar.plans import (
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.meta import GRADS, LAYOUTS
+from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
+from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
+from autopar.ir.plan import (
     Alternative,
     CollectiveStep,
     MemoryPlan,
@@ -72,9 +66,23 @@ from autopar.plans import (
     Redistribution,
     SolverReport,
 )
-from autopar.printing import GRADS, LAYOUTS, format_graph
+from autopar.ir.printing import format_graph
+from autopar.planning.activations import saved_by
+from autopar.planning.cost import Cluster, Collective, CostModel, get_cluster
+from autopar.planning.gradient_sums import planned_edges
+from autopar.planning.memory import (
+    activation_memory,
+    largest_operand,
+    regions_of,
+    source_of,
+    state_bytes,
+    storage_of,
+    with_split,
+    zero_split,
+)
+from autopar.planning.pipeline import PipelineFitError, microbatch, plan_pipeline
+from autopar.planning.solver import StrategyILP
 from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
-from autopar.solver import StrategyILP
 
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
 _FREE_OPS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_size.int"}
@@ -534,11 +542,11 @@ def plan(
     (default ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the
     solver in deterministic seconds (about wall seconds on one core); with the same
     ``seed`` every call, on every rank, returns the same plan. ``pipeline`` runs a
-    pipeline over one mesh axis (see :mod:`autopar.pipeline`); the example inputs are
+    pipeline over one mesh axis (see :mod:`autopar.planning.pipeline`); the example inputs are
     the whole batch. ``memory`` sets ZeRO, the optimizer's state and offload
-    (:class:`~autopar.memory.Memory`); ``memory_budget`` (bytes per device) makes the
+    (:class:`~autopar.planning.memory.Memory`); ``memory_budget`` (bytes per device) makes the
     planner choose sharding, the ZeRO stage and recompute so that the plan fits, or
-    raise :class:`~autopar.errors.PlanError` with the least memory it could reach.
+    raise :class:`~autopar.ir.errors.PlanError` with the least memory it could reach.
     """
     mesh = MeshSpec.of(mesh)
     t0 = time.perf_counter()
@@ -692,7 +700,7 @@ def _solve_choice(
     """The fastest plan under ``choice`` that fits ``budget``, or None.
 
     ``constrained`` puts the budget into the ILP. Its memory estimate is per node (see
-    :func:`memory_tables`); the plan's figure is exact (:mod:`autopar.memory`). Where it
+    :func:`memory_tables`); the plan's figure is exact (:mod:`autopar.planning.memory`). Where it
     exceeds the budget, the ILP's limit is lowered by the difference and solved again
     (twice at most). Under a pipeline the budget bounds each stage (the ILP does not see
     microbatches in flight).
@@ -816,7 +824,7 @@ def memory_tables(
     Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers again
     in backward (ZeRO-2's reduce-scatter and all-gather cost what the all-reduce does);
     recomputed ops run their forward again. Bytes: each parameter's state
-    (:func:`~autopar.memory.state_bytes`, split over the axes it is replicated on),
+    (:func:`~autopar.planning.memory.state_bytes`, split over the axes it is replicated on),
     and each op's saved values in the layouts of its strategy, each value counted at
     its first saver; inside a recompute region only what the region keeps, plus the
     first region's own values (the one being recomputed). The plan's figure is exact;
@@ -865,7 +873,7 @@ def memory_tables(
         call = OpCall.of(node)
         spec = saved_by(node, [bool(g.requires_grad.get(op)) for op in call.operands])
         region = regions.get(node)
-        matmul = str(node.target) in MATMUL_OPS
+        matmul = is_selective_save(node.target)
         items = []  # (operand or output, index, global bytes, kept)
         for i in spec.inputs:
             src, index = source_of(call.operands[i])
@@ -913,10 +921,10 @@ def _zero_seconds(g: StrategyGraph, zero: int, split: tuple[int, int] | None, lo
 def zero_splits(
     g: StrategyGraph, assignment: dict[str, int], memory: Memory
 ) -> dict[torch.fx.Node, tuple[int, int]]:
-    """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see :func:`~autopar.memory.zero_split`).
+    """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see :func:`~autopar.planning.memory.zero_split`).
 
     The axes a parameter's gradient is summed over are those the compiled program sums
-    (:func:`~autopar.gradient_sums.planned_edges`) under the assignment.
+    (:func:`~autopar.planning.gradient_sums.planned_edges`) under the assignment.
     """
     _lay_out(g, assignment)
     state = set(g.captured.params) | set(g.captured.buffers)
@@ -1051,7 +1059,7 @@ def assemble_plan(
         if (c := g.choices.get(node)) is not None
         and c.compute is not None
         and g.requires_grad.get(node)
-        and (policy == FULL or str(node.target) not in MATMUL_OPS)
+        and (policy == FULL or not is_selective_save(node.target))
     )
     compute += recomputed
     comm = sum(r.seconds for r in redists)

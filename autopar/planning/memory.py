@@ -17,7 +17,7 @@ splits a parameter over, ``s`` the optimizer's fp32 values per element)::
 by ZeRO only along a mesh axis its gradient is summed over (a data-parallel axis for
 it), along a dimension no other axis splits and that the axis divides, and only when
 its local size is at least ``zero_threshold`` (:func:`zero_split`). What autograd
-saves per op comes from :func:`autopar.activations.saved_by` (the op run once on
+saves per op comes from :func:`autopar.planning.activations.saved_by` (the op run once on
 ``meta`` tensors); under a pipeline a stage keeps its activations for as many
 microbatches as its schedule has in flight.
 """
@@ -33,61 +33,15 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.activations import saved_by
-from autopar.annotations import LAYOUT_CONSTRAINT, SELECTIVE
-from autopar.layout import Layout, local_fraction, local_shape
-from autopar.mesh import MeshSpec
-from autopar.printing import LAYOUTS
+from autopar.ir.layout import Layout, local_fraction, local_shape
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.meta import LAYOUTS
+from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
+from autopar.ir.options import SELECTIVE, Memory
+from autopar.planning.activations import saved_by
 from autopar.rules import OpCall
 
-# ops whose outputs selective recompute keeps: matrix products and attention (graph-level names;
-# at run time they dispatch to mm/addmm/bmm and the fused attention kernels)
-MATMUL_OPS = frozenset(
-    {
-        "aten.linear.default",
-        "aten.matmul.default",
-        "aten.mm.default",
-        "aten.addmm.default",
-        "aten.bmm.default",
-        "aten.baddbmm.default",
-        "aten.einsum.default",
-        "aten.scaled_dot_product_attention.default",
-    }
-)
 FP32_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Memory:
-    """How a plan holds its state; see the module docstring.
-
-    ``zero``: the ZeRO stage (0: none; 1: optimizer state split over each parameter's
-    data-parallel axis; 2: gradients reduce-scattered too; 3: parameters split too,
-    all-gathered just in time in forward and again in backward). ``None`` lets the
-    planner choose under a ``memory_budget`` (0 without one).
-    ``zero_threshold``: parameters smaller than this many bytes (per rank) stay whole.
-    ``optimizer_states``: fp32 values the optimizer keeps per parameter element
-    (AdamW 2, SGD with momentum 1, plain SGD 0).
-    ``offload_optimizer``: the optimizer state, an fp32 master copy of the (ZeRO) shard
-    and its gradient live on the host; the update runs there.
-    ``offload_activations``: tensors saved for backward go to host memory
-    (``torch.autograd.graph.save_on_cpu``); recompute regions still recompute.
-    """
-
-    zero: int | None = None
-    zero_threshold: int = 0
-    optimizer_states: int = 2
-    offload_optimizer: bool = False
-    offload_activations: bool = False
-
-    def __post_init__(self) -> None:
-        if self.zero not in (None, 0, 1, 2, 3):
-            raise ValueError(f"Memory(zero=...) is a ZeRO stage 0, 1, 2 or 3 (or None), got {self.zero!r}")
-        if self.zero_threshold < 0 or self.optimizer_states < 0:
-            raise ValueError(
-                f"Memory: zero_threshold and optimizer_states must be >= 0, got "
-                f"{self.zero_threshold} and {self.optimizer_states}"
-            )
 
 
 def zero_split(
@@ -337,7 +291,7 @@ def _max_prefix(delta: list[float]) -> float:
 
 def region_of(node: torch.fx.Node, recompute: Mapping[str, str]) -> tuple[str, str] | None:
     """``(module path, policy)`` of the innermost recompute module ``node`` runs in, if any."""
-    from autopar.capture import module_stack
+    from autopar.capture.export import module_stack
 
     path = next((p for p in reversed(module_stack(node)) if p in recompute), None)
     return None if path is None else (path, recompute[path])
@@ -405,7 +359,7 @@ def activation_memory(
                 keep(at, held_value(src, src.meta[LAYOUTS][1][0], mesh), True)
             if need != src.meta[LAYOUTS][1][0]:
                 keep(at, held_value(src, need, mesh, (node.name, slot)), True)
-        if policy == SELECTIVE and str(node.target) in MATMUL_OPS:
+        if policy == SELECTIVE and is_selective_save(node.target):
             keep(at, held_value(node, _out_layout(node, 0), mesh), True)
     own = {name: sum(v for k, v in values.items() if k not in kept) for name, values in inside.items()}
     total = sum(kept.values())

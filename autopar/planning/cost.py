@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.launch import free_port
-from autopar.layout import Layout
-from autopar.mesh import MeshSpec
+from autopar.ir.layout import Layout
+from autopar.ir.mesh import MeshSpec
+from autopar.tools.launch import free_port
 
 # Dtypes without an entry of their own in ``Cluster.peak_flops`` are priced as this one.
 FALLBACK_DTYPE = "float32"
@@ -437,7 +437,7 @@ class CostModel:
 
 # Per forward step kind: (partial gradient on the axis, input sharded on the axis) ->
 # (the backward collective or None, how the gradient's local size changes: +1 grows by the
-# axis size, -1 shrinks by it, 0 stays). The autograd formulas of autopar.collectives.
+# axis size, -1 shrinks by it, 0 stays). The autograd formulas of autopar.runtime.collectives.
 _BACKWARD: dict[str, Any] = {
     "slice": lambda partial, sharded: ("all_gather", +1),
     "reduce_scatter": lambda partial, sharded: ("all_gather", +1),

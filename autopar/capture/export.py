@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from autopar.annotations import ModelAnnotations, annotation_hooks
-from autopar.errors import AnnotationError, CaptureError
-from autopar.mesh import MeshSpec
+from autopar.capture.annotations import ModelAnnotations, annotation_hooks
+from autopar.ir.errors import AnnotationError, CaptureError
+from autopar.ir.mesh import MeshSpec
 
 
 @dataclass
@@ -103,7 +103,7 @@ def _block_inputs(model: torch.nn.Module) -> Iterator[None]:
     would carry one layout from the embedding to the loss; at a block boundary the
     solver may change it (the mark is an identity that the compiler removes).
     """
-    from autopar.annotations import constraint_spec, layout_constraint
+    from autopar.capture.annotations import constraint_spec, layout_constraint
 
     def mark(values: Any, where: str) -> Any:
         def free(t: Any) -> Any:

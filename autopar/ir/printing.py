@@ -3,7 +3,7 @@
 Every stage of autopar can show its graph this way; tests assert on the text.
 A node's layouts are read from ``node.meta["autopar.layouts"]``: a pair of
 (operand layouts, output layouts), printed in the short form of
-:func:`autopar.layout.format_layout`; an operand read only for its shape
+:func:`autopar.ir.layout.format_layout`; an operand read only for its shape
 (layout ``None``) shows as ``-``.
 """
 
@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.layout import format_layout
-
-LAYOUTS = "autopar.layouts"  # (operand layouts, output layouts) of a node
-GRADS = "autopar.grads"  # the layout of the gradient each operand receives
+from autopar.ir.layout import format_layout
+from autopar.ir.meta import LAYOUTS
 
 
 def _arg(a: object) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from autopar import collectives
+from autopar.runtime import collectives
 
 
 class ZeroShard:

@@ -39,117 +39,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.capture import BLOCK_PATH, Captured, block_of, module_stack
-from autopar.cost import LinkSpec
-from autopar.errors import AnnotationError, PlanError
-from autopar.mesh import MeshSpec
-from autopar.plans import PipelinePlan, Plan, StagePlan
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """How to pipeline: ``microbatches`` per step, the ``schedule``, stages per rank, the mesh axis.
-
-    ``schedule`` is ``"gpipe"`` (all forwards, then all backwards: ``m`` microbatches
-    in flight), ``"1f1b"`` (one forward, one backward in steady state: at most ``p``
-    in flight; needs ``m >= p``) or ``"interleaved-1f1b"`` (``virtual_stages >= 2``
-    stages per rank, looping: the bubble shrinks by that factor). The number of stages
-    is ``size(axis) × virtual_stages``.
-    """
-
-    microbatches: int
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    axis: str = "pp"
-
-    def __post_init__(self) -> None:
-        for name in ("microbatches", "virtual_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"Pipeline: unknown schedule {self.schedule!r}; schedules are {SCHEDULES}")
-        if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
-            raise ValueError(
-                "Pipeline: 'interleaved-1f1b' needs virtual_stages >= 2 (stages per rank); "
-                "with one stage per rank use '1f1b'"
-            )
-        if self.schedule != "interleaved-1f1b" and self.virtual_stages != 1:
-            raise ValueError(
-                f"Pipeline: schedule {self.schedule!r} runs one stage per rank; virtual_stages="
-                f"{self.virtual_stages} needs schedule='interleaved-1f1b'"
-            )
-
-    def size(self, mesh: MeshSpec) -> int:
-        """Ranks along the pipeline axis (``p``)."""
-        return mesh.axis_sizes[mesh.axis_index(self.axis)]
-
-    def stages(self, mesh: MeshSpec) -> int:
-        return self.size(mesh) * self.virtual_stages
-
-    def stage_mesh(self, mesh: MeshSpec) -> MeshSpec:
-        """The mesh each stage is sharded over: ``mesh`` without the pipeline axis.
-
-        Checks that the axis exists, comes first and is not the only one, and that the
-        schedule can run ``microbatches`` over the stages.
-        """
-        if self.axis not in mesh.axis_names:
-            raise PlanError(
-                f"the pipeline axis {self.axis!r} is not an axis of mesh {mesh}; name one axis "
-                f"{self.axis!r} or pass Pipeline(axis=...)"
-            )
-        if mesh.axis_names[0] != self.axis:
-            raise PlanError(
-                f"the pipeline axis {self.axis!r} must be the first (outermost) axis of the mesh, "
-                f"got mesh {mesh}; put it first, e.g. ({self.axis}, dp, tp)"
-            )
-        if mesh.ndim == 1:
-            raise PlanError(
-                f"mesh {mesh} has only the pipeline axis; each stage needs a mesh of its own: add a "
-                f"data axis of size 1, e.g. init_device_mesh('cpu', ({mesh.size}, 1), "
-                f"mesh_dim_names=('{self.axis}', 'dp'))"
-            )
-        p, m, stages = self.size(mesh), self.microbatches, self.stages(mesh)
-        if self.schedule == "1f1b" and m < p:
-            raise PlanError(
-                f"schedule '1f1b' needs at least as many microbatches as stages: {m} microbatches "
-                f"for {p} stages (use more microbatches, or schedule 'gpipe')"
-            )
-        rounds = max(1, m // p)
-        if self.schedule == "interleaved-1f1b" and m % rounds:
-            raise PlanError(
-                f"schedule 'interleaved-1f1b' runs microbatches in rounds of {p} (the pipeline size); "
-                f"{m} microbatches is not a multiple of its {rounds} rounds: use a multiple of {p}"
-            )
-        if stages < 2 and p < 2:
-            raise PlanError(f"pipeline axis {self.axis!r} has size 1: there is nothing to pipeline")
-        return MeshSpec(mesh.axis_names[1:], mesh.axis_sizes[1:])
-
-    def in_flight(self, p: int, rank: int) -> int:
-        """Most microbatch-stages rank ``rank`` holds at once: forwarded, not yet backwarded.
-
-        GPipe: every microbatch of every local stage. 1F1B: ``p - rank`` (warm-up
-        forwards plus one). Interleaved 1F1B: torch's warm-up count
-        ``(v - 1) * m_round + 2 (p - 1 - rank)`` plus one, capped at ``v * m``.
-        """
-        m, v = self.microbatches, self.virtual_stages
-        if self.schedule == "gpipe":
-            return m * v
-        if self.schedule == "1f1b":
-            return min(m, p - rank)
-        per_round = m // max(1, m // p)
-        return min((v - 1) * per_round + 2 * (p - 1 - rank) + 1, m * v)
-
-    def bubble_fraction(self, p: int) -> float:
-        """Idle share of a step with balanced stages: ``((p-1)/v) / (m + (p-1)/v)``.
-
-        For one stage per rank this is ``(p-1)/(m+p-1)``; interleaving divides the
-        idle time by ``v``.
-        """
-        idle = (p - 1) / self.virtual_stages
-        return idle / (self.microbatches + idle)
+from autopar.capture.export import BLOCK_PATH, Captured, block_of, module_stack
+from autopar.ir.errors import AnnotationError, PlanError
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import Pipeline
+from autopar.ir.plan import PipelinePlan, Plan, StagePlan
+from autopar.planning.cost import LinkSpec
 
 
 def microbatch(args: tuple, kwargs: Mapping[str, Any], microbatches: int) -> tuple[tuple, dict]:
@@ -438,12 +333,12 @@ def plan_pipeline(
     state_bytes: Mapping[str, tuple[float, ...]],
     flows: Mapping[torch.fx.Node, bool],
 ) -> PipelinePlan:
-    """The :class:`~autopar.plans.PipelinePlan` of a solved ``plan`` (planned per microbatch).
+    """The :class:`~autopar.ir.plan.PipelinePlan` of a solved ``plan`` (planned per microbatch).
 
     ``mesh`` is the whole mesh, ``p2p_link`` the link of its pipeline axis,
     ``local_bytes`` each tensor node's bytes on one rank, ``activation_bytes`` what
     each node keeps for backward, ``state_bytes`` each parameter's and buffer's bytes on
-    one rank (itself, its gradient, its optimizer state: see :mod:`autopar.memory`),
+    one rank (itself, its gradient, its optimizer state: see :mod:`autopar.planning.memory`),
     ``flows`` which nodes carry a gradient.
     """
     p, n_stages, m = pipeline.size(mesh), pipeline.stages(mesh), pipeline.microbatches

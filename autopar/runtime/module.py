@@ -27,18 +27,18 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from autopar import collectives
-from autopar.errors import CompileError, ShapeError
-from autopar.layout import Layout, format_layout, local_shape
-from autopar.memory import Memory
-from autopar.mesh import MeshSpec
-from autopar.optimizer import ZeroShard, make_optimizer
-from autopar.pipeline import Pipeline
-from autopar.pipeline_runtime import PipelineRuntime
-from autopar.printing import LAYOUTS, format_graph
+from autopar.ir.errors import CompileError, ShapeError
+from autopar.ir.layout import Layout, format_layout, local_shape
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.meta import LAYOUTS
+from autopar.ir.options import Memory, Pipeline
+from autopar.ir.printing import format_graph
+from autopar.runtime import collectives
+from autopar.runtime.optimizer import ZeroShard, make_optimizer
+from autopar.runtime.pipeline_runtime import PipelineRuntime
 
 if TYPE_CHECKING:
-    from autopar.compiler import PassContext
+    from autopar.passes.context import PassContext
 
 # As DDP: a small first bucket, so the first sum starts early in backward, then big ones.
 FIRST_BUCKET_BYTES = 2**20
@@ -75,7 +75,7 @@ class GradReducer:
     outside it sums everything once. :meth:`expect` does the same for the microbatches
     of a pipeline step: each leaf is summed after its last microbatch's backward.
 
-    Under ZeRO-2 (``scattered``: the :class:`~autopar.optimizer.ZeroShard` of each
+    Under ZeRO-2 (``scattered``: the :class:`~autopar.runtime.optimizer.ZeroShard` of each
     parameter split, by ``id``) a split parameter's bucket is laid out rank by rank (piece
     ``r`` of every parameter in region ``r``), summed over its other axes, then
     reduce-scattered over the split axis; each rank keeps only its region, as the shards'
@@ -563,10 +563,10 @@ class DistributedModule(torch.nn.Module):
 
     def _loss_tail(self, loss_fn: Callable, target: Any) -> DistributedModule:
         """``loss_fn`` compiled for this module's outputs, in their layouts (cached per function)."""
-        from autopar.capture import capture
+        from autopar.capture.export import capture
         from autopar.compiler import build_module
-        from autopar.cost import Cluster
-        from autopar.planner import plan_captured
+        from autopar.planning.cost import Cluster
+        from autopar.planning.planner import plan_captured
 
         if not isinstance(target, torch.Tensor):
             raise ShapeError(f"train_step needs the target as one tensor, got {type(target).__name__}")
@@ -639,7 +639,7 @@ class DistributedModule(torch.nn.Module):
 
         Without ZeRO-1/2 or offload, a plain optimizer over ``self.parameters()``; with
         them, one over this rank's ZeRO shards (or host copies) whose ``step()`` also
-        gathers the updated shards (see :mod:`autopar.optimizer`). Under ZeRO-2 the full
+        gathers the updated shards (see :mod:`autopar.runtime.optimizer`). Under ZeRO-2 the full
         parameters have no ``grad``: the shards' optimizer holds the gradients.
         """
         m = self.memory

@@ -26,8 +26,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 from torch.utils import _pytree as pytree
 
-from autopar.layout import Layout, grad_layout
-from autopar.printing import GRADS, LAYOUTS
+from autopar.ir.layout import Layout, grad_layout
+from autopar.ir.meta import GRADS, LAYOUTS
 
 Edge = tuple[torch.fx.Node, torch.fx.Node, int]  # (producer, consumer, operand slot)
 

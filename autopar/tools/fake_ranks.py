@@ -19,7 +19,7 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """A default process group of ``world_size`` fake ranks, this process ``rank``; torn down after."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autopar import collectives
+    from autopar.runtime import collectives
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:

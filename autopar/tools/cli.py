@@ -165,8 +165,8 @@ def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: di
     """Capture, then solve, with a spinner for each on the terminal: ``(captured, plan)``."""
     from rich.console import Console
 
-    from autopar.mesh import MeshSpec
-    from autopar.planner import capture_for, plan_captured
+    from autopar.ir.mesh import MeshSpec
+    from autopar.planning.planner import capture_for, plan_captured
 
     cluster = _cluster(a.cluster)
     budget = parse_bytes(a.budget) if a.budget else None
@@ -179,7 +179,7 @@ def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: di
 
 
 def _cluster(name: str) -> Any:
-    from autopar.cost import get_cluster
+    from autopar.planning.cost import get_cluster
 
     try:
         return get_cluster(name)
@@ -201,11 +201,11 @@ def cmd_show(a: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.compiler import lower
-    from autopar.fake_ranks import fake_world
-    from autopar.mesh import MeshSpec
-    from autopar.planner import capture_for
-    from autopar.plans import load_plan
-    from autopar.printing import format_graph
+    from autopar.ir.mesh import MeshSpec
+    from autopar.ir.plan import load_plan
+    from autopar.ir.printing import format_graph
+    from autopar.planning.planner import capture_for
+    from autopar.tools.fake_ranks import fake_world
 
     if a.model.endswith(".json"):
         plan = load_plan(a.model)
@@ -231,7 +231,7 @@ def cmd_show(a: argparse.Namespace) -> None:
 
 
 def cmd_explain(a: argparse.Namespace) -> None:
-    from autopar.plans import load_plan
+    from autopar.ir.plan import load_plan
 
     plan = load_plan(a.plan)
     try:
@@ -289,7 +289,7 @@ def cmd_viz(a: argparse.Namespace) -> None:
     import shutil
     import tempfile
 
-    from autopar.plan_view import plan_dot, plan_html, plan_svg
+    from autopar.tools.plan_view import plan_dot, plan_html, plan_svg
 
     if not a.output.endswith((".html", ".svg", ".dot")):
         raise UsageError(
@@ -301,7 +301,7 @@ def cmd_viz(a: argparse.Namespace) -> None:
             "viz -o .svg draws with headless Chromium: install Debian's chromium, or write .html"
         )
     if a.model.endswith(".json"):
-        from autopar.plans import load_plan
+        from autopar.ir.plan import load_plan
 
         plan = load_plan(a.model)
     else:
@@ -472,7 +472,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (2 for bad input, with one line on stderr)."""
-    from autopar.errors import AutoparError
+    from autopar.ir.errors import AutoparError
 
     parser = _parser()
     a, extra = parser.parse_known_args(argv)

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from autopar.pipeline import Pipeline
+from autopar.ir.options import Pipeline
 
 
 class _StageModule(torch.nn.Module):

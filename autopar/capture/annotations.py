@@ -8,12 +8,12 @@ Four annotations, recorded on the module and read by the capture step:
 
 A *strategy* gives one item per tensor dimension, either as slice counts
 (MindSpore form, ``(2, 1)``) or as mesh-axis names (named form, ``("dp", None)``).
-:func:`lower_strategy` turns it into a :data:`~autopar.layout.Layout`.
+:func:`lower_strategy` turns it into a :data:`~autopar.ir.layout.Layout`.
 
 Nothing here changes eager behaviour. Inside :func:`annotation_hooks` (the capture
 step wraps ``torch.export.export`` in it) annotated tensors pass through the custom op
 ``autopar::layout_constraint``, which is a copy when run and a node carrying the
-layout when exported. Every mistake raises :class:`~autopar.errors.AnnotationError`
+layout when exported. Every mistake raises :class:`~autopar.ir.errors.AnnotationError`
 naming the module, the tensor and the dimension. See ``docs/annotations.md``.
 """
 
@@ -35,9 +35,10 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils import _pytree as pytree
 
-from autopar.errors import AnnotationError
-from autopar.layout import REPLICATE, Layout, format_layout, parse_layout
-from autopar.mesh import MeshSpec
+from autopar.ir.errors import AnnotationError
+from autopar.ir.layout import REPLICATE, Layout, format_layout, parse_layout
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import POLICIES
 
 AxisNames = str | tuple[str, ...] | None
 """One item of a named strategy: an axis, several axes (outer first), or None (not split)."""
@@ -263,11 +264,6 @@ def lower_strategy(strategy: Strategy, shape: Sequence[int], mesh: MeshSpec, *, 
 
 
 # --------------------------------------------------------------------------- the custom op
-
-
-LAYOUT_CONSTRAINT = "autopar.layout_constraint.default"  # the op's name on graph nodes
-FULL, SELECTIVE = "full", "selective"  # recompute policies
-POLICIES = (FULL, SELECTIVE)
 
 
 @torch.library.custom_op("autopar::layout_constraint", mutates_args=())

@@ -21,7 +21,7 @@ Constraints
 
 ``m_{r,i}`` are the bytes per device that choosing strategy i for root r implies
 (parameters, gradients, optimizer state and activations of every node sharing the
-variable, see :mod:`autopar.memory`), ``m_0`` those of fixed nodes; bytes are counted
+variable, see :mod:`autopar.planning.memory`), ``m_0`` those of fixed nodes; bytes are counted
 in KiB for CP-SAT. :meth:`StrategyILP.minimum_memory` solves ``min m_0 + \sum m s``
 instead, for the error that names the least memory any plan needs.
 

@@ -17,12 +17,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial
 from torch.utils import _pytree as pytree
 
-from autopar import collectives
-from autopar.capture import capture
-from autopar.layout import format_layout
-from autopar.passes.localize_shapes import MEAN_SPLIT
-from autopar.printing import LAYOUTS
-from autopar.runtime import DistributedModule, local_piece
+from autopar.capture.export import capture
+from autopar.ir.layout import format_layout
+from autopar.ir.meta import LAYOUTS, MEAN_SPLIT
+from autopar.runtime import collectives
+from autopar.runtime.module import DistributedModule, local_piece
 
 
 class _Recorder(torch.fx.Interpreter):

@@ -2,7 +2,7 @@
 
 A :class:`Plan` is plain data (strings and numbers), saved as JSON and read back
 with :func:`load_plan`; nothing is pickled. Layouts are stored in the short form of
-:func:`autopar.layout.format_layout` (``S(0)R``) and parsed back on demand.
+:func:`autopar.ir.layout.format_layout` (``S(0)R``) and parsed back on demand.
 """
 
 from __future__ import annotations
@@ -10,16 +10,38 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.errors import PlanError
-from autopar.layout import parse_layout
-from autopar.mesh import MeshSpec
+from autopar.ir.errors import PlanError
+from autopar.ir.layout import parse_layout
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import Memory
 
 FORMAT_VERSION = 3  # 2: pipeline plans; 3: memory plans
+
+# The destination named by a redistribution that is a parameter's gradient sum (no consumer node).
+GRADIENT_SUM = "<gradient sum>"
+
+
+class ChoiceKind(StrEnum):
+    """How the planner chose a node's strategy (``NodeDecision.kind``)."""
+
+    ANCHOR = "anchor"  # a solver variable of its own (matrix products, attention, free layout points)
+    FOLLOW = "follow"  # follows its largest non-parameter operand's variable
+    INPUT = "input"  # a user input: a variable over every even layout
+    PARAM = "param"  # a parameter or buffer: stored in any even layout
+    FIXED = "fixed"  # pinned by an annotation or a layout constraint
+    FALLBACK = "fallback"  # an op without a sharding rule: replicated, and listed in the plan's warnings
+    GETITEM = "getitem"  # one output of a multi-output op
+    OUTPUT = "output"  # the graph's output node (needs no strategy)
+    ZERO3 = "zero3"  # a parameter ZeRO-3 stores split
+
+    def __repr__(self) -> str:  # printed plans show the plain string
+        return repr(self.value)
 
 
 @dataclass(frozen=True)
@@ -29,7 +51,7 @@ class NodeDecision:
     name: str
     op: str
     module: str
-    kind: str  # anchor, follow, input, param, fixed, fallback, getitem
+    kind: ChoiceKind
     operands: tuple[str | None, ...]
     outputs: tuple[str, ...]
     grads: tuple[str | None, ...]  # the layout of the gradient each operand receives
@@ -88,7 +110,7 @@ class Prediction:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int  # the optimizer's fp32 states (see Memory.optimizer_states); 0 when offloaded
-    activation_bytes: int  # peak on the device (see autopar.memory)
+    activation_bytes: int  # peak on the device (see autopar.planning.memory)
 
     @property
     def memory_bytes(self) -> int:
@@ -97,7 +119,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How the plan holds its state and activations (see :mod:`autopar.memory`).
+    """How the plan holds its state and activations (see :mod:`autopar.planning.memory`).
 
     ``zero_splits`` maps each parameter ZeRO splits to ``(mesh axis, dim)``;
     ``recompute`` each recomputed module to its policy; ``chosen`` says whether the
@@ -118,10 +140,8 @@ class MemoryPlan:
     host_activation_bytes: int  # offloaded: what autograd saves outside recompute regions
 
     @property
-    def options(self) -> Any:
-        """The :class:`~autopar.memory.Memory` options this plan was made with, its ZeRO stage fixed."""
-        from autopar.memory import Memory
-
+    def options(self) -> Memory:
+        """The :class:`~autopar.ir.options.Memory` options this plan was made with, its ZeRO stage fixed."""
         return Memory(
             self.zero,
             self.zero_threshold,

@@ -1,6 +1,6 @@
 """Activation memory: what autograd keeps for backward, predicted per op and measured on a real run.
 
-Prediction (:func:`saved_by`; :mod:`autopar.memory` sums it over a planned graph) asks torch itself:
+Prediction (:func:`saved_by`; :mod:`autopar.planning.memory` sums it over a planned graph) asks torch itself:
 each op is re-run on fake tensors (no memory) of its operands' shapes, dtypes and strides under
 ``torch.autograd.graph.saved_tensors_hooks``, and every tensor autograd packs is classified as one of
 the op's operands, one of its outputs, or something else it made (layer-norm statistics, a dropout
@@ -21,10 +21,10 @@ dropout). Known reasons they can differ:
 
 * the prediction follows storage sharing of the exported fake values, which can differ from the
   eager run's (``dropout`` with ``p=0`` returns its input eagerly but a fresh value in export:
-  :func:`autopar.memory.source_of` follows it through), and ``capture`` adds ``layout_constraint``
+  :func:`autopar.planning.memory.source_of` follows it through), and ``capture`` adds ``layout_constraint``
   copies at block boundaries that the eager model lacks;
 * export inlines a model's own ``torch.utils.checkpoint`` regions, so the prediction is for the
-  model without them (``autopar.recompute`` regions are predicted: :mod:`autopar.memory`);
+  model without them (``autopar.recompute`` regions are predicted: :mod:`autopar.planning.memory`);
 * accelerators save differently (a CUDA dropout mask is ``bool``, attention adds RNG state): the
   prediction follows the device of the graph's operands (see above);
 * both count storage bytes, not the allocator's rounded blocks or its cache.

@@ -13,7 +13,7 @@ groups for this process. Shapes must divide evenly over the axis (the planner on
 offers even splits), and ``dim`` is a non-negative tensor dimension.
 
 Every collective adds the size in bytes of its input buffer on this rank to a counter
-keyed by ``(kind, axis)``, the quantity :class:`autopar.cost.Collective` predicts:
+keyed by ``(kind, axis)``, the quantity :class:`autopar.planning.cost.Collective` predicts:
 :func:`comm_counts` reads bytes, :func:`collective_calls` the number of calls.
 """
 
@@ -79,11 +79,6 @@ def register_mesh(mesh: DeviceMesh) -> dict[str, str]:
     return keys
 
 
-def is_autopar_op(target: object) -> bool:
-    """True for the ops this module registers (``torch.ops.autopar.*``)."""
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "autopar"
-
-
 def forget_meshes() -> None:
     """Drop every registered axis (their process groups are gone after ``destroy_process_group``)."""
     _AXES.clear()
@@ -96,7 +91,7 @@ def axis_info(axis: str) -> AxisInfo:
     except KeyError:
         raise ValueError(
             f"mesh axis {axis!r} is not registered; registered axes are {sorted(_AXES)} "
-            "(call autopar.collectives.register_mesh(mesh) first)"
+            "(call autopar.runtime.collectives.register_mesh(mesh) first)"
         ) from None
 
 

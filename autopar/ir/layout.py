@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.mesh import MeshSpec
+from autopar.ir.mesh import MeshSpec
 
 Layout = tuple[Placement, ...]
 

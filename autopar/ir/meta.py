@@ -1,0 +1,88 @@
+"""The ``node.meta`` keys of autopar: the contract between the passes, defined once.
+
+Only passes write them (the planner returns layouts as data, see
+:class:`~autopar.ir.meta.NodeLayouts`); what reads them is named in each pass's docstring.
+
+| key | value |
+| --- | --- |
+| ``autopar.layouts`` | ``(operand layouts, output layouts)`` of a node |
+| ``autopar.grads`` | the layout of the gradient each operand receives |
+| ``autopar.redistribution`` | ``(have, need, grad_need, grad_have)`` of an inserted redistribute |
+| ``autopar.mean_split`` | on a split mean: how many ways its items are split |
+| ``autopar.stage`` | the pipeline stage a node runs in |
+| ``autopar.recompute`` | ``(region, policy)``: the node is recomputed in backward |
+| ``autopar.regather`` | a collective of a parameter inside a region: runs again in backward |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from autopar.ir.layout import Layout
+
+LAYOUTS = "autopar.layouts"
+GRADS = "autopar.grads"
+REDISTRIBUTION = "autopar.redistribution"
+MEAN_SPLIT = "autopar.mean_split"
+STAGE = "autopar.stage"
+RECOMPUTE = "autopar.recompute"
+REGATHER = "autopar.regather"
+
+
+@dataclass(frozen=True)
+class NodeLayouts:
+    """The layouts one node computes with: its operands', its outputs' and its operands' gradients'.
+
+    ``None`` for an operand read only for its shape (or that receives no gradient).
+    """
+
+    operands: tuple[Layout | None, ...]
+    outputs: tuple[Layout, ...]
+    grads: tuple[Layout | None, ...] = ()
+
+    @property
+    def output(self) -> Layout:
+        """The layout of the first (usually only) output."""
+        return self.outputs[0]
+
+
+class GraphLayouts(Mapping[torch.fx.Node, NodeLayouts]):
+    """The layouts written on a graph's nodes (``autopar.layouts``, ``autopar.grads``), read as a mapping.
+
+    What models of a laid-out graph read (gradient sums, memory), whether the layouts come
+    from a plan (a plain dict) or from a lowered graph (this view).
+    """
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self._nodes = [n for n in graph.nodes if LAYOUTS in n.meta]
+        self._set = set(self._nodes)
+
+    def __getitem__(self, node: torch.fx.Node) -> NodeLayouts:
+        if node not in self._set:
+            raise KeyError(node)
+        operands, outputs = node.meta[LAYOUTS]
+        return NodeLayouts(operands, outputs, node.meta.get(GRADS, ()))
+
+    def __iter__(self) -> Iterator[torch.fx.Node]:
+        return iter(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._set
+
+
+def write_layouts(node: torch.fx.Node, layouts: NodeLayouts) -> None:
+    """Record ``layouts`` on ``node`` (``autopar.layouts``, and ``autopar.grads`` when it has any)."""
+    node.meta[LAYOUTS] = (layouts.operands, layouts.outputs)
+    if layouts.grads:
+        node.meta[GRADS] = layouts.grads
+
+
+def output_layout(node: torch.fx.Node) -> Layout:
+    """The layout of ``node``'s first output, as written on the node."""
+    return node.meta[LAYOUTS][1][0]

@@ -1,0 +1,25 @@
+"""The context every pass of :data:`autopar.passes.PIPELINE` receives: ``run(gm, ctx) -> gm``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.capture.export import Captured
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.plan import Plan
+from autopar.planning.cost import CostModel
+
+
+@dataclass
+class PassContext:
+    """What every pass may read; passes record results here as documented in their docstrings."""
+
+    mesh: MeshSpec  # the mesh layouts refer to: one stage's under a pipeline
+    plan: Plan
+    cost: CostModel
+    captured: Captured
+    axis_keys: dict[str, str] = field(default_factory=dict)  # mesh axis -> the collectives' name for it
+    grad_reductions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param placeholder -> axes
+    snapshots: dict[str, str] = field(default_factory=dict)  # pass name -> graph printed after it
+    stages: list[Any] | None = None  # split_stages.StageProgram per pipeline stage

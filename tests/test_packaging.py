@@ -8,11 +8,13 @@ import succeed that the install itself does not provide.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -88,16 +90,42 @@ def regular_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
+def _running_environment_paths() -> list[str]:
+    """The folders this interpreter imports pip and setuptools from, its own site-packages first.
+
+    Its sysconfig purelib and platlib (a venv's site-packages when the tests run in one), and then wherever
+    pip and setuptools were actually found, should that be elsewhere (a user site, a distribution's own
+    dist-packages folder).
+    """
+    paths = sysconfig.get_paths()
+    folders = [paths["purelib"], paths["platlib"]]
+    for name in ("pip", "setuptools"):
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None, f"{name} is not installed for {sys.executable}"
+        folders.append(str(Path(spec.origin).parents[1]))
+    return list(dict.fromkeys(folders))
+
+
 @pytest.fixture(scope="module")
 def editable_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The python of a venv (seeing this interpreter's site-packages) with the repository installed editable.
+    """The python of a venv (seeing this interpreter's environment) with the repository installed editable.
 
-    The venv is made without pip, which saves ensurepip's seconds: the base environment's pip, visible
-    through --system-site-packages, installs into whichever environment runs it.
+    The venv is made without pip, which saves ensurepip's seconds, and without --system-site-packages,
+    which would show it the base installation's packages (and an old setuptools there) rather than those
+    of the environment running the tests: a .pth file in its site-packages names this interpreter's
+    folders instead, so this environment's pip installs into the venv, with this environment's setuptools
+    (the dev extra's) as the build backend. Folders named in a .pth file are only put on sys.path; their
+    own .pth files, such as this environment's editable install of autopar, are not run.
     """
     venv = tmp_path_factory.mktemp("editable") / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], venv.parent)
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], venv.parent)
     python = venv / "bin" / "python"
+    site_packages = _run(
+        [python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], venv.parent
+    ).stdout.strip()
+    (Path(site_packages) / "running_environment.pth").write_text(
+        "".join(f"{folder}\n" for folder in _running_environment_paths())
+    )
     _run(
         [
             python,

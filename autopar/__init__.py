@@ -11,7 +11,8 @@ or, on every rank of a job with a named ``DeviceMesh``, compile and train::
     loss = dmodel(*dmodel.shard_inputs(*batch)[0])
 """
 
-from autopar.capture.annotations import constrain, pipeline_stage, recompute, shard
+from autopar.capture.annotations import pipeline_stage, recompute, shard
+from autopar.capture.hooks import constrain
 from autopar.compiler import compile
 from autopar.ir.errors import AnnotationError, AutoparError, CaptureError, CompileError, PlanError, ShapeError
 from autopar.ir.mesh import MeshSpec

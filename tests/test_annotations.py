@@ -9,17 +9,15 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture.annotations import (
     ShardAnnotation,
-    annotation_hooks,
     collect_annotations,
-    constrain,
-    constraint_spec,
-    lower_strategy,
-    parse_constraint_spec,
     pipeline_stage,
     recompute,
     shard,
     shard_annotation,
 )
+from autopar.capture.constraint_op import constraint_spec, parse_constraint_spec
+from autopar.capture.hooks import annotation_hooks, constrain
+from autopar.capture.strategies import lower_strategy
 from autopar.ir.errors import AnnotationError
 from autopar.ir.mesh import MeshSpec
 

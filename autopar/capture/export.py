@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
-from autopar.capture.annotations import ModelAnnotations, annotation_hooks
+from autopar.capture.annotations import ModelAnnotations
+from autopar.capture.constraint_op import constraint_spec, layout_constraint
+from autopar.capture.hooks import annotation_hooks
 from autopar.ir.errors import AnnotationError, CaptureError
 from autopar.ir.mesh import MeshSpec
 
@@ -63,11 +65,14 @@ def module_stack(node: torch.fx.Node) -> list[str]:
     return [_clean_path(v[0]) for v in stack.values()]
 
 
-BLOCK_PATH = re.compile(r"^(.*\.)?\d+$")  # a numbered child: one of a ModuleList's repeated blocks
+# A numbered child is one of a list's repeated blocks: ``blocks.3`` of a ModuleList, or ``3`` of a
+# root Sequential. The one definition of a block: free layout points at capture, tied strategies,
+# pipeline units and memory-search candidates all use it.
+BLOCK_PATH = re.compile(r"^(.*\.)?\d+$")
 
 
 def block_of(node: torch.fx.Node) -> str | None:
-    """The outermost repeated block (``blocks.3``) a node runs in, if any."""
+    """The outermost repeated block (``blocks.3``, see :data:`BLOCK_PATH`) a node runs in, if any."""
     return next((p for p in module_stack(node) if p and BLOCK_PATH.match(p)), None)
 
 
@@ -103,7 +108,6 @@ def _block_inputs(model: torch.nn.Module) -> Iterator[None]:
     would carry one layout from the embedding to the loss; at a block boundary the
     solver may change it (the mark is an identity that the compiler removes).
     """
-    from autopar.capture.annotations import constraint_spec, layout_constraint
 
     def mark(values: Any, where: str) -> Any:
         def free(t: Any) -> Any:

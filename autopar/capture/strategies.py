@@ -1,0 +1,234 @@
+"""MindSpore strategy forms and their lowering to layouts.
+
+A *strategy* gives one item per tensor dimension, either as slice counts (MindSpore
+form, ``(2, 1)``) or as mesh-axis names (named form, ``("dp", None)``).
+:func:`check_strategy_form` checks what needs neither mesh nor shape;
+:func:`strategy_axes` picks the mesh axes splitting each dimension; :func:`lower_strategy`
+turns a strategy into a :data:`~autopar.ir.layout.Layout`. Every mistake raises
+:class:`~autopar.ir.errors.AnnotationError`, its message starting with the caller's
+``where``. See ``docs/annotations.md`` for how counts map to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Shard
+
+from autopar.ir.errors import AnnotationError
+from autopar.ir.layout import REPLICATE, Layout
+from autopar.ir.mesh import MeshSpec
+
+AxisNames = str | tuple[str, ...] | None
+"""One item of a named strategy: an axis, several axes (outer first), or None (not split)."""
+
+Strategy = tuple[int, ...] | tuple[AxisNames, ...]
+"""One item per tensor dimension: all slice counts, or all :data:`AxisNames`."""
+
+Run = tuple[int, ...]  # indices of mesh axes splitting one dim, outer first
+
+_EXAMPLE = "such as (2, 1) or ('dp', None)"
+
+
+def is_plain_int(item: object) -> bool:
+    """True for an ``int`` that is not a ``bool``: the form of slice counts and stage numbers."""
+    # bool is an int subclass, but True as a slice count or a stage is surely a mistake.
+    return isinstance(item, int) and not isinstance(item, bool)
+
+
+def _item_axes(item: AxisNames) -> tuple[str, ...]:
+    if item is None:
+        return ()
+    return (item,) if isinstance(item, str) else item
+
+
+def check_strategy_form(strategy: object, *, where: str) -> bool:
+    """Check what needs neither mesh nor shape; return True for the integer form.
+
+    Catches a non-tuple, items of the wrong type, counts below 1, forms mixed in one
+    tuple, and one axis name used twice. An empty tuple (a 0-dim tensor) is named form.
+    """
+    if not isinstance(strategy, tuple):
+        raise AnnotationError(
+            f"{where}: a strategy must be a tuple with one item per tensor dimension, "
+            f"{_EXAMPLE}; got {strategy!r}"
+        )
+    for d, item in enumerate(strategy):
+        if is_plain_int(item):
+            if item < 1:
+                raise AnnotationError(
+                    f"{where}: dim {d}: slice count {item} must be at least 1 (1 = not split)"
+                )
+        elif isinstance(item, tuple):
+            if not item or not all(isinstance(n, str) for n in item):
+                raise AnnotationError(
+                    f"{where}: dim {d}: a tuple of mesh axis names must be non-empty and hold only "
+                    f"names, got {item!r}"
+                )
+        elif item is not None and not isinstance(item, str):
+            raise AnnotationError(
+                f"{where}: dim {d}: {item!r} is none of: a slice count (int >= 1), a mesh axis "
+                f"name (str), a tuple of names, None"
+            )
+    counts = [is_plain_int(item) for item in strategy]
+    if any(counts) and not all(counts):
+        raise AnnotationError(
+            f"{where}: strategy {strategy!r} mixes slice counts with axis names; use one form, "
+            f"all ints like (2, 1) or all names/None like ('dp', None)"
+        )
+    if any(counts):
+        return True
+    seen: dict[str, int] = {}
+    for d, item in enumerate(strategy):
+        for name in _item_axes(item):
+            if name in seen:
+                raise AnnotationError(
+                    f"{where}: mesh axis {name!r} is used on dim {seen[name]} and dim {d}; "
+                    f"an axis can split a tensor only once"
+                )
+            seen[name] = d
+    return False
+
+
+def _named_axes(strategy: Strategy, mesh: MeshSpec, where: str) -> list[Run]:
+    axes = []
+    for d, item in enumerate(strategy):
+        names = _item_axes(item)
+        for name in names:
+            if name not in mesh.axis_names:
+                raise AnnotationError(
+                    f"{where}: dim {d}: unknown mesh axis {name!r}; the mesh has axes {list(mesh.axis_names)}"
+                )
+        indices = tuple(mesh.axis_names.index(n) for n in names)
+        if list(indices) != sorted(indices):
+            # DTensor's placements fix the order: the earlier mesh axis is the outer split.
+            in_order = tuple(sorted(names, key=mesh.axis_names.index))
+            raise AnnotationError(
+                f"{where}: dim {d}: axes {names!r} are not in mesh order {list(mesh.axis_names)}; "
+                f"the earlier mesh axis always takes the outer split, so write {in_order!r}"
+            )
+        axes.append(indices)
+    return axes
+
+
+def _runs(count: int, mesh: MeshSpec) -> list[Run]:
+    """Runs of consecutive mesh axes, size-1 axes skipped, whose sizes multiply to ``count``."""
+    axes = [i for i, s in enumerate(mesh.axis_sizes) if s > 1]
+    runs = []
+    for start in range(len(axes)):
+        product = 1
+        for stop in range(start, len(axes)):
+            product *= mesh.axis_sizes[axes[stop]]
+            if product == count:
+                runs.append(tuple(axes[start : stop + 1]))
+            if product >= count:
+                break
+    return runs
+
+
+def _disjoint_choices(candidates: list[tuple[int, list[Run]]]) -> list[dict[int, Run]]:
+    """Every way to give each dim one of its runs with no mesh axis used twice."""
+    if not candidates:
+        return [{}]
+    (dim, runs), rest = candidates[0], candidates[1:]
+    choices = []
+    for run in runs:
+        for tail in _disjoint_choices(rest):
+            if not any(set(run) & set(other) for other in tail.values()):
+                choices.append({dim: run, **tail})
+    return choices
+
+
+def _as_named(choice: dict[int, Run], ndim: int, mesh: MeshSpec) -> tuple[AxisNames, ...]:
+    """The named-form strategy meaning ``choice`` (for messages)."""
+    out: list[AxisNames] = []
+    for d in range(ndim):
+        names = tuple(mesh.axis_names[a] for a in choice.get(d, ()))
+        out.append(None if not names else names[0] if len(names) == 1 else names)
+    return tuple(out)
+
+
+def _axes_str(mesh: MeshSpec, axes: Sequence[int]) -> str:
+    return ", ".join(f"{mesh.axis_names[a]}={mesh.axis_sizes[a]}" for a in axes)
+
+
+def _counted_axes(strategy: tuple[int, ...], mesh: MeshSpec, where: str) -> list[Run]:
+    total = math.prod(strategy)
+    if mesh.size % total:
+        raise AnnotationError(
+            f"{where}: the counts of {strategy!r} multiply to {total}, which does not divide the "
+            f"{mesh.size} devices of mesh {mesh}"
+        )
+    all_axes = range(mesh.ndim)
+    candidates = []
+    for d, count in enumerate(strategy):
+        if count == 1:
+            continue
+        runs = _runs(count, mesh)
+        if not runs:
+            raise AnnotationError(
+                f"{where}: count {count} on dim {d} is not expressible on mesh axes "
+                f"{_axes_str(mesh, all_axes)}: a count must be the size of one axis or the product "
+                f"of consecutive axes; use the named form to pick axes yourself"
+            )
+        candidates.append((d, runs))
+    choices = _disjoint_choices(candidates)
+    if not choices:
+        options = "; ".join(
+            f"dim {d} (count {strategy[d]}) could use only "
+            + " or ".join(f"({_axes_str(mesh, run)})" for run in runs)
+            for d, runs in candidates
+        )
+        raise AnnotationError(
+            f"{where}: the counts of {strategy!r} cannot be given disjoint axes of mesh {mesh}: {options}"
+        )
+    if len(choices) > 1:
+        options = " or ".join(repr(_as_named(c, len(strategy), mesh)) for c in choices)
+        raise AnnotationError(
+            f"{where}: strategy {strategy!r} is ambiguous on mesh {mesh}: it could mean {options}; "
+            f"write the named form to choose one"
+        )
+    return [choices[0].get(d, ()) for d in range(len(strategy))]
+
+
+def strategy_axes(
+    strategy: Strategy, mesh: MeshSpec, *, where: str, shape: Sequence[int] | None = None
+) -> list[Run]:
+    """Mesh axis indices splitting each dim, outer first; every check but divisibility.
+
+    The rank is checked first when ``shape`` is given, as a wrong rank explains any later error.
+    ``where`` starts every error message.
+    """
+    is_counts = check_strategy_form(strategy, where=where)
+    if shape is not None and len(strategy) != len(shape):
+        raise AnnotationError(
+            f"{where}: strategy {strategy!r} has {len(strategy)} items but the tensor has "
+            f"{len(shape)} dims (shape {tuple(shape)}); give one item per dimension"
+        )
+    if is_counts:
+        return _counted_axes(strategy, mesh, where)  # type: ignore[arg-type]
+    return _named_axes(strategy, mesh, where)
+
+
+def lower_strategy(strategy: Strategy, shape: Sequence[int], mesh: MeshSpec, *, where: str) -> Layout:
+    """The layout meaning ``strategy`` for a tensor of ``shape`` on ``mesh``.
+
+    Named form: ``Shard(d)`` on every axis named for dim ``d``, ``Replicate()`` on the
+    others; the names of one dim must follow mesh order (DTensor: earlier axis = outer
+    split). Integer form: each count > 1 goes to the unique set of disjoint runs of
+    consecutive mesh axes with that size (see ``docs/annotations.md``). ``where``
+    starts every error message. Symbolic sizes are not checked for divisibility.
+    """
+    layout = [REPLICATE] * mesh.ndim
+    for d, axes in enumerate(strategy_axes(strategy, mesh, where=where, shape=shape)):
+        parts = math.prod(mesh.axis_sizes[a] for a in axes)
+        # A SymInt test would add a guard to the exported graph; leave those to run time.
+        if isinstance(shape[d], int) and shape[d] % parts:
+            raise AnnotationError(
+                f"{where}: dim {d} has size {shape[d]}, which cannot be split into {parts} equal "
+                f"parts (mesh axes {_axes_str(mesh, axes)})"
+            )
+        for a in axes:
+            layout[a] = Shard(d)
+    return tuple(layout)

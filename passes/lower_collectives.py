@@ -23,39 +23,40 @@ Reads: ``autopar.redistribution``, ``autopar.stage``. Writes: collective nodes w
 from __future__ import annotations
 
 import torch
-from autopar.passes.context import PassContext
-from autopar.passes.insert_redistributions import redistribute
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar)
 from autopar.ir.errors import CompileError
 from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, STAGE
+from autopar.passes.context import PassContext
+from autopar.passes.insert_redistributions import redistribute
+from autopar.planning.cost import StepKind
 
 ops = torch.ops.autopar
 
 
-def _step(kind: str, x: torch.fx.Node, axis: str, before, after, grad_need) -> tuple[object, tuple]:
+def _step(kind: StepKind, x: torch.fx.Node, axis: str, before, after, grad_need) -> tuple[object, tuple]:
     """The op and its arguments for one axis step."""
-    if kind == "slice":
+    if kind == StepKind.SLICE:
         return ops.shard.default, (x, after.dim, axis)
-    if kind == "reduce_scatter":
+    if kind == StepKind.REDUCE_SCATTER:
         return ops.reduce_scatter.default, (x, after.dim, axis)
-    if kind == "all_to_all":
+    if kind == StepKind.ALL_TO_ALL:
         return ops.all_to_all.default, (x, before.dim, after.dim, axis)
-    if kind == "all_reduce":
+    if kind == StepKind.ALL_REDUCE:
         return ops.all_reduce.default, (
             x,
             axis,
             "all_reduce" if isinstance(grad_need, Partial) else "identity",
         )
-    if kind == "all_gather":
+    if kind == StepKind.ALL_GATHER:
         return ops.all_gather.default, (
             x,
             before.dim,
             axis,
             "reduce_scatter" if isinstance(grad_need, Partial) else "slice",
         )
-    if kind == "to_partial":
+    if kind == StepKind.TO_PARTIAL:
         return ops.to_partial.default, (x, axis, before.dim if isinstance(before, Shard) else -1)
     raise CompileError(f"no collective for step {kind!r}")
 
@@ -86,7 +87,9 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         steps = ctx.cost.edge_steps(have, need, grad_need, grad_have)
         for a, kind in steps:
             g, gh = grad_need[a], grad_have[a]
-            if kind == "grad_all_reduce" and not (isinstance(g, Partial) and isinstance(gh, Replicate)):
+            if kind == StepKind.GRAD_ALL_REDUCE and not (
+                isinstance(g, Partial) and isinstance(gh, Replicate)
+            ):
                 raise CompileError(
                     f"{node.name}: no collective turns a {g} gradient into {gh} on mesh axis "
                     f"{ctx.mesh.axis_names[a]} while the value stays {have[a]}"
@@ -95,7 +98,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             for a, kind in steps:
                 axis = ctx.axis_keys[ctx.mesh.axis_names[a]]
                 before = tuple(current)
-                if kind == "grad_all_reduce":
+                if kind == StepKind.GRAD_ALL_REDUCE:
                     target, args = ops.grad_all_reduce.default, (x, axis)
                 else:
                     _check_nesting(node, ctx, current, a, need[a])

@@ -7,7 +7,6 @@ with :func:`load_plan`; nothing is pickled. Layouts are stored in the short form
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -20,6 +19,7 @@ from autopar.ir.errors import PlanError
 from autopar.ir.layout import parse_layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory
+from autopar.ir.report import render_summary
 
 FORMAT_VERSION = 3  # 2: pipeline plans; 3: memory plans
 
@@ -43,6 +43,24 @@ class ChoiceKind(StrEnum):
     def __repr__(self) -> str:  # printed plans show the plain string
         return repr(self.value)
 
+    @property
+    def summarised(self) -> bool:
+        """Whether :meth:`Plan.summary` lists nodes of this kind as operators: heavy ops, pinned
+        ops and fallbacks decide the plan's layouts; the other kinds follow them or hold data."""
+        return self in (ChoiceKind.ANCHOR, ChoiceKind.FIXED, ChoiceKind.FALLBACK)
+
+
+class CollectiveKind(StrEnum):
+    """The collective a :class:`CollectiveStep`, or the cost model's ``Collective``, runs on one mesh axis."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+
+    def __repr__(self) -> str:  # printed plans and messages show the plain string
+        return repr(self.value)
+
 
 @dataclass(frozen=True)
 class NodeDecision:
@@ -51,13 +69,16 @@ class NodeDecision:
     name: str
     op: str
     module: str
-    kind: ChoiceKind
+    kind: ChoiceKind  # a plain string naming one is converted
     operands: tuple[str | None, ...]
     outputs: tuple[str, ...]
     grads: tuple[str | None, ...]  # the layout of the gradient each operand receives
     compute_s: float
     choice: str | None = None  # the solver variable (a node name) this node's strategy follows
     args: tuple[str, ...] = ()  # the nodes whose values are its tensor operands, in order
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ChoiceKind(self.kind))
 
 
 @dataclass(frozen=True)
@@ -77,10 +98,16 @@ class Alternative:
 
 @dataclass(frozen=True)
 class CollectiveStep:
-    kind: str
+    """One collective of a redistribution: ``bytes`` is its input buffer on each rank (as in the
+    cost model's ``Collective``), ``seconds`` its predicted time."""
+
+    kind: CollectiveKind  # a plain string naming one is converted
     mesh_axes: tuple[str, ...]
     bytes: int
     seconds: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CollectiveKind(self.kind))
 
 
 @dataclass(frozen=True)
@@ -143,11 +170,11 @@ class MemoryPlan:
     def options(self) -> Memory:
         """The :class:`~autopar.ir.options.Memory` options this plan was made with, its ZeRO stage fixed."""
         return Memory(
-            self.zero,
-            self.zero_threshold,
-            self.optimizer_states,
-            self.offload_optimizer,
-            self.offload_activations,
+            zero=self.zero,
+            zero_threshold=self.zero_threshold,
+            optimizer_states=self.optimizer_states,
+            offload_optimizer=self.offload_optimizer,
+            offload_activations=self.offload_activations,
         )
 
 
@@ -259,70 +286,10 @@ class Plan:
                 return n
         raise KeyError(f"no node {name!r} in this plan")
 
-    # --- report ---------------------------------------------------------------------
     def summary(self, width: int = 140) -> str:
-        """A readable report: predictions, the heavy ops' layouts, every redistribution."""
-        from rich.console import Console
-        from rich.table import Table
-
-        buf = io.StringIO()
-        console = Console(file=buf, width=width, record=False, color_system=None)
-        p = self.prediction
-        console.print(
-            f"autopar plan on mesh {self.mesh_spec} ({self.cluster['name']}): "
-            f"predicted step {p.step_time_s * 1e3:.3f} ms "
-            f"(compute {p.compute_s * 1e3:.3f} ms, communication {p.comm_s * 1e3:.3f} ms, "
-            f"{_bytes(p.comm_bytes)} moved per rank)"
-        )
-        console.print(
-            f"memory per rank: parameters {_bytes(p.param_bytes)}, gradients {_bytes(p.grad_bytes)}, "
-            f"optimizer {_bytes(p.optimizer_bytes)}, activations {_bytes(p.activation_bytes)}, "
-            f"total {_bytes(p.memory_bytes)}"
-        )
-        if self.memory is not None:
-            _print_memory(console, self.memory)
-        ops = Table(title="operators", show_lines=False)
-        for col in ("module", "op", "operands", "output", "compute"):
-            ops.add_column(col)
-        for n in self.nodes:
-            if n.kind in ("anchor", "fixed", "fallback"):
-                operands = ", ".join(o or "-" for o in n.operands)
-                ops.add_row(
-                    n.module or "<root>", _short(n.op), operands, ", ".join(n.outputs), _secs(n.compute_s)
-                )
-        console.print(ops)
-        comm = Table(title="redistributions")
-        for col in ("module", "tensor", "layouts", "forward", "backward", "bytes", "time"):
-            comm.add_column(col)
-        for r in self.redistributions:
-            steps = [*r.forward, *r.backward]
-            comm.add_row(
-                r.module or "<root>",
-                f"{r.src}->{r.dst}",
-                f"{r.have}->{r.need}",
-                _steps(r.forward),
-                _steps(r.backward),
-                _bytes(sum(s.bytes for s in steps)),
-                _secs(r.seconds),
-            )
-        console.print(comm)
-        params = Table(title="parameters")
-        params.add_column("parameter")
-        params.add_column("layout")
-        for fqn, lay in self.parameters.items():
-            params.add_row(fqn, lay)
-        console.print(params)
-        s = self.solver
-        console.print(
-            f"solver: {s.roots} choices ({s.tied_blocks} repeated blocks tied), {s.variables} variables, "
-            f"{s.constraints} constraints; capture {s.capture_s:.2f} s, build {s.build_s:.2f} s, "
-            f"solve {s.solve_s:.2f} s, gap {s.gap:.2%} ({s.status})"
-        )
-        if self.pipeline is not None:
-            _print_pipeline(console, self.pipeline)
-        for w in self.warnings:
-            console.print(f"warning: {w}")
-        return buf.getvalue()
+        """A readable report, ``width`` characters wide: predictions, the heavy ops' layouts,
+        every redistribution (see :func:`autopar.ir.report.render_summary`)."""
+        return render_summary(self, width)
 
     # --- JSON -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -340,7 +307,10 @@ class Plan:
 
         def steps(items: list) -> tuple[CollectiveStep, ...]:
             return tuple(
-                CollectiveStep(s["kind"], tuple(s["mesh_axes"]), s["bytes"], s["seconds"]) for s in items
+                CollectiveStep(
+                    kind=s["kind"], mesh_axes=tuple(s["mesh_axes"]), bytes=s["bytes"], seconds=s["seconds"]
+                )
+                for s in items
             )
 
         return cls(
@@ -348,31 +318,31 @@ class Plan:
             cluster=dict(data["cluster"]),
             nodes=[
                 NodeDecision(
-                    n["name"],
-                    n["op"],
-                    n["module"],
-                    n["kind"],
-                    tuple(n["operands"]),
-                    tuple(n["outputs"]),
-                    tuple(n["grads"]),
-                    n["compute_s"],
-                    n.get("choice"),
-                    tuple(n.get("args", ())),
+                    name=n["name"],
+                    op=n["op"],
+                    module=n["module"],
+                    kind=n["kind"],
+                    operands=tuple(n["operands"]),
+                    outputs=tuple(n["outputs"]),
+                    grads=tuple(n["grads"]),
+                    compute_s=n["compute_s"],
+                    choice=n.get("choice"),
+                    args=tuple(n.get("args", ())),
                 )
                 for n in data["nodes"]
             ],
             redistributions=[
                 Redistribution(
-                    r["src"],
-                    r["dst"],
-                    r["slot"],
-                    r["module"],
-                    tuple(r["shape"]),
-                    r["have"],
-                    r["need"],
-                    steps(r["forward"]),
-                    steps(r["backward"]),
-                    r["seconds"],
+                    src=r["src"],
+                    dst=r["dst"],
+                    slot=r["slot"],
+                    module=r["module"],
+                    shape=tuple(r["shape"]),
+                    have=r["have"],
+                    need=r["need"],
+                    forward=steps(r["forward"]),
+                    backward=steps(r["backward"]),
+                    seconds=r["seconds"],
                 )
                 for r in data["redistributions"]
             ],
@@ -415,48 +385,6 @@ def _pipeline_from_dict(data: dict[str, Any]) -> PipelinePlan:
     )
 
 
-def _print_pipeline(console: Any, pp: PipelinePlan) -> None:
-    from rich.table import Table
-
-    how = "chosen by the planner" if pp.automatic else "annotated"
-    console.print(
-        f"pipeline over {pp.axis}={pp.size}: {len(pp.stages)} stages ({how}), schedule {pp.schedule}, "
-        f"{pp.microbatches} microbatches; predicted step {pp.step_time_s * 1e3:.3f} ms, "
-        f"bubble {pp.bubble_fraction:.1%}"
-    )
-    table = Table(title="pipeline stages (seconds and bytes per microbatch; gradient sums per step)")
-    for col in ("stage", "rank", "modules", "time", "p2p", "grad sums", "parameters", "activations", "peak"):
-        table.add_column(col)
-    for s in pp.stages:
-        shown = ", ".join(s.modules) if len(s.modules) <= 3 else f"{s.modules[0]} … {s.modules[-1]}"
-        table.add_row(
-            str(s.index),
-            str(s.rank),
-            shown,
-            _secs(s.seconds),
-            _secs(s.p2p_seconds),
-            _secs(s.grad_sum_seconds),
-            _bytes(s.param_bytes),
-            _bytes(s.activation_bytes),
-            f"{_bytes(s.peak_activation_bytes)} (×{s.in_flight:g})",
-        )
-    console.print(table)
-
-
-def _print_memory(console: Any, m: MemoryPlan) -> None:
-    how = f"chosen to fit {_bytes(m.budget)}" if m.chosen else "as asked"
-    budget = f", budget {_bytes(m.budget)}" if m.budget is not None and not m.chosen else ""
-    recompute = ", ".join(f"{path} ({policy})" for path, policy in m.recompute.items()) or "none"
-    offloaded = (("optimizer", m.offload_optimizer), ("activations", m.offload_activations))
-    offload = [what for what, on in offloaded if on]
-    console.print(
-        f"memory plan ({how}{budget}): ZeRO-{m.zero} ({len(m.zero_splits)} parameters split), "
-        f"recompute: {recompute}; offload: {', '.join(offload) or 'none'} "
-        f"(host {_bytes(m.host_optimizer_bytes + m.host_activation_bytes)}); "
-        f"activations kept {_bytes(m.activation_kept_bytes)}"
-    )
-
-
 def load_plan(path: str | Path) -> Plan:
     """Read a plan written by :meth:`Plan.save`."""
     try:
@@ -467,23 +395,3 @@ def load_plan(path: str | Path) -> Plan:
         return Plan.from_dict(data)
     except (KeyError, TypeError) as exc:
         raise PlanError(f"{path} is not an autopar plan: missing or malformed field {exc}") from None
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def _secs(s: float) -> str:
-    return f"{s * 1e6:.1f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
-
-
-def _short(op: str) -> str:
-    return op.removeprefix("aten.").removesuffix(".default")
-
-
-def _steps(steps: tuple[CollectiveStep, ...]) -> str:
-    return " + ".join(f"{s.kind}({','.join(s.mesh_axes)})" for s in steps) or "-"

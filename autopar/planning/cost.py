@@ -9,39 +9,33 @@ node or across nodes. :meth:`CostModel.redistribute` turns a layout change into 
 collectives DTensor would issue and prices them. ``docs/cost_model.md`` has the maths.
 
 Presets come from :func:`get_cluster`. ``"cpu-gloo"`` holds constants measured once by
-``bench/calibrate_cpu_gloo.py`` (which calls :func:`measure_cpu_gloo`); presets never
-measure when read, because every rank must compute the same plan.
+``bench/calibrate_cpu_gloo.py`` (which calls :func:`autopar.tools.calibrate.measure_cpu_gloo`);
+presets never measure when read, because every rank must compute the same plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
-import statistics
-import tempfile
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
-from autopar.tools.launch import free_port
+from autopar.ir.plan import CollectiveKind
 
 # Dtypes without an entry of their own in ``Cluster.peak_flops`` are priced as this one.
 FALLBACK_DTYPE = "float32"
 
-COLLECTIVE_KINDS = frozenset({"all_gather", "reduce_scatter", "all_reduce", "all_to_all"})
+# ``Cluster.devices_per_node`` when all ranks share one host (cpu-gloo): no mesh axis ever crosses a node.
+ONE_HOST = 1 << 20
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -112,9 +106,6 @@ class Cluster:
         )
 
 
-# All ranks of cpu-gloo share one host, so no mesh axis ever crosses a node.
-_ONE_HOST = 1 << 20
-
 _PRESETS: dict[str, Cluster] = {
     # Measured on 2026-11-22 by bench/calibrate_cpu_gloo.py with world_size=2 on a 2-core
     # Intel Xeon (KVM guest, AVX-512 + AMX), 24 GiB RAM, torch 2.13.0+cpu: one thread per
@@ -126,7 +117,7 @@ _PRESETS: dict[str, Cluster] = {
         peak_flops={"float32": 132e9, "bfloat16": 838e9, "float16": 144e9},
         memory_bandwidth_Bps=15.1e9,
         memory_bytes=12_638_255_104,  # physical RAM / 2 ranks
-        devices_per_node=_ONE_HOST,
+        devices_per_node=ONE_HOST,
         intra_node=LinkSpec(latency_s=211e-6, bandwidth_Bps=1.28e9),
         inter_node=LinkSpec(latency_s=211e-6, bandwidth_Bps=1.28e9),
     ),
@@ -180,23 +171,46 @@ class Collective:
     local buffer. Runtime byte counters are compared against this figure.
     """
 
-    kind: str
+    kind: CollectiveKind  # a plain string naming one is converted
     mesh_axes: tuple[str, ...]
     bytes: int
 
     def __post_init__(self) -> None:
-        if self.kind not in COLLECTIVE_KINDS:
-            kinds = sorted(COLLECTIVE_KINDS)
-            raise ValueError(f"unknown collective kind {self.kind!r}; expected one of {kinds}")
+        try:
+            object.__setattr__(self, "kind", CollectiveKind(self.kind))
+        except ValueError:
+            kinds = sorted(k.value for k in CollectiveKind)
+            raise ValueError(f"unknown collective kind {self.kind!r}; expected one of {kinds}") from None
         if self.bytes < 0:
             raise ValueError(f"collective bytes must be >= 0, got {self.bytes}")
 
 
-# Redistribution step kinds in the order they run: slices shrink the data first, then
-# collectives from shrinking to growing, then moves into Partial, which are free but
-# (Shard -> Partial) regrow the local buffer, so they must not inflate any collective.
-_SLICE, _REDUCE_SCATTER, _ALL_TO_ALL, _ALL_REDUCE, _ALL_GATHER, _TO_PARTIAL = range(6)
-_STEP_NAMES = ("slice", "reduce_scatter", "all_to_all", "all_reduce", "all_gather", "to_partial")
+class StepKind(StrEnum):
+    """One op of a redistribution on one mesh axis (:meth:`CostModel.steps`, :meth:`CostModel.edge_steps`).
+
+    Declared in the order :meth:`CostModel.steps` issues them: slices shrink the data first,
+    then collectives from shrinking to growing, then moves into Partial, which are free but
+    (Shard -> Partial) regrow the local buffer, so they must not inflate any collective.
+    ``grad_all_reduce`` (identity forward, all-reduce backward) is never sorted: only
+    :meth:`CostModel.edge_steps` issues it, before all the others.
+    """
+
+    SLICE = "slice"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    TO_PARTIAL = "to_partial"
+    GRAD_ALL_REDUCE = "grad_all_reduce"
+
+    def __repr__(self) -> str:  # messages show the plain string
+        return repr(self.value)
+
+
+_ISSUE_ORDER = {kind: i for i, kind in enumerate(StepKind)}
+
+# The steps that are collectives in forward, and which collective each is.
+_COLLECTIVE_OF = {StepKind(kind.value): kind for kind in CollectiveKind}
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -219,7 +233,7 @@ def _axis_states(layout: Layout) -> tuple[int | str, ...]:
     return tuple(states)
 
 
-def _step(src: int | str, dst: int | str) -> int | None:
+def _step(src: int | str, dst: int | str) -> StepKind | None:
     """Step kind turning one axis's state ``src`` into ``dst``, None if nothing to do.
 
     Partial -> Partial with another reduce op moves no data, so it is free like any
@@ -228,12 +242,12 @@ def _step(src: int | str, dst: int | str) -> int | None:
     if src == dst:
         return None
     if dst == "P":
-        return _TO_PARTIAL
+        return StepKind.TO_PARTIAL
     if src == "P":
-        return _REDUCE_SCATTER if isinstance(dst, int) else _ALL_REDUCE
+        return StepKind.REDUCE_SCATTER if isinstance(dst, int) else StepKind.ALL_REDUCE
     if src == "R":
-        return _SLICE
-    return _ALL_TO_ALL if isinstance(dst, int) else _ALL_GATHER
+        return StepKind.SLICE
+    return StepKind.ALL_TO_ALL if isinstance(dst, int) else StepKind.ALL_GATHER
 
 
 class CostModel:
@@ -280,10 +294,10 @@ class CostModel:
             return 0.0
         link = self._links[axis]
         alpha, wire = link.latency_s if latency else 0.0, c.bytes / link.bandwidth_Bps
-        if c.kind == "all_gather":
+        if c.kind == CollectiveKind.ALL_GATHER:
             return (n - 1) * (alpha + wire)
         ring = (n - 1) * alpha + (n - 1) / n * wire
-        return 2 * ring if c.kind == "all_reduce" else ring
+        return 2 * ring if c.kind == CollectiveKind.ALL_REDUCE else ring
 
     def compute_time(self, flops: float, bytes_accessed: float, dtype: torch.dtype) -> float:
         """Roofline: ``max(flops / peak, bytes_accessed / memory_bandwidth)`` on one device."""
@@ -320,8 +334,10 @@ class CostModel:
         collectives, total = [], 0.0
         for axis, kind in self.steps(src, dst):
             n = sizes[axis]
-            if kind in COLLECTIVE_KINDS:
-                c = Collective(kind, (self.mesh.axis_names[axis],), local)
+            if kind in _COLLECTIVE_OF:
+                c = Collective(
+                    kind=_COLLECTIVE_OF[kind], mesh_axes=(self.mesh.axis_names[axis],), bytes=local
+                )
                 collectives.append(c)
                 total += self.collective_time(c)
             # Track the local size: leaving a sharding grows it, entering one shrinks it.
@@ -334,12 +350,12 @@ class CostModel:
 
     def edge_steps(
         self, have: Layout, need: Layout, grad_need: Layout, grad_have: Layout
-    ) -> tuple[tuple[int, str], ...]:
-        """The ops an edge lowers to, in forward order: a ``"grad_all_reduce"`` (identity
+    ) -> tuple[tuple[int, StepKind], ...]:
+        """The ops an edge lowers to, in forward order: a ``grad_all_reduce`` (identity
         forward, all-reduce backward) on each axis where only the gradient changes, then
         :meth:`steps` from ``have`` to ``need``."""
         only_grad = tuple(
-            (a, "grad_all_reduce")
+            (a, StepKind.GRAD_ALL_REDUCE)
             for a, (h, n, g, gh) in enumerate(zip(have, need, grad_need, grad_have, strict=True))
             if h == n and g != gh
         )
@@ -387,18 +403,17 @@ class CostModel:
             n, partial = self.mesh.axis_sizes[axis], isinstance(grad_need[axis], Partial)
             collective, growth = _BACKWARD[kind](partial, isinstance(have[axis], Shard))
             if collective is not None:
-                c = Collective(collective, (self.mesh.axis_names[axis],), local)
+                c = Collective(kind=collective, mesh_axes=(self.mesh.axis_names[axis],), bytes=local)
                 collectives.append(c)
                 total += self.collective_time(c)
             local = local * n if growth > 0 else (local // n if growth < 0 else local)
         return tuple(collectives), total
 
-    def steps(self, src: Layout, dst: Layout) -> tuple[tuple[int, str], ...]:
+    def steps(self, src: Layout, dst: Layout) -> tuple[tuple[int, StepKind], ...]:
         """The per-axis steps turning ``src`` into ``dst``, in the order they run.
 
-        Each step is ``(mesh axis index, kind)`` with kind one of ``"slice"``,
-        ``"reduce_scatter"``, ``"all_to_all"``, ``"all_reduce"``, ``"all_gather"``,
-        ``"to_partial"``. The lowering issues exactly these, so runtime bytes equal
+        Each step is ``(mesh axis index, kind)``, kind any :class:`StepKind` but
+        ``grad_all_reduce``. The lowering issues exactly these, so runtime bytes equal
         the prediction.
         """
         before, after = _axis_states(src), _axis_states(dst)
@@ -407,19 +422,19 @@ class CostModel:
         # One dim split over several axes is split outer axis first (DTensor's order), so
         # entering such splits must go outer axis first and leaving them inner axis first,
         # whatever the links say.
-        groups: dict[tuple[int, int | str, bool], list[int]] = {}
+        groups: dict[tuple[StepKind, int | str, bool], list[int]] = {}
         for i, (kind, axis) in enumerate(ordered):
-            entering = kind in (_SLICE, _REDUCE_SCATTER)
+            entering = kind in (StepKind.SLICE, StepKind.REDUCE_SCATTER)
             dim = after[axis] if entering else before[axis]
-            if kind in (_SLICE, _REDUCE_SCATTER, _ALL_GATHER):
+            if kind in (StepKind.SLICE, StepKind.REDUCE_SCATTER, StepKind.ALL_GATHER):
                 groups.setdefault((kind, dim, entering), []).append(i)
         for (kind, _, entering), slots in groups.items():
             axes = sorted((ordered[i][1] for i in slots), reverse=not entering)
             for i, axis in zip(slots, axes):
                 ordered[i] = (kind, axis)
-        return tuple((axis, _STEP_NAMES[kind]) for kind, axis in ordered)
+        return tuple((axis, kind) for kind, axis in ordered)
 
-    def _step_order(self, step: tuple[int, int]) -> tuple[int, float, int]:
+    def _step_order(self, step: tuple[StepKind, int]) -> tuple[int, float, int]:
         """Sort key: step kind first, then, within a kind, the cheapest axis order.
 
         A swap argument on the alpha-beta costs shows reduce_scatters cost least on the
@@ -430,129 +445,20 @@ class CostModel:
         """
         kind, axis = step
         bandwidth = self._links[axis].bandwidth_Bps
-        if kind == _REDUCE_SCATTER:
-            return (kind, -bandwidth, -axis)
-        return (kind, bandwidth if kind == _ALL_GATHER else 0.0, axis)
+        if kind == StepKind.REDUCE_SCATTER:
+            return (_ISSUE_ORDER[kind], -bandwidth, -axis)
+        return (_ISSUE_ORDER[kind], bandwidth if kind == StepKind.ALL_GATHER else 0.0, axis)
 
 
 # Per forward step kind: (partial gradient on the axis, input sharded on the axis) ->
 # (the backward collective or None, how the gradient's local size changes: +1 grows by the
 # axis size, -1 shrinks by it, 0 stays). The autograd formulas of autopar.runtime.collectives.
-_BACKWARD: dict[str, Any] = {
-    "slice": lambda partial, sharded: ("all_gather", +1),
-    "reduce_scatter": lambda partial, sharded: ("all_gather", +1),
-    "all_to_all": lambda partial, sharded: ("all_to_all", 0),
-    "all_reduce": lambda partial, sharded: ("all_reduce" if partial else None, 0),
-    "all_gather": lambda partial, sharded: ("reduce_scatter" if partial else None, -1),
-    "to_partial": lambda partial, sharded: (None, -1 if sharded else 0),
-    "grad_all_reduce": lambda partial, sharded: ("all_reduce", 0),
+_BACKWARD: dict[StepKind, Callable[[bool, bool], tuple[CollectiveKind | None, int]]] = {
+    StepKind.SLICE: lambda partial, sharded: (CollectiveKind.ALL_GATHER, +1),
+    StepKind.REDUCE_SCATTER: lambda partial, sharded: (CollectiveKind.ALL_GATHER, +1),
+    StepKind.ALL_TO_ALL: lambda partial, sharded: (CollectiveKind.ALL_TO_ALL, 0),
+    StepKind.ALL_REDUCE: lambda partial, sharded: (CollectiveKind.ALL_REDUCE if partial else None, 0),
+    StepKind.ALL_GATHER: lambda partial, sharded: (CollectiveKind.REDUCE_SCATTER if partial else None, -1),
+    StepKind.TO_PARTIAL: lambda partial, sharded: (None, -1 if sharded else 0),
+    StepKind.GRAD_ALL_REDUCE: lambda partial, sharded: (CollectiveKind.ALL_REDUCE, 0),
 }
-
-
-# ---------------------------------------------------------------------------------------
-# Calibration of the cpu-gloo preset (run by bench/calibrate_cpu_gloo.py, never at plan time)
-# ---------------------------------------------------------------------------------------
-
-_MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MATMUL_N = 2048
-_MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
-_ALL_REDUCE_BYTES = tuple(1 << k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
-
-
-def _median_seconds(fn: Any, repeats: int, warmup: int = 2) -> float:
-    # Median, not min: on a shared 2-core host single calls stall for a scheduler tick
-    # (~4 ms) now and then, and the plan should price the typical call, not the luckiest.
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _matmul_flops(dtype: torch.dtype) -> float:
-    a = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
-    b = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
-    dist.barrier()
-    return 2 * _MATMUL_N**3 / _median_seconds(lambda: torch.mm(a, b), 11)
-
-
-def _memory_bandwidth() -> float:
-    x, y, out = (torch.rand(_MEMORY_NUMEL) for _ in range(3))
-    dist.barrier()
-    # add reads two buffers and writes one
-    return 3 * x.nbytes / _median_seconds(lambda: torch.add(x, y, out=out), 11)
-
-
-def _all_reduce_seconds(nbytes: int) -> float:
-    buf = torch.zeros(nbytes // 4)
-    dist.barrier()
-    return _median_seconds(lambda: dist.all_reduce(buf), 25 if nbytes < 1 << 24 else 7)
-
-
-def _measure_rank(rank: int, world_size: int, port: int, out_path: str) -> None:
-    """One calibration rank. All ranks time compute and memory together, as they would
-    contend in a real run; rank 0 writes its figures and the all_reduce timings as JSON."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        measured = {
-            "peak_flops": {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
-            "memory_bandwidth_Bps": _memory_bandwidth(),
-            "all_reduce": [(nbytes, _all_reduce_seconds(nbytes)) for nbytes in _ALL_REDUCE_BYTES],
-        }
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(measured))
-    finally:
-        dist.destroy_process_group()
-
-
-def _fit_ring_all_reduce(samples: list[tuple[int, float]], world_size: int) -> LinkSpec:
-    """Fit t = 2(n-1) alpha + 2(n-1)/n B/beta to (B, t) samples.
-
-    Least squares on relative error, so microsecond small-message times weigh as much
-    as the large ones that fix the bandwidth.
-    """
-    n = world_size
-    # t = c0 + c1 * B; minimise sum ((c0 + c1 B) / t - 1)^2 via the 2x2 normal equations.
-    rows = [(1 / t, b / t) for b, t in samples]
-    s00 = sum(u * u for u, _ in rows)
-    s01 = sum(u * v for u, v in rows)
-    s11 = sum(v * v for _, v in rows)
-    r0 = sum(u for u, _ in rows)
-    r1 = sum(v for _, v in rows)
-    det = s00 * s11 - s01 * s01
-    c0 = (r0 * s11 - r1 * s01) / det
-    c1 = (r1 * s00 - r0 * s01) / det
-    if c1 <= 0:
-        raise RuntimeError(f"all_reduce time does not grow with size, cannot fit bandwidth: {samples}")
-    return LinkSpec(latency_s=max(c0, 0.0) / (2 * (n - 1)), bandwidth_Bps=2 * (n - 1) / n / c1)
-
-
-def measure_cpu_gloo(world_size: int = 2) -> Cluster:
-    """Measure this host as a ``cpu-gloo`` cluster of ``world_size`` ranks (takes ~a minute).
-
-    Spawns ``world_size`` gloo processes on 127.0.0.1, each with an equal share of the
-    cores. FLOP/s per dtype come from 2048^3 matmuls, memory bandwidth from a 128 MiB
-    fp32 add (3 buffers moved), both with every rank busy; the link from all_reduce at
-    1 KiB..64 MiB fitted to the ring model. Memory per device is physical RAM / world_size.
-    """
-    if world_size < 2:
-        raise ValueError(f"measuring collectives needs world_size >= 2, got {world_size}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "measured.json")
-        # spawn re-raises a failed rank's exception here, so a crash never hangs the caller.
-        mp.spawn(_measure_rank, args=(world_size, free_port(), out_path), nprocs=world_size)
-        measured = json.loads(Path(out_path).read_text())
-    link = _fit_ring_all_reduce(measured["all_reduce"], world_size)
-    return Cluster(
-        name="cpu-gloo",
-        peak_flops=measured["peak_flops"],
-        memory_bandwidth_Bps=measured["memory_bandwidth_Bps"],
-        memory_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // world_size,
-        devices_per_node=_ONE_HOST,
-        intra_node=link,
-        inter_node=link,
-    )

@@ -17,10 +17,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from autopar.ir.plan import ChoiceKind, Plan
+from autopar.ir.report import op_label, step_label
+
 STAGE_COLORS = ("#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd", "#d0e0e3", "#ead1dc")
 
 
-def plan_graph(plan: Any) -> dict[str, Any]:
+def plan_graph(plan: Plan) -> dict[str, Any]:
     """Nodes (name, op, module, output layouts, stage) and edges (source, target, label, whether a
     redistribution is inserted) of a plan, as plain data."""
     stages = plan.pipeline.node_stages if plan.pipeline is not None else {}
@@ -34,10 +37,10 @@ def plan_graph(plan: Any) -> dict[str, Any]:
     nodes = [
         {
             "name": n.name,
-            "op": n.op.removeprefix("aten.").removesuffix(".default"),
+            "op": op_label(n.op),
             "module": n.module
             if n.op != "placeholder"
-            else ("" if n.kind == "input" else home.get(n.name, "")),
+            else ("" if n.kind == ChoiceKind.INPUT else home.get(n.name, "")),
             "out": ", ".join(n.outputs),
             "stage": stages.get(n.name),
         }
@@ -53,15 +56,15 @@ def plan_graph(plan: Any) -> dict[str, Any]:
                 layout = n.operands[slot] if slot < len(n.operands) else None
                 edges.append({"src": src, "dst": n.name, "label": layout or "", "moved": False, "title": ""})
                 continue
-            steps = [f"{c.kind}({','.join(c.mesh_axes)})" for c in r.forward]
-            back = [f"{c.kind}({','.join(c.mesh_axes)})" for c in r.backward]
+            steps = [step_label(c) for c in r.forward]
+            back = [step_label(c) for c in r.backward]
             label = " + ".join(steps) or "local"
             title = f"{r.have} -> {r.need}; backward: {' + '.join(back) or 'local'}"
             edges.append({"src": src, "dst": n.name, "label": label, "moved": True, "title": title})
     return {"nodes": nodes, "edges": edges, "colors": STAGE_COLORS}
 
 
-def plan_dot(plan: Any) -> str:
+def plan_dot(plan: Plan) -> str:
     """The same graph in Graphviz DOT: a box per op, filled by stage; a cluster per module, nested
     as the modules are; edges labelled with their layout, red with their collectives where a
     redistribution is inserted."""
@@ -96,7 +99,7 @@ def plan_dot(plan: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan_html(plan: Any, title: str) -> str:
+def plan_html(plan: Plan, title: str) -> str:
     """The page (see the module docstring)."""
     data = json.dumps(plan_graph(plan)).replace("</", "<\\/")
     return (

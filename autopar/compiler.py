@@ -7,6 +7,9 @@ plan on every rank: the solver is deterministic); then the passes in
 :class:`~autopar.runtime.module.DistributedModule` runs it. Under a pipeline, layouts and
 collectives live on the mesh of this rank's stages (the mesh without the pipeline
 axis), and the program is split into one program per stage.
+
+The runtime never plans: a loss function given to ``dmodel.train_step`` is compiled by
+:func:`compile_loss`, which every module built here carries.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import torch
 
-from autopar.capture.export import Captured
+from autopar.capture.export import Captured, capture
 from autopar.ir.errors import CompileError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory, Pipeline
@@ -28,7 +31,9 @@ from autopar.passes.context import PassContext
 from autopar.planning.cost import Cluster, CostModel
 from autopar.planning.planner import capture_for, layout_mesh, plan_captured
 from autopar.runtime import collectives
-from autopar.runtime.module import DistributedModule, materialize
+from autopar.runtime.lowered import LoweredProgram
+from autopar.runtime.materialize import materialize
+from autopar.runtime.module import DistributedModule, LossFn
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -54,7 +59,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Returns a :class:`~autopar.runtime.module.DistributedModule` whose parameters are
     DTensors under the original names, each rank holding its piece of the model's
     weights (under a pipeline, of its stages' weights only); a model built on ``meta``
-    is initialised by :func:`~autopar.runtime.module.materialize` (``reset_parameters()``
+    is initialised by :func:`~autopar.runtime.materialize.materialize` (``reset_parameters()``
     under ``seed``).
     """
     if not hasattr(mesh, "get_group"):
@@ -65,7 +70,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     spec = MeshSpec.of(mesh)
     if plan is not None and plan.pipeline is not None:
         saved = plan.pipeline
-        in_plan = Pipeline(saved.microbatches, saved.schedule, saved.virtual_stages, saved.axis)
+        in_plan = Pipeline(
+            microbatches=saved.microbatches,
+            schedule=saved.schedule,
+            virtual_stages=saved.virtual_stages,
+            axis=saved.axis,
+        )
         if pipeline not in (None, in_plan):
             raise PlanError(f"the plan pipelines with {in_plan}, but compile was given {pipeline}")
         pipeline = in_plan
@@ -102,10 +112,10 @@ def lower(captured: Captured, plan: Plan, stage_mesh: Any) -> tuple[torch.fx.Gra
     Needs no weights: a model captured on ``meta`` lowers as well (``autopar show``).
     """
     ctx = PassContext(
-        MeshSpec.of(stage_mesh),
-        plan,
-        CostModel(MeshSpec.of(stage_mesh), Cluster.from_dict(plan.cluster)),
-        captured,
+        mesh=MeshSpec.of(stage_mesh),
+        plan=plan,
+        cost=CostModel(MeshSpec.of(stage_mesh), Cluster.from_dict(plan.cluster)),
+        captured=captured,
         axis_keys=collectives.register_mesh(stage_mesh),
     )
     gm = captured.program.graph_module
@@ -125,11 +135,53 @@ def build_module(
     captured: Captured,
     plan: Plan,
     pipeline: Pipeline | None = None,
-) -> torch.nn.Module:
+) -> DistributedModule:
     """Lower ``captured`` under ``plan`` (:func:`lower`) and wrap the program in a ``DistributedModule``.
 
     ``stage_mesh`` is the ``DeviceMesh`` layouts refer to: ``mesh`` itself, or this
     rank's slice of it without the pipeline axis.
     """
     gm, ctx = lower(captured, plan, stage_mesh)
-    return DistributedModule(model, mesh, ctx, gm, stage_mesh=stage_mesh, pipeline=pipeline)
+    lowered = LoweredProgram(
+        program=gm,
+        plan=ctx.plan,
+        exported=ctx.captured.program,
+        aliases=ctx.captured.aliases,
+        axis_keys=ctx.axis_keys,
+        grad_reductions=ctx.grad_reductions,
+        stages=None if ctx.stages is None else tuple(ctx.stages),
+        snapshots=ctx.snapshots,
+    )
+    return DistributedModule(
+        model, mesh, lowered, compile_loss=compile_loss, stage_mesh=stage_mesh, pipeline=pipeline
+    )
+
+
+class _Loss(torch.nn.Module):
+    """``loss_fn(output, target)`` as a module, to be captured and compiled like a model."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target)
+
+
+def compile_loss(
+    module: DistributedModule, loss_fn: LossFn, output: Any, target: torch.Tensor
+) -> DistributedModule:
+    """``loss_fn(output, target)`` compiled for ``module``'s outputs (the runtime's ``LossCompiler``).
+
+    ``output`` and ``target`` are ``meta`` examples of one microbatch. The loss is
+    captured and planned on ``module``'s plan's mesh and cluster with the outputs' layouts
+    fixed to ``module.output_layouts`` (the target's is the solver's choice), then built
+    on ``module``'s stage mesh. ``DistributedModule.train_step`` calls this on first use
+    of a loss function and caches the result.
+    """
+    spec = module.plan.mesh_spec
+    loss = _Loss(loss_fn)
+    captured = capture(loss, (output, target), None, spec)
+    fixed = dict(zip(captured.inputs, module.output_layouts))  # the target, the last input, stays free
+    plan = plan_captured(captured, spec, cluster=Cluster.from_dict(module.plan.cluster), fixed_inputs=fixed)
+    return build_module(loss, module.stage_mesh, module.stage_mesh, captured, plan)

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from autopar.capture.export import Captured
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.plan import Plan
 from autopar.planning.cost import CostModel
+from autopar.runtime.pipeline_runtime import StageProgram
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PassContext:
-    """What every pass may read; passes record results here as documented in their docstrings."""
+    """What every pass may read; passes record results here as documented in their docstrings.
+
+    Built by :func:`autopar.compiler.lower`, which hands what the runtime needs on to it
+    (:class:`~autopar.runtime.lowered.LoweredProgram`).
+    """
 
     mesh: MeshSpec  # the mesh layouts refer to: one stage's under a pipeline
     plan: Plan
@@ -22,4 +26,4 @@ class PassContext:
     axis_keys: dict[str, str] = field(default_factory=dict)  # mesh axis -> the collectives' name for it
     grad_reductions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param placeholder -> axes
     snapshots: dict[str, str] = field(default_factory=dict)  # pass name -> graph printed after it
-    stages: list[Any] | None = None  # split_stages.StageProgram per pipeline stage
+    stages: list[StageProgram] | None = None  # under a pipeline: one per stage (split_stages)

@@ -12,49 +12,22 @@ needs them), and for the last stage the model's user outputs; ``state`` are the
 parameters, buffers and constants the stage reads. Only tensors cross stages.
 
 Reads: ``autopar.stage``, ``autopar.layouts``, ``val``. Writes: ``autopar.stage`` on
-every node; ``ctx.stages``, one :class:`StageProgram` per stage.
+every node; ``ctx.stages``, one :class:`~autopar.runtime.pipeline_runtime.StageProgram` per
+stage (the runtime's type: the pipeline runtime runs them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from autopar.passes.context import PassContext
 from torch.export.graph_signature import OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.capture.export import gradient_flow
 from autopar.ir.errors import CompileError
 from autopar.ir.layout import local_shape
-from autopar.ir.meta import LAYOUTS, STAGE
-from autopar.ir.printing import format_graph
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """A tensor crossing into or out of a stage, as one rank holds it."""
-
-    name: str
-    shape: tuple[int, ...]  # local
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-@dataclass
-class StageProgram:
-    """One stage's program and what flows in and out of it (see the module docstring)."""
-
-    index: int
-    program: torch.fx.GraphModule
-    received: list[Boundary]
-    sent: list[Boundary]
-    state: list[str]  # placeholder names of the original program, in the order they are passed
-
-    @property
-    def code(self) -> str:
-        return format_graph(self.program.graph, f"Constructed by split_stages: stage {self.index}")
-
+from autopar.ir.meta import STAGE, output_layout
+from autopar.passes.context import PassContext
+from autopar.runtime.pipeline_runtime import Boundary, StageProgram
 
 _OPS = ("call_function", "call_module")  # a call_module runs a recompute region
 
@@ -91,8 +64,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             raise CompileError(
                 f"{node.name} ({type(val).__name__}) crosses a pipeline stage boundary; only tensors can"
             )
-        shape = local_shape(tuple(val.shape), node.meta[LAYOUTS][1][0], ctx.mesh)
-        return Boundary(node.name, shape, val.dtype, flows.get(node, False))
+        shape = local_shape(tuple(val.shape), output_layout(node), ctx.mesh)
+        return Boundary(name=node.name, shape=shape, dtype=val.dtype, requires_grad=flows.get(node, False))
 
     values = [node for node in graph.nodes if node in inputs or (node.op in _OPS and node.users)]
     crossing = [
@@ -104,7 +77,13 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         sent = results if s == n - 1 else crossing[s]
         program, state = _program(gm, s, received, sent)
         ctx.stages.append(
-            StageProgram(s, program, [boundary(v) for v in received], [boundary(v) for v in sent], state)
+            StageProgram(
+                index=s,
+                program=program,
+                received=[boundary(v) for v in received],
+                sent=[boundary(v) for v in sent],
+                state=state,
+            )
         )
     return gm
 

@@ -1,2 +1,8 @@
-"""Runtime: the collectives, the distributed module, gradient buckets, the ZeRO/offload optimizer
-and the pipeline runtime. It runs a lowered program; it never plans (no import of the planner)."""
+"""Runtime: runs a program the compiler lowered, on one rank; imports only :mod:`autopar.ir` and torch.
+
+``lowered`` (what the compiler hands over), ``module`` (``DistributedModule``), ``grad_reducer``
+(bucketed gradient sums), ``materialize`` (weights and this rank's pieces), ``offload``
+(activations on the host), ``optimizer`` (ZeRO and optimizer offload), ``pipeline_runtime``
+(stage programs and torch's schedules), ``collectives`` (the program's per-axis ops). It never
+plans or runs passes: loss functions are compiled by the compiler's ``compile_loss``.
+"""

@@ -9,20 +9,23 @@ compiled program on local tensors and returns the original output structure; a
 scalar loss comes back replicated.
 
 Gradients that only need summing over some mesh axes (data parallelism) are reduced
-by :class:`GradReducer` in buckets, each launched as soon as its last gradient is
-ready in backward, overlapping communication with the rest of backward.
+by :class:`~autopar.runtime.grad_reducer.GradReducer` in buckets, each launched as soon
+as its last gradient is ready in backward, overlapping communication with the rest of
+backward.
+
+The module runs what the compiler lowered (:class:`~autopar.runtime.lowered.LoweredProgram`)
+and never plans: a loss function given to ``train_step`` is compiled by the
+:class:`LossCompiler` the compiler handed over.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
@@ -30,210 +33,30 @@ from torch.utils import _pytree as pytree
 from autopar.ir.errors import CompileError, ShapeError
 from autopar.ir.layout import Layout, format_layout, local_shape
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import LAYOUTS
+from autopar.ir.meta import LAYOUTS, output_layout
 from autopar.ir.options import Memory, Pipeline
 from autopar.ir.printing import format_graph
-from autopar.runtime import collectives
+from autopar.runtime import offload
+from autopar.runtime.grad_reducer import GradReducer
+from autopar.runtime.lowered import LoweredProgram
+from autopar.runtime.materialize import distributed_copy, local_piece
 from autopar.runtime.optimizer import ZeroShard, make_optimizer
 from autopar.runtime.pipeline_runtime import PipelineRuntime
 
-if TYPE_CHECKING:
-    from autopar.passes.context import PassContext
-
-# As DDP: a small first bucket, so the first sum starts early in backward, then big ones.
-FIRST_BUCKET_BYTES = 2**20
-BUCKET_BYTES = 25 * 2**20
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # loss_fn(output, target) -> a scalar loss
 
 
-def local_piece(t: torch.Tensor, layout: Layout, mesh: Any) -> torch.Tensor:
-    """This rank's piece of a global tensor that every rank holds whole (no communication).
+class LossCompiler(Protocol):
+    """Compiles a loss function for a module's outputs (:func:`autopar.compiler.compile_loss`)."""
 
-    A split piece is a copy: a view would keep the whole tensor's memory alive.
-    """
-    piece = t
-    for axis, p in enumerate(layout):
-        if isinstance(p, Shard):
-            n = mesh.size(axis)
-            piece = piece.chunk(n, dim=p.dim)[mesh.get_local_rank(axis)]
-    return piece.contiguous() if piece is t else piece.clone(memory_format=torch.contiguous_format)
+    def __call__(
+        self, module: DistributedModule, loss_fn: LossFn, output: Any, target: torch.Tensor
+    ) -> DistributedModule:
+        """``loss_fn(output, target)`` compiled for ``module``: planned and built on its stage mesh.
 
-
-class GradReducer:
-    """Delivers gradients to the DTensor parameters, summing them over mesh axes where needed.
-
-    The program computes with plain local leaves (see :class:`DistributedModule`); when a
-    leaf's gradient is complete, its post-accumulate hook takes it. A gradient that needs
-    no sum goes straight to ``p.grad`` (as a DTensor). The others are copied into a
-    persistent flat buffer per bucket (the first about 1 MiB, the others about
-    ``bucket_bytes``; one set of mesh axes per bucket, parameters in reverse order,
-    roughly the order backward produces them);
-    a full bucket is all-reduced asynchronously, overlapping the rest of backward, and
-    the last bucket of a backward pass waits for all of them and hands out views of the
-    sums. Every backward pass's contribution is summed and added to ``p.grad``, so
-    gradients accumulate over several backward passes as on one device; inside
-    :meth:`DistributedModule.no_sync` the leaves keep accumulating and the next pass
-    outside it sums everything once. :meth:`expect` does the same for the microbatches
-    of a pipeline step: each leaf is summed after its last microbatch's backward.
-
-    Under ZeRO-2 (``scattered``: the :class:`~autopar.runtime.optimizer.ZeroShard` of each
-    parameter split, by ``id``) a split parameter's bucket is laid out rank by rank (piece
-    ``r`` of every parameter in region ``r``), summed over its other axes, then
-    reduce-scattered over the split axis; each rank keeps only its region, as the shards'
-    gradients, and the full bucket lives only until then.
-    """
-
-    def __init__(
-        self,
-        params: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[str, ...]]],
-        bucket_bytes: int = BUCKET_BYTES,
-        scattered: Mapping[int, ZeroShard] | None = None,
-    ):
-        self.enabled = True
-        self.waiting: dict[int, int] = {}  # id(p) -> backward passes to accumulate locally first
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        self.axes: list[tuple[str, ...]] = []
-        self.scattered = dict(scattered or {})
-        self.split: list[ZeroShard | None] = []  # per bucket: a shard of its split axis (ZeRO-2)
-        self.leaf_of = {id(p): leaf for p, leaf, _ in params}
-        by_axes: dict[tuple, list[torch.nn.Parameter]] = {}
-        for p, _leaf, axes in reversed(params):
-            if axes:
-                zero = self.scattered.get(id(p))
-                by_axes.setdefault((axes, zero.axis if zero else None), []).append(p)
-        for (axes, split), group in by_axes.items():
-            size = 0
-            for k, p in enumerate(group):
-                nbytes = self.leaf_of[id(p)].numel() * self.leaf_of[id(p)].element_size()
-                cap = bucket_bytes if self.buckets else FIRST_BUCKET_BYTES
-                if k == 0 or size + nbytes > cap:
-                    self.buckets.append([])
-                    self.axes.append(axes)
-                    self.split.append(self.scattered[id(p)] if split else None)
-                    size = 0
-                self.buckets[-1].append(p)
-                size += nbytes
-        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        # a scattered bucket's offsets are within one rank's region
-        self.offsets = []
-        for i, b in enumerate(self.buckets):
-            offsets, at = {}, 0
-            for p in b:
-                offsets[id(p)] = at
-                at += self.leaf_of[id(p)].numel() // (self.split[i].n if self.split[i] else 1)
-            self.offsets.append(offsets)
-        self.sizes = [sum(self.leaf_of[id(p)].numel() for p in b) for b in self.buckets]
-        self.flat: list[torch.Tensor | None] = [
-            None if self.split[i] else torch.empty(self.sizes[i], dtype=self.leaf_of[id(b[0])].dtype)
-            for i, b in enumerate(self.buckets)
-        ]
-        self.pending = [len(b) for b in self.buckets]
-        self.launched: list[tuple[int, list]] = []
-        self.regions: dict[int, torch.Tensor] = {}  # scattered bucket -> this rank's summed region
-        # p.grad for a summed parameter is a view of its bucket, wrapped once
-        self.wrapped = {
-            id(p): DTensor.from_local(
-                self._view(i, p).view_as(self.leaf_of[id(p)]), p.device_mesh, p.placements, run_check=False
-            )
-            for i, b in enumerate(self.buckets)
-            if not self.split[i]
-            for p in b
-        }
-        for p, leaf, _ in params:
-            if leaf.requires_grad:
-                leaf.register_post_accumulate_grad_hook(lambda leaf, p=p: self._ready(p, leaf))
-
-    def expect(self, passes: int) -> None:
-        """Sum each gradient after ``passes`` backward passes reach it (a pipeline's microbatches)."""
-        self.waiting = dict.fromkeys(self.leaf_of, passes - 1)
-
-    def _ready(self, p: torch.nn.Parameter, leaf: torch.Tensor) -> None:
-        if not self.enabled:
-            return
-        if self.waiting.get(id(p), 0) > 0:
-            self.waiting[id(p)] -= 1
-            return
-        grad, leaf.grad = leaf.grad, None
-        i = self.bucket_of.get(id(p))
-        if i is None:
-            _deliver(p, grad)
-            return
-        if self.split[i] is not None:
-            self._scatter_in(i, p, grad)
-            return
-        view = self._view(i, p)
-        if p.grad is not None and p.grad.to_local().data_ptr() == view.data_ptr():
-            # the user kept last pass's gradient (no zero_grad): it must outlive this bucket's reuse
-            kept = view.view_as(leaf).clone()
-            p.grad = DTensor.from_local(kept, p.device_mesh, p.placements, run_check=False)
-        view.copy_(grad.reshape(-1))
-        self._arrived(i)
-
-    def _scatter_in(self, i: int, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Copy a ZeRO-2 gradient into its bucket, piece ``r`` into rank ``r``'s region."""
-        zero = self.scattered[id(p)]
-        if self.flat[i] is None:  # the full bucket exists only during this backward pass
-            self.flat[i] = torch.empty(self.sizes[i], dtype=grad.dtype)
-        regions = self.flat[i].view(zero.n, -1)
-        at, size = self.offsets[i][id(p)], grad.numel() // zero.n
-        pieces = grad.unflatten(zero.dim, (zero.n, -1)).movedim(zero.dim, 0)
-        regions[:, at : at + size].copy_(pieces.flatten(1))
-        self._arrived(i)
-
-    def _arrived(self, i: int) -> None:
-        self.pending[i] -= 1
-        if self.pending[i] == 0:
-            self._launch(i)
-        if len(self.launched) == len(self.buckets):
-            self._finish()
-
-    def _view(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
-        at = self.offsets[i][id(p)]
-        return self.flat[i][at : at + self.leaf_of[id(p)].numel()]
-
-    def _launch(self, i: int) -> None:
-        works: list = []
-        flat, zero = self.flat[i], self.split[i]
-        nbytes = flat.numel() * flat.element_size()
-        for axis in sorted(self.axes[i], key=lambda a: zero is not None and a == zero.key):
-            for w in works:  # summing over a second axis needs the first sum
-                w.wait()
-            group, _, _ = collectives.axis_info(axis)
-            if zero is not None and axis == zero.key:
-                collectives.count_collective("reduce_scatter", axis, nbytes)
-                self.regions[i] = flat.new_empty(flat.numel() // zero.n)
-                works = [dist.reduce_scatter_single(self.regions[i], flat, group=group, async_op=True)]
-            else:
-                collectives.count_collective("all_reduce", axis, nbytes)
-                works = [dist.all_reduce(flat, group=group, async_op=True)]
-        self.launched.append((i, works))
-
-    def _finish(self) -> None:
-        for i, works in self.launched:
-            for w in works:
-                w.wait()
-            zero = self.split[i]
-            if zero is not None:
-                region, self.flat[i] = self.regions.pop(i), None
-                for p in self.buckets[i]:
-                    piece = self.scattered[id(p)]
-                    at, shape = self.offsets[i][id(p)], piece.piece(self.leaf_of[id(p)]).shape
-                    piece.set_grad(region[at : at + shape.numel()].view(shape))
-                continue
-            for p in self.buckets[i]:
-                if p.grad is None:
-                    p.grad = self.wrapped[id(p)]
-                else:
-                    p.grad.to_local().add_(self._view(i, p).view_as(self.leaf_of[id(p)]))
-        self.launched = []
-        self.pending = [len(b) for b in self.buckets]
-
-
-def _deliver(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    """Add a local gradient to the DTensor parameter's ``grad``."""
-    if p.grad is None:
-        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
-    else:
-        p.grad.to_local().add_(grad)
+        ``output`` (shaped like the module's outputs) and ``target`` are ``meta`` examples
+        of one microbatch; the program takes the outputs in ``module.output_layouts``.
+        """
 
 
 def _device(device_type: str) -> torch.device:
@@ -256,37 +79,6 @@ def _loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-class _Loss(torch.nn.Module):
-    """``loss_fn(output, target)`` as a module, to be captured and compiled like a model."""
-
-    def __init__(self, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.loss_fn = loss_fn
-
-    def forward(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, target)
-
-
-def materialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """A copy of a model built on ``meta`` with real weights, the same on every rank.
-
-    The documented initializer: the copy is moved to the CPU uninitialised, then every
-    module that has ``reset_parameters()`` (all of torch's layers) calls it, after
-    ``torch.manual_seed(seed)`` so that every rank draws the same weights; each rank
-    later keeps its piece. A model without meta tensors is returned as it is. (The whole
-    model is built on every rank before slicing: fine for models that fit one host.)
-    """
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return model
-    model = copy.deepcopy(model).to_empty(device="cpu")
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    return model
-
-
 class DistributedModule(torch.nn.Module):
     """A model compiled by ``autopar.compile``; see the module docstring."""
 
@@ -294,63 +86,66 @@ class DistributedModule(torch.nn.Module):
         self,
         model: torch.nn.Module,
         device_mesh: Any,
-        ctx: PassContext,
-        program: torch.fx.GraphModule,
+        lowered: LoweredProgram,
         *,
+        compile_loss: LossCompiler,
         stage_mesh: Any = None,
         pipeline: Pipeline | None = None,
-    ):
+    ) -> None:
+        """This rank's pieces of ``model``'s state, bound to ``lowered``'s program.
+
+        ``stage_mesh`` is the mesh layouts refer to: ``device_mesh`` itself, or this
+        rank's slice of it without ``pipeline``'s axis. ``compile_loss`` compiles the loss
+        functions :meth:`train_step` is given.
+        """
         super().__init__()
         self.device_mesh = device_mesh
         # the mesh layouts and DTensor parameters live on: one stage's under a pipeline
         self.stage_mesh = device_mesh if stage_mesh is None else stage_mesh
-        self.plan = ctx.plan
-        object.__setattr__(self, "_program", program)  # not a submodule: keeps state_dict keys unchanged
-        self._ctx = ctx
-        self.axis_keys = dict(ctx.axis_keys)  # mesh axis -> the name the collectives know it by
-        ep = ctx.captured.program
-        specs = ep.graph_signature.input_specs
+        self.plan = lowered.plan
+        # not a submodule: keeps state_dict keys unchanged
+        object.__setattr__(self, "_program", lowered.program)
+        self._lowered = lowered
+        self._compile_loss = compile_loss
+        self.axis_keys = dict(lowered.axis_keys)  # mesh axis -> the name the collectives know it by
         local_stages = None
-        kept = None  # under a pipeline: the names of this rank's stages' parameters and buffers
-        if ctx.stages is not None and pipeline is not None:
+        if lowered.stages is not None and pipeline is not None:
             rank, size = device_mesh.get_local_rank(pipeline.axis), pipeline.size(MeshSpec.of(device_mesh))
-            local_stages = [st for st in ctx.stages if st.index % size == rank]
-            read = {name for st in local_stages for name in st.state}
-            kept = {
-                alias
-                for s in specs
-                if s.arg.name in read and s.kind in (InputKind.PARAMETER, InputKind.BUFFER)
-                for alias in ctx.captured.aliases.get(s.target, [s.target])
-            }
-        placements = ctx.plan.parameter_placements
-        mesh = self.stage_mesh
-        replica = copy.deepcopy(model)
-        path_of: dict[int, str] = {}  # module -> its first path, as named_parameters() names it
-        for path, module in replica.named_modules(remove_duplicate=False):
-            path_of.setdefault(id(module), path)
-        swapped: dict[int, torch.Tensor] = {}
-        for module in replica.modules():
-            for store, is_param in ((module._parameters, True), (module._buffers, False)):
-                for name, t in list(store.items()):
-                    if t is None:
-                        continue
-                    fqn = f"{path_of[id(module)]}.{name}" if path_of[id(module)] else name
-                    if kept is not None and fqn not in kept:
-                        store[name] = None  # another pipeline stage's: not held on this rank
-                        continue
-                    if id(t) not in swapped:
-                        layout = placements[fqn]
-                        piece = local_piece(t.detach(), layout, mesh)
-                        dt = DTensor.from_local(piece, mesh, layout, run_check=False)
-                        swapped[id(t)] = (
-                            torch.nn.Parameter(dt, requires_grad=t.requires_grad) if is_param else dt
-                        )
-                    store[name] = swapped[id(t)]
+            local_stages = [st for st in lowered.stages if st.index % size == rank]
+        kept = None
+        if local_stages is not None:  # under a pipeline, this rank holds its stages' state only
+            kept = lowered.state_names(name for st in local_stages for name in st.state)
+        named = self._hold_state(model, kept)
+        self._bind_state(named)
+        self._read_signature()
+        self._prepare_gradients(named)
+        self._loss_tails: dict[LossFn, DistributedModule] = {}  # loss_fn -> its compiled program
+        self.pipeline = None
+        if local_stages is not None:
+            self.pipeline = PipelineRuntime(
+                local_stages,
+                len(lowered.stages),
+                pipeline,
+                device_mesh.get_group(pipeline.axis),
+                [[self._state[name] for name in st.state] for st in local_stages],
+                _device(device_mesh.device_type),
+            )
+
+    def _hold_state(self, model: torch.nn.Module, kept: set[str] | None) -> dict[str, torch.Tensor]:
+        """Adopt the submodules of :func:`distributed_copy` of ``model``: this rank's pieces, as DTensors.
+
+        Returns every name of a parameter or buffer, duplicates included, with its tensor.
+        """
+        replica = distributed_copy(model, self.plan.parameter_placements, self.stage_mesh, kept)
         self._modules.update(replica._modules)
         self._parameters.update(replica._parameters)
         self._buffers.update(replica._buffers)
         named = dict(self.named_parameters(remove_duplicate=False))
         named.update(self.named_buffers(remove_duplicate=False))
+        return named
+
+    def _bind_state(self, named: dict[str, torch.Tensor]) -> None:
+        """What this rank passes the program for each placeholder that is not a user input."""
         # The program computes with plain local leaves sharing storage with the DTensors
         # (optimizer updates and checkpoint loads write through); autograd on plain tensors
         # is far cheaper than on DTensor leaves, and GradReducer hands gradients back.
@@ -359,39 +154,48 @@ class DistributedModule(torch.nn.Module):
             if id(t) not in self._leaves:
                 leaf = t.detach().to_local()
                 self._leaves[id(t)] = leaf.requires_grad_(t.requires_grad) if t.requires_grad else leaf
-        self._placeholders = [s.arg.name for s in specs]
-        self._input_names = [s.arg.name for s in specs if s.kind == InputKind.USER_INPUT]
+        exported = self._lowered.exported
         self._state: dict[str, Any] = {}  # placeholder -> the tensor this rank passes for it
-        for s in specs:
+        for s in exported.graph_signature.input_specs:
             if s.kind in (InputKind.PARAMETER, InputKind.BUFFER) and s.target in named:
                 self._state[s.arg.name] = self._leaves[id(named[s.target])]
             elif s.kind == InputKind.CONSTANT_TENSOR:
-                self._state[s.arg.name] = ep.constants[s.target]
+                self._state[s.arg.name] = exported.constants[s.target]
             elif s.kind != InputKind.USER_INPUT and s.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
                 self._state[s.arg.name] = None
+
+    def _read_signature(self) -> None:
+        """The program's inputs and outputs: names, pytree structures, global shapes and layouts."""
+        exported, program = self._lowered.exported, self._lowered.program
+        specs = exported.graph_signature.input_specs
+        self._placeholders = [s.arg.name for s in specs]
+        self._input_names = [s.arg.name for s in specs if s.kind == InputKind.USER_INPUT]
         self._user_outputs = [
-            i for i, s in enumerate(ep.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT
+            i for i, s in enumerate(exported.graph_signature.output_specs) if s.kind == OutputKind.USER_OUTPUT
         ]
-        self._out_spec = ep.call_spec.out_spec
-        self._in_spec = ep.call_spec.in_spec
+        self._out_spec = exported.call_spec.out_spec
+        self._in_spec = exported.call_spec.in_spec
         nodes = {n.name: n for n in program.graph.nodes}
         self._input_layouts = {
-            name: nodes[name].meta[LAYOUTS][1][0] for name in self._input_names if name in nodes
+            name: output_layout(nodes[name]) for name in self._input_names if name in nodes
         }
         self._input_global = {name: tuple(nodes[name].meta["val"].shape) for name in self._input_layouts}
         output = next(n for n in program.graph.nodes if n.op == "output")
         results = pytree.tree_leaves(output.args)
         self._outputs = [results[i] for i in self._user_outputs]
         self._output_layouts = [
-            a.meta[LAYOUTS][1][0] if isinstance(a, torch.fx.Node) and LAYOUTS in a.meta else None
+            output_layout(a) if isinstance(a, torch.fx.Node) and LAYOUTS in a.meta else None
             for a in self._outputs
         ]
+
+    def _prepare_gradients(self, named: dict[str, torch.Tensor]) -> None:
+        """The memory plan's ZeRO shards and the reducer that sums and delivers gradients."""
         axes_of = {
-            id(named[s.target]): ctx.grad_reductions.get(s.arg.name, ())
-            for s in specs
+            id(named[s.target]): self._lowered.grad_reductions.get(s.arg.name, ())
+            for s in self._lowered.exported.graph_signature.input_specs
             if s.kind == InputKind.PARAMETER and s.target in named
         }
-        memory = ctx.plan.memory
+        memory = self.plan.memory
         self.memory = memory.options if memory is not None else Memory(zero=0)
         # ZeRO-1/2: this rank's piece of each split parameter, for the optimizer (and ZeRO-2's gradients)
         self.zero_shards: dict[int, ZeroShard] = {}
@@ -406,17 +210,6 @@ class DistributedModule(torch.nn.Module):
             [(p, self._leaves[id(p)], axes_of.get(id(p), ())) for p in self.parameters() if p.requires_grad],
             scattered=self.zero_shards if self.memory.zero == 2 else None,
         )
-        self._loss_tails: dict[Any, DistributedModule] = {}  # loss_fn -> its compiled program
-        self.pipeline = None
-        if local_stages is not None:
-            self.pipeline = PipelineRuntime(
-                local_stages,
-                len(ctx.stages),
-                pipeline,
-                device_mesh.get_group(pipeline.axis),
-                [[self._state[name] for name in st.state] for st in local_stages],
-                _device(device_mesh.device_type),
-            )
 
     # --- inputs and outputs ---------------------------------------------------------
     def _user_leaves(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -494,7 +287,7 @@ class DistributedModule(torch.nn.Module):
         self,
         inputs: Any,
         target: torch.Tensor | None = None,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        loss_fn: LossFn | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one global batch; returns the loss, on every rank.
 
@@ -554,20 +347,15 @@ class DistributedModule(torch.nn.Module):
         """For a compiled loss: this rank's pieces of ``m`` microbatches of a global ``target``."""
         return self._microbatches(self._input_names[-1], target, m)
 
-    def compiled_loss(self, loss_fn: Callable) -> DistributedModule:
+    def compiled_loss(self, loss_fn: LossFn) -> DistributedModule:
         """The program ``train_step`` compiled for ``loss_fn`` (with its ``plan`` and ``code``), once run."""
         try:
             return self._loss_tails[loss_fn]
         except KeyError:
             raise KeyError(f"{loss_fn!r} has not been compiled: call train_step with it first") from None
 
-    def _loss_tail(self, loss_fn: Callable, target: Any) -> DistributedModule:
+    def _loss_tail(self, loss_fn: LossFn, target: Any) -> DistributedModule:
         """``loss_fn`` compiled for this module's outputs, in their layouts (cached per function)."""
-        from autopar.capture.export import capture
-        from autopar.compiler import build_module
-        from autopar.planning.cost import Cluster
-        from autopar.planning.planner import plan_captured
-
         if not isinstance(target, torch.Tensor):
             raise ShapeError(f"train_step needs the target as one tensor, got {type(target).__name__}")
         tail = self._loss_tails.get(loss_fn)
@@ -585,15 +373,14 @@ class DistributedModule(torch.nn.Module):
             self._out_spec,
         )
         example = torch.empty((target.shape[0] // m, *target.shape[1:]), dtype=target.dtype, device="meta")
-        module = _Loss(loss_fn)
-        captured = capture(module, (output, example), None, self.plan.mesh_spec)
-        fixed = dict(zip(captured.inputs, self._output_layouts))  # the target's layout is the solver's
-        plan = plan_captured(
-            captured, self.plan.mesh_spec, cluster=Cluster.from_dict(self.plan.cluster), fixed_inputs=fixed
-        )
-        tail = build_module(module, self.stage_mesh, self.stage_mesh, captured, plan)
+        tail = self._compile_loss(self, loss_fn, output, example)
         self._loss_tails[loss_fn] = tail
         return tail
+
+    @property
+    def output_layouts(self) -> list[Layout | None]:
+        """The planned layout of each leaf of the model's output (None where it has none: not a tensor)."""
+        return list(self._output_layouts)
 
     @contextlib.contextmanager
     def activations_to_host(self, inputs: Iterable[Any] = ()) -> Iterator[None]:
@@ -605,32 +392,13 @@ class DistributedModule(torch.nn.Module):
         plan predicts it). What a recompute region keeps (its inputs, the outputs its policy
         saves) stays with the region.
         """
-        host = torch.device("cpu")
-        pin = self.device_mesh.device_type == "cuda"
-        copies: dict[Any, torch.Tensor] = {}
-        resident = {StorageWeakRef(t.untyped_storage()) for t in inputs if isinstance(t, torch.Tensor)}
         self.host_activation_bytes = 0
-
-        def pack(t: torch.Tensor) -> Any:
-            storage = t.untyped_storage()
-            key = StorageWeakRef(storage)
-            if key in resident:
-                return t
-            if key not in copies:
-                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                copies[key] = whole.to(host, copy=True).pin_memory() if pin else whole.to(host, copy=True)
-                self.host_activation_bytes += storage.nbytes()
-            return t.device, key, t.storage_offset(), t.size(), t.stride(), t.dtype
-
-        def unpack(packed: Any) -> torch.Tensor:
-            if isinstance(packed, torch.Tensor):
-                return packed
-            device, key, offset, size, stride, dtype = packed
-            storage = copies[key].to(device).untyped_storage()
-            return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
+        with offload.activations_to_host(inputs, pin=self.device_mesh.device_type == "cuda") as host:
+            # the count, not the copies: they must be freed once backward has used them
+            try:
+                yield
+            finally:
+                self.host_activation_bytes = host.nbytes
 
     def optimizer(
         self, optimizer_class: Callable[..., torch.optim.Optimizer], **options: Any
@@ -706,7 +474,7 @@ class DistributedModule(torch.nn.Module):
     @property
     def pass_snapshots(self) -> dict[str, str]:
         """The graph printed after each pass, by pass name."""
-        return dict(self._ctx.snapshots)
+        return dict(self._lowered.snapshots)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

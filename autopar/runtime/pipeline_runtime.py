@@ -1,6 +1,6 @@
 """Running this rank's pipeline stages with ``torch.distributed.pipelining``.
 
-Each stage program (``passes/split_stages.py``) becomes a ``PipelineStage`` on the
+Each :class:`StageProgram` (made by the ``split_stages`` pass) becomes a ``PipelineStage`` on the
 pipeline axis's process group, its inputs and outputs declared up front from the
 plan (static metadata: nothing is inferred at run time). The schedule is torch's:
 ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``, with stage ``s`` on
@@ -12,6 +12,7 @@ schedule in the same order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,39 @@ from torch.distributed.pipelining import (
 )
 
 from autopar.ir.options import Pipeline
+from autopar.ir.printing import format_graph
+
+
+@dataclass(frozen=True, kw_only=True)
+class Boundary:
+    """A tensor crossing into or out of a stage, as one rank holds it."""
+
+    name: str
+    shape: tuple[int, ...]  # local
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass(kw_only=True)
+class StageProgram:
+    """One pipeline stage's program: ``forward(*received, *state) -> tuple(sent)``.
+
+    ``received`` are the user inputs for stage 0, else what the previous stage sends;
+    ``sent`` what later stages read (the model's user outputs for the last stage); only
+    tensors cross stages. ``state`` names the placeholders of the whole per-rank program
+    (parameters, buffers, constants) the stage reads, in the order they are passed.
+    """
+
+    index: int
+    program: torch.fx.GraphModule
+    received: list[Boundary]
+    sent: list[Boundary]
+    state: list[str]
+
+    @property
+    def code(self) -> str:
+        """The stage's program as Python."""
+        return format_graph(self.program.graph, f"Constructed by split_stages: stage {self.index}")
 
 
 class _StageModule(torch.nn.Module):
@@ -38,7 +72,7 @@ class _StageModule(torch.nn.Module):
         return tuple(self.program(*received, *self.state))
 
 
-def _examples(boundaries: Sequence[Any], device: torch.device) -> tuple[torch.Tensor, ...]:
+def _examples(boundaries: Sequence[Boundary], device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(
         torch.empty(b.shape, dtype=b.dtype, device=device, requires_grad=b.requires_grad) for b in boundaries
     )
@@ -49,7 +83,7 @@ class PipelineRuntime:
 
     def __init__(
         self,
-        stages: Sequence[Any],
+        stages: Sequence[StageProgram],
         n_stages: int,
         pipeline: Pipeline,
         group: dist.ProcessGroup,

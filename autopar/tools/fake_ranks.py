@@ -13,13 +13,14 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from autopar.runtime import collectives
+
 
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """A default process group of ``world_size`` fake ranks, this process ``rank``; torn down after."""
+    # torch's private testing package is reached only when a fake world is built
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from autopar.runtime import collectives
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:

@@ -21,7 +21,8 @@ from autopar.capture.export import capture
 from autopar.ir.layout import format_layout
 from autopar.ir.meta import LAYOUTS, MEAN_SPLIT
 from autopar.runtime import collectives
-from autopar.runtime.module import DistributedModule, local_piece
+from autopar.runtime.materialize import local_piece
+from autopar.runtime.module import DistributedModule
 
 
 class _Recorder(torch.fx.Interpreter):

@@ -1,0 +1,202 @@
+"""Gradient delivery and bucketed gradient sums, overlapping communication with backward.
+
+The per-rank program computes with plain local leaves that share storage with the
+DTensor parameters of :class:`~autopar.runtime.module.DistributedModule`;
+:class:`GradReducer` takes each leaf's gradient when backward completes it, sums it over
+the mesh axes the plan asks for (data parallelism, ZeRO-2's reduce-scatter) and adds it
+to the parameter's ``grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from autopar.runtime import collectives
+from autopar.runtime.optimizer import ZeroShard
+
+# As DDP: a small first bucket, so the first sum starts early in backward, then big ones.
+FIRST_BUCKET_BYTES = 2**20
+BUCKET_BYTES = 25 * 2**20
+
+
+class GradReducer:
+    """Delivers gradients to the DTensor parameters, summing them over mesh axes where needed.
+
+    The program computes with plain local leaves (see
+    :class:`~autopar.runtime.module.DistributedModule`); when a leaf's gradient is
+    complete, its post-accumulate hook takes it. A gradient that needs
+    no sum goes straight to ``p.grad`` (as a DTensor). The others are copied into a
+    persistent flat buffer per bucket (the first about 1 MiB, the others about
+    ``bucket_bytes``; one set of mesh axes per bucket, parameters in reverse order,
+    roughly the order backward produces them);
+    a full bucket is all-reduced asynchronously, overlapping the rest of backward, and
+    the last bucket of a backward pass waits for all of them and hands out views of the
+    sums. Every backward pass's contribution is summed and added to ``p.grad``, so
+    gradients accumulate over several backward passes as on one device; inside
+    :meth:`~autopar.runtime.module.DistributedModule.no_sync` the leaves keep accumulating and the next pass
+    outside it sums everything once. :meth:`expect` does the same for the microbatches
+    of a pipeline step: each leaf is summed after its last microbatch's backward.
+
+    Under ZeRO-2 (``scattered``: the :class:`~autopar.runtime.optimizer.ZeroShard` of each
+    parameter split, by ``id``) a split parameter's bucket is laid out rank by rank (piece
+    ``r`` of every parameter in region ``r``), summed over its other axes, then
+    reduce-scattered over the split axis; each rank keeps only its region, as the shards'
+    gradients, and the full bucket lives only until then.
+    """
+
+    def __init__(
+        self,
+        params: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[str, ...]]],
+        bucket_bytes: int = BUCKET_BYTES,
+        scattered: Mapping[int, ZeroShard] | None = None,
+    ):
+        self.enabled = True
+        self.waiting: dict[int, int] = {}  # id(p) -> backward passes to accumulate locally first
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        self.axes: list[tuple[str, ...]] = []
+        self.scattered = dict(scattered or {})
+        self.split: list[ZeroShard | None] = []  # per bucket: a shard of its split axis (ZeRO-2)
+        self.leaf_of = {id(p): leaf for p, leaf, _ in params}
+        by_axes: dict[tuple, list[torch.nn.Parameter]] = {}
+        for p, _leaf, axes in reversed(params):
+            if axes:
+                zero = self.scattered.get(id(p))
+                by_axes.setdefault((axes, zero.axis if zero else None), []).append(p)
+        for (axes, split), group in by_axes.items():
+            size = 0
+            for k, p in enumerate(group):
+                nbytes = self.leaf_of[id(p)].numel() * self.leaf_of[id(p)].element_size()
+                cap = bucket_bytes if self.buckets else FIRST_BUCKET_BYTES
+                if k == 0 or size + nbytes > cap:
+                    self.buckets.append([])
+                    self.axes.append(axes)
+                    self.split.append(self.scattered[id(p)] if split else None)
+                    size = 0
+                self.buckets[-1].append(p)
+                size += nbytes
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        # a scattered bucket's offsets are within one rank's region
+        self.offsets = []
+        for i, b in enumerate(self.buckets):
+            offsets, at = {}, 0
+            for p in b:
+                offsets[id(p)] = at
+                at += self.leaf_of[id(p)].numel() // (self.split[i].n if self.split[i] else 1)
+            self.offsets.append(offsets)
+        self.sizes = [sum(self.leaf_of[id(p)].numel() for p in b) for b in self.buckets]
+        self.flat: list[torch.Tensor | None] = [
+            None if self.split[i] else torch.empty(self.sizes[i], dtype=self.leaf_of[id(b[0])].dtype)
+            for i, b in enumerate(self.buckets)
+        ]
+        self.pending = [len(b) for b in self.buckets]
+        self.launched: list[tuple[int, list]] = []
+        self.regions: dict[int, torch.Tensor] = {}  # scattered bucket -> this rank's summed region
+        # p.grad for a summed parameter is a view of its bucket, wrapped once
+        self.wrapped = {
+            id(p): DTensor.from_local(
+                self._view(i, p).view_as(self.leaf_of[id(p)]), p.device_mesh, p.placements, run_check=False
+            )
+            for i, b in enumerate(self.buckets)
+            if not self.split[i]
+            for p in b
+        }
+        for p, leaf, _ in params:
+            if leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(lambda leaf, p=p: self._ready(p, leaf))
+
+    def expect(self, passes: int) -> None:
+        """Sum each gradient after ``passes`` backward passes reach it (a pipeline's microbatches)."""
+        self.waiting = dict.fromkeys(self.leaf_of, passes - 1)
+
+    def _ready(self, p: torch.nn.Parameter, leaf: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        if self.waiting.get(id(p), 0) > 0:
+            self.waiting[id(p)] -= 1
+            return
+        grad, leaf.grad = leaf.grad, None
+        i = self.bucket_of.get(id(p))
+        if i is None:
+            _deliver(p, grad)
+            return
+        if self.split[i] is not None:
+            self._scatter_in(i, p, grad)
+            return
+        view = self._view(i, p)
+        if p.grad is not None and p.grad.to_local().data_ptr() == view.data_ptr():
+            # the user kept last pass's gradient (no zero_grad): it must outlive this bucket's reuse
+            kept = view.view_as(leaf).clone()
+            p.grad = DTensor.from_local(kept, p.device_mesh, p.placements, run_check=False)
+        view.copy_(grad.reshape(-1))
+        self._arrived(i)
+
+    def _scatter_in(self, i: int, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Copy a ZeRO-2 gradient into its bucket, piece ``r`` into rank ``r``'s region."""
+        zero = self.scattered[id(p)]
+        if self.flat[i] is None:  # the full bucket exists only during this backward pass
+            self.flat[i] = torch.empty(self.sizes[i], dtype=grad.dtype)
+        regions = self.flat[i].view(zero.n, -1)
+        at, size = self.offsets[i][id(p)], grad.numel() // zero.n
+        pieces = grad.unflatten(zero.dim, (zero.n, -1)).movedim(zero.dim, 0)
+        regions[:, at : at + size].copy_(pieces.flatten(1))
+        self._arrived(i)
+
+    def _arrived(self, i: int) -> None:
+        self.pending[i] -= 1
+        if self.pending[i] == 0:
+            self._launch(i)
+        if len(self.launched) == len(self.buckets):
+            self._finish()
+
+    def _view(self, i: int, p: torch.nn.Parameter) -> torch.Tensor:
+        at = self.offsets[i][id(p)]
+        return self.flat[i][at : at + self.leaf_of[id(p)].numel()]
+
+    def _launch(self, i: int) -> None:
+        works: list = []
+        flat, zero = self.flat[i], self.split[i]
+        nbytes = flat.numel() * flat.element_size()
+        for axis in sorted(self.axes[i], key=lambda a: zero is not None and a == zero.key):
+            for w in works:  # summing over a second axis needs the first sum
+                w.wait()
+            group, _, _ = collectives.axis_info(axis)
+            if zero is not None and axis == zero.key:
+                collectives.count_collective("reduce_scatter", axis, nbytes)
+                self.regions[i] = flat.new_empty(flat.numel() // zero.n)
+                works = [dist.reduce_scatter_single(self.regions[i], flat, group=group, async_op=True)]
+            else:
+                collectives.count_collective("all_reduce", axis, nbytes)
+                works = [dist.all_reduce(flat, group=group, async_op=True)]
+        self.launched.append((i, works))
+
+    def _finish(self) -> None:
+        for i, works in self.launched:
+            for w in works:
+                w.wait()
+            zero = self.split[i]
+            if zero is not None:
+                region, self.flat[i] = self.regions.pop(i), None
+                for p in self.buckets[i]:
+                    piece = self.scattered[id(p)]
+                    at, shape = self.offsets[i][id(p)], piece.piece(self.leaf_of[id(p)]).shape
+                    piece.set_grad(region[at : at + shape.numel()].view(shape))
+                continue
+            for p in self.buckets[i]:
+                if p.grad is None:
+                    p.grad = self.wrapped[id(p)]
+                else:
+                    p.grad.to_local().add_(self._view(i, p).view_as(self.leaf_of[id(p)]))
+        self.launched = []
+        self.pending = [len(b) for b in self.buckets]
+
+
+def _deliver(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """Add a local gradient to the DTensor parameter's ``grad``."""
+    if p.grad is None:
+        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
+    else:
+        p.grad.to_local().add_(grad)

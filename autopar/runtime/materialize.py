@@ -1,0 +1,81 @@
+"""Real tensors for this rank: a model built on ``meta`` given weights, a rank's pieces of whole tensors.
+
+None of these communicates: every rank computes the same whole tensors and keeps its piece.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from autopar.ir.layout import Layout
+
+
+def materialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """A copy of a model built on ``meta`` with real weights, the same on every rank.
+
+    The documented initializer: the copy is moved to the CPU uninitialised, then every
+    module that has ``reset_parameters()`` (all of torch's layers) calls it, after
+    ``torch.manual_seed(seed)`` so that every rank draws the same weights; each rank
+    later keeps its piece. A model without meta tensors is returned as it is. (The whole
+    model is built on every rank before slicing: fine for models that fit one host.)
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return model
+    model = copy.deepcopy(model).to_empty(device="cpu")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    return model
+
+
+def local_piece(t: torch.Tensor, layout: Layout, mesh: Any) -> torch.Tensor:
+    """This rank's piece of a global tensor that every rank holds whole (no communication).
+
+    A split piece is a copy: a view would keep the whole tensor's memory alive.
+    """
+    piece = t
+    for axis, p in enumerate(layout):
+        if isinstance(p, Shard):
+            n = mesh.size(axis)
+            piece = piece.chunk(n, dim=p.dim)[mesh.get_local_rank(axis)]
+    return piece.contiguous() if piece is t else piece.clone(memory_format=torch.contiguous_format)
+
+
+def distributed_copy(
+    model: torch.nn.Module, placements: Mapping[str, Layout], mesh: Any, kept: set[str] | None = None
+) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are DTensors on ``mesh`` holding this rank's pieces.
+
+    ``placements`` maps every name of a parameter or buffer to its layout. Names stay the
+    model's, so ``state_dict()`` keys do too; a tensor with several names (tied weights)
+    stays one tensor. With ``kept`` (under a pipeline: the names this rank's stages read)
+    every other parameter or buffer belongs to another rank's stages and is set to None.
+    """
+    replica = copy.deepcopy(model)
+    path_of: dict[int, str] = {}  # module -> its first path, as named_parameters() names it
+    for path, module in replica.named_modules(remove_duplicate=False):
+        path_of.setdefault(id(module), path)
+    swapped: dict[int, torch.Tensor] = {}
+    for module in replica.modules():
+        for store, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(store.items()):
+                if t is None:
+                    continue
+                fqn = f"{path_of[id(module)]}.{name}" if path_of[id(module)] else name
+                if kept is not None and fqn not in kept:
+                    store[name] = None  # another pipeline stage's: not held on this rank
+                    continue
+                if id(t) not in swapped:
+                    layout = placements[fqn]
+                    piece = local_piece(t.detach(), layout, mesh)
+                    dt = DTensor.from_local(piece, mesh, layout, run_check=False)
+                    swapped[id(t)] = torch.nn.Parameter(dt, requires_grad=t.requires_grad) if is_param else dt
+                store[name] = swapped[id(t)]
+    return replica

@@ -16,7 +16,7 @@ predicted step, or the error naming the least memory any plan reaches.
 (ZeRO 0-3, recompute none / selective / full, offload) it runs three AdamW steps and
 compares, per rank, the bytes of parameters + gradients + optimizer state held after a
 step (``DistributedModule.state_bytes``) with the plan's prediction, and the peak
-activation memory (``autopar.planning.activations.ActivationMeter``) with the predicted peak.
+activation memory (``autopar.tools.activation_meter.ActivationMeter``) with the predicted peak.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def plan_llama(layers: int, mesh: dict[str, int], budgets: list[float | None]) -
 def _measure_case(mesh_shape: dict[str, int], style: str, options: dict, recompute: str | None) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.planning.activations import ActivationMeter
+    from autopar.tools.activation_meter import ActivationMeter
     from examples import gpt
 
     torch.manual_seed(0)

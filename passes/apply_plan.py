@@ -10,12 +10,12 @@ plan decided.
 from __future__ import annotations
 
 import torch
-from autopar.passes.context import PassContext
 
 from autopar.capture.export import module_path
 from autopar.ir.errors import PlanError
 from autopar.ir.layout import parse_layout
 from autopar.ir.meta import GRADS, LAYOUTS, STAGE
+from autopar.passes.context import PassContext
 
 
 def _parse(items: tuple[str | None, ...]) -> tuple:

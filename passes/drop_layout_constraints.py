@@ -7,9 +7,9 @@ Reads: nothing. Writes: nothing (consumers read the constraint's operand directl
 from __future__ import annotations
 
 import torch
-from autopar.passes.context import PassContext
 
 from autopar.ir.ops import LAYOUT_CONSTRAINT
+from autopar.passes.context import PassContext
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

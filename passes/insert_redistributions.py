@@ -8,7 +8,8 @@ producer's output must receive: ``have`` with Partial read as Replicate). A
 and ``grad_need != grad_have``. Model outputs need their Partial axes reduced.
 
 Gradient sums that can wait until backward reaches the parameters (data parallelism;
-see :mod:`autopar.planning.gradient_sums`) are left to the runtime's bucketed reducer:
+see :mod:`autopar.planning.gradient_sums`, read on the layouts written on the graph, as the
+planner priced them on the plan's) are left to the runtime's bucketed reducer:
 ``ctx.grad_reductions[placeholder] = axis keys`` (see ``collectives.register_mesh``).
 
 Reads: ``autopar.layouts``, ``autopar.grads``, ``autopar.stage``. Writes: ``redistribute``
@@ -20,13 +21,14 @@ grad_have) and, under a pipeline, their consumer's ``autopar.stage``;
 from __future__ import annotations
 
 import torch
-from autopar.passes.context import PassContext
 from torch.utils import _pytree as pytree
 
 from autopar.capture.export import gradient_flow
 from autopar.ir.layout import format_layout
-from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, STAGE
+from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, STAGE, GraphLayouts
+from autopar.passes.context import PassContext
 from autopar.planning.gradient_sums import planned_edges
+from autopar.planning.laid_out import LaidOutGraph
 
 
 def redistribute(x: torch.Tensor, have: str, need: str, grad_need: str, grad_have: str) -> torch.Tensor:
@@ -55,7 +57,10 @@ def _replace_operand(node: torch.fx.Node, slot: int, new: torch.fx.Node) -> None
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     state = set(ctx.captured.params) | set(ctx.captured.buffers)
-    planned, summed = planned_edges(graph, state, gradient_flow(ctx.captured), ctx.mesh.ndim)
+    laid = LaidOutGraph(
+        graph=graph, layouts=GraphLayouts(graph), mesh=ctx.mesh, flows=gradient_flow(ctx.captured)
+    )
+    planned, summed = planned_edges(laid, state)
     for param, axes in summed.items():
         ctx.grad_reductions[param.name] = tuple(ctx.axis_keys[ctx.mesh.axis_names[a]] for a in sorted(axes))
     for (src, node, slot), have, need, grad_need, grad_have in planned:

@@ -14,22 +14,22 @@ nodes after rescaled means (with ``autopar.layouts`` and the mean's ``autopar.st
 from __future__ import annotations
 
 import torch
-from autopar.passes.context import PassContext
 from torch.distributed.tensor import Shard
 
 from autopar.ir.layout import local_shape
-from autopar.ir.meta import LAYOUTS, MEAN_SPLIT, STAGE
+from autopar.ir.meta import MEAN_SPLIT, STAGE, GraphLayouts, NodeLayouts, write_layouts
+from autopar.passes.context import PassContext
 from autopar.rules import OpCall, lookup
 
 _SIZE_ARGS = ("size", "shape")
 
 
-def _localize_size(node: torch.fx.Node, ctx: PassContext) -> None:
+def _localize_size(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> None:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return
     out = node.meta["val"]
-    local = list(local_shape(tuple(out.shape), node.meta[LAYOUTS][1][0], ctx.mesh))
+    local = list(local_shape(tuple(out.shape), layouts.output, ctx.mesh))
     args = list(node.args)
     for i, a in enumerate(schema.arguments[: len(args)]):
         if a.name in _SIZE_ARGS and isinstance(args[i], (list, tuple)):
@@ -40,7 +40,7 @@ def _localize_size(node: torch.fx.Node, ctx: PassContext) -> None:
             node.kwargs = {**node.kwargs, name: local}
 
 
-def _mean_split(node: torch.fx.Node, ctx: PassContext) -> int:
+def _mean_split(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> int:
     """How many ways a mean's items are split across ranks (1 if not a split mean)."""
     rule = lookup(node.target)
     if rule is None:
@@ -50,7 +50,7 @@ def _mean_split(node: torch.fx.Node, ctx: PassContext) -> int:
         return 1
     count = 1
     for a, size in enumerate(ctx.mesh.axis_sizes):
-        for labels, layout in zip(spec.operands, node.meta[LAYOUTS][0]):
+        for labels, layout in zip(spec.operands, layouts.operands):
             p = None if labels is None or layout is None else layout[a]
             if isinstance(p, Shard) and labels[p.dim] in spec.mean_over:
                 count *= size
@@ -60,22 +60,19 @@ def _mean_split(node: torch.fx.Node, ctx: PassContext) -> int:
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
-    for node in list(graph.nodes):
-        if (
-            node.op != "call_function"
-            or LAYOUTS not in node.meta
-            or not isinstance(node.meta.get("val"), torch.Tensor)
-        ):
+    layouts = GraphLayouts(graph)  # the nodes before this pass: the ones it localizes
+    for node in layouts:
+        if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        _localize_size(node, ctx)
-        split = _mean_split(node, ctx)
+        _localize_size(node, layouts[node], ctx)
+        split = _mean_split(node, layouts[node], ctx)
         if split > 1:
             with graph.inserting_after(node):
                 scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 / split))
             node.replace_all_uses_with(scaled, delete_user_cb=lambda user, scaled=scaled: user is not scaled)
             scaled.meta["val"] = node.meta["val"]
-            out = node.meta[LAYOUTS][1][0]
-            scaled.meta[LAYOUTS] = ((out,), (out,))
+            out = layouts[node].output
+            write_layouts(scaled, NodeLayouts(operands=(out,), outputs=(out,)))
             if STAGE in node.meta:
                 scaled.meta[STAGE] = node.meta[STAGE]
             node.meta[MEAN_SPLIT] = split

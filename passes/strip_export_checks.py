@@ -10,6 +10,7 @@ Reads: nothing. Writes: nothing (removes nodes without users).
 from __future__ import annotations
 
 import torch
+
 from autopar.passes.context import PassContext
 
 CHECKS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"}

@@ -11,12 +11,12 @@ from __future__ import annotations
 import operator
 
 import torch
-from autopar.passes.context import PassContext
 from torch.utils import _pytree as pytree
 
 from autopar.ir.errors import CompileError
 from autopar.ir.layout import format_layout, grad_layout
-from autopar.ir.meta import LAYOUTS
+from autopar.ir.meta import GraphLayouts
+from autopar.passes.context import PassContext
 
 
 def _tensors(args: object) -> list[torch.fx.Node]:
@@ -28,21 +28,22 @@ def _tensors(args: object) -> list[torch.fx.Node]:
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    layouts = GraphLayouts(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "output":
             for src in _tensors(node.args):
-                have = src.meta[LAYOUTS][1][0]
+                have = layouts[src].output
                 if have != grad_layout(have):
                     raise CompileError(
                         f"model output {src.name} is still {format_layout(have)} (a partial sum)"
                     )
             continue
-        if node.op != "call_function" or node.target is operator.getitem or LAYOUTS not in node.meta:
+        if node.op != "call_function" or node.target is operator.getitem or node not in layouts:
             continue
-        for slot, (src, need) in enumerate(zip(_tensors((node.args, node.kwargs)), node.meta[LAYOUTS][0])):
+        for slot, (src, need) in enumerate(zip(_tensors((node.args, node.kwargs)), layouts[node].operands)):
             if need is None:
                 continue
-            have = src.meta[LAYOUTS][1][0] if LAYOUTS in src.meta else None
+            have = layouts[src].output if src in layouts else None
             if have != need:
                 shown = "no layout" if have is None else format_layout(have)
                 raise CompileError(

@@ -13,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 import autopar
 import examples.gpt as gpt
-from autopar.planning.activations import ActivationMeter, SavedSpec, saved_by
+from autopar.planning.saved_tensors import SavedSpec, saved_by
+from autopar.tools.activation_meter import ActivationMeter
 
 aten = torch.ops.aten
 F32 = 4

@@ -19,8 +19,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from autopar.passes import apply_recompute
-from autopar.passes.apply_recompute import region_nodes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,6 +28,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autopar.ir.errors import CompileError
 from autopar.ir.meta import GRADS, LAYOUTS, RECOMPUTE, REGATHER, STAGE
 from autopar.ir.options import FULL, SELECTIVE
+from autopar.passes import apply_recompute
+from autopar.passes.apply_recompute import region_nodes
 from autopar.runtime import collectives
 
 

@@ -11,7 +11,7 @@ trained for three AdamW steps next to a single-device copy, and checked:
   tensors) equal the plan's prediction exactly, and so does the host memory under offload;
 * the bytes every collective moved in a step (optimizer step included: ZeRO-1/2 gather
   the updated shards) equal the prediction;
-* the peak activation memory, measured by :class:`~autopar.planning.activations.ActivationMeter`,
+* the peak activation memory, measured by :class:`~autopar.tools.activation_meter.ActivationMeter`,
   is within 10% of the prediction, with and without recompute; with activation offload
   the bytes copied to the host are within 1% of the prediction.
 
@@ -41,8 +41,8 @@ def _grad(dmodel, name: str, p: torch.nn.Parameter) -> torch.Tensor:
 def _case(mesh_shape: tuple, names: tuple, style: str, memory: dict, recompute: str | None) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.planning.activations import ActivationMeter
     from autopar.runtime import collectives
+    from autopar.tools.activation_meter import ActivationMeter
     from examples import gpt
 
     torch.manual_seed(0)

@@ -12,8 +12,10 @@ import autopar
 from autopar.capture.export import capture
 from autopar.ir.mesh import MeshSpec
 from autopar.planning.cost import CostModel, get_cluster
-from autopar.planning.planner import build_strategy_graph, cost_tables
+from autopar.planning.edge_costs import cost_tables
+from autopar.planning.planner import capture_for, plan_captured
 from autopar.planning.solver import StrategyILP
+from autopar.planning.strategy_graph import build_strategy_graph
 from examples import gpt, mlp
 
 transformers.logging.set_verbosity_error()
@@ -99,6 +101,24 @@ def test_same_plan_every_call_and_json_round_trip(tmp_path):
     assert all(len(p) == 2 for p in loaded.parameter_placements.values())
     text = loaded.summary()
     assert "predicted step" in text and "blocks.0.mlp.fc" in text
+
+
+def test_planning_leaves_the_captured_graph_untouched():
+    """Planning is pure: the layouts of every candidate plan are data, never written on the graph."""
+    model, (idx, _) = gpt.build(device="meta", batch_size=8)
+    for block in model.blocks:
+        autopar.recompute(block, "selective")
+    mesh = MeshSpec.of({"dp": 2, "tp": 2})
+    captured = capture_for(model, (idx,), None, mesh, None)
+    before = {node: dict(node.meta) for node in captured.graph.nodes}
+    plans = [plan_captured(captured, mesh, memory=autopar.Memory(zero=zero)) for zero in (3, 3, 0)]
+    assert plans[0].memory.zero_splits and plans[0].memory.recompute
+    assert _comparable(plans[0]) == _comparable(plans[1])
+    after = {node: dict(node.meta) for node in captured.graph.nodes}
+    assert list(after) == list(before)
+    for node, meta in before.items():
+        assert after[node].keys() == meta.keys(), node.name
+        assert all(after[node][key] is value for key, value in meta.items()), node.name
 
 
 def test_repeated_blocks_share_one_set_of_choices():

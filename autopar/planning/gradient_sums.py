@@ -12,10 +12,9 @@ smallest such region.
 :func:`deferred_sums` finds, per axis, the largest such region (a greatest fixed
 point: a value stays in it while every use either needs the sum or feeds another
 value of the region unchanged) and returns which edge sums to drop and which
-parameters to sum instead. The planner uses it to predict the bytes, the
-``insert_redistributions`` pass to place the collectives, so both agree.
-
-Reads ``node.meta["autopar.layouts"]`` and ``node.meta["autopar.grads"]``.
+parameters to sum instead. The planner uses it to predict the bytes (on the layouts of
+a plan being made), the ``insert_redistributions`` pass to place the collectives (on the
+layouts written on the graph), so both agree: see :class:`~autopar.planning.laid_out.LaidOutGraph`.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import Layout, grad_layout
-from autopar.ir.meta import GRADS, LAYOUTS
+from autopar.planning.laid_out import LaidOutGraph
 
 Edge = tuple[torch.fx.Node, torch.fx.Node, int]  # (producer, consumer, operand slot)
 
@@ -36,57 +35,62 @@ def _tensor(a: object) -> bool:
     return isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
 
 
-def edges(graph: torch.fx.Graph) -> list[tuple[Edge, Layout, Layout, Layout | None]]:
+def edges(laid: LaidOutGraph) -> list[tuple[Edge, Layout, Layout, Layout | None]]:
     """Every tensor edge with (have, need, grad_need); model outputs need their Partial axes reduced."""
+    layouts = laid.layouts
     found = []
-    for node in graph.nodes:
+    for node in laid.graph.nodes:
         if node.op == "output":
             for slot, src in enumerate(a for a in pytree.tree_leaves(node.args) if _tensor(a)):
-                need = grad_layout(src.meta[LAYOUTS][1][0])
-                found.append(((src, node, slot), src.meta[LAYOUTS][1][0], need, need))
-        elif node.op == "call_function" and LAYOUTS in node.meta and node.target is not operator.getitem:
+                have = layouts[src].output
+                need = grad_layout(have)
+                found.append(((src, node, slot), have, need, need))
+        elif node.op == "call_function" and node in layouts and node.target is not operator.getitem:
             operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _tensor(a)]
-            for slot, (src, need, grad) in enumerate(zip(operands, node.meta[LAYOUTS][0], node.meta[GRADS])):
+            mine = layouts[node]
+            for slot, (src, need, grad) in enumerate(zip(operands, mine.operands, mine.grads)):
                 if need is not None:
-                    found.append(((src, node, slot), src.meta[LAYOUTS][1][0], need, grad))
+                    found.append(((src, node, slot), layouts[src].output, need, grad))
     return found
 
 
-def _parameter_only(graph: torch.fx.Graph, params: set[str]) -> set[torch.fx.Node]:
-    """Values computed from parameters, buffers and constants alone (no user input)."""
-    only: set[torch.fx.Node] = set()
+def _parameter_only(graph: torch.fx.Graph, params: set[str]) -> list[torch.fx.Node]:
+    """Values computed from parameters, buffers and constants alone (no user input), in graph order."""
+    only: dict[torch.fx.Node, None] = {}
     for node in graph.nodes:
         if node.op == "placeholder":
             if node.name in params:
-                only.add(node)
+                only[node] = None
         elif node.op == "get_attr" or (
             node.op == "call_function" and all(a in only for a in node.all_input_nodes)
         ):
-            only.add(node)
-    return only
+            only[node] = None
+    return list(only)
 
 
 def deferred_sums(
-    graph: torch.fx.Graph, params: set[str], flows: dict[torch.fx.Node, bool], ndim: int
+    laid: LaidOutGraph, params: set[str]
 ) -> tuple[dict[Edge, set[int]], dict[torch.fx.Node, set[int]]]:
     """Per edge, the axes whose gradient sum is dropped; per parameter placeholder, the axes to sum.
 
-    ``params`` names the parameter and buffer placeholders; ``flows`` says which nodes
-    carry a gradient.
+    ``params`` names the parameter and buffer placeholders. The parameters come in graph
+    order, so every process lists the same sums in the same order.
     """
-    all_edges = edges(graph)
+    flows = laid.flows
+    all_edges = edges(laid)
     uses: dict[torch.fx.Node, list] = {}
     for e, have, need, grad in all_edges:
         uses.setdefault(e[0], []).append((e, have, need, grad))
-    candidates = _parameter_only(graph, params)
+    candidates = _parameter_only(laid.graph, params)
     dropped: dict[Edge, set[int]] = {}
     summed: dict[torch.fx.Node, set[int]] = {}
-    for a in range(ndim):
-        region = {
+    for a in range(laid.mesh.ndim):
+        # a dict, not a set: graph order, whatever the nodes' hashes (their addresses)
+        region = dict.fromkeys(
             v
             for v in candidates
-            if flows.get(v, False) and LAYOUTS in v.meta and isinstance(v.meta[LAYOUTS][1][0][a], Replicate)
-        }
+            if flows.get(v, False) and v in laid.layouts and isinstance(laid.layouts[v].output[a], Replicate)
+        )
 
         def sums_here(have: Layout, need: Layout, grad: Layout | None, a: int = a) -> bool:
             return (
@@ -97,7 +101,7 @@ def deferred_sums(
             )
 
         def passes_on(
-            e: Edge, have: Layout, need: Layout, grad: Layout | None, a: int = a, region: set = region
+            e: Edge, have: Layout, need: Layout, grad: Layout | None, a: int = a, region: dict = region
         ) -> bool:
             return (
                 e[1] in region and have[a] == need[a] and grad is not None and grad[a] == grad_layout(have)[a]
@@ -111,7 +115,7 @@ def deferred_sums(
                 # a value in the region takes partial gradients only if all its operands can too
                 ok = ok and all(u in region or not flows.get(u, False) for u in v.all_input_nodes)
                 if not ok:
-                    region.discard(v)
+                    del region[v]
                     changed = True
         for v in region:
             for e, h, n, g in uses.get(v, []):
@@ -125,7 +129,7 @@ def deferred_sums(
 
 
 def planned_edges(
-    graph: torch.fx.Graph, params: set[str], flows: dict[torch.fx.Node, bool], ndim: int
+    laid: LaidOutGraph, params: set[str]
 ) -> tuple[list[tuple[Edge, Layout, Layout, Layout, Layout]], dict[torch.fx.Node, set[int]]]:
     """Every edge with (have, need, grad_need, grad_have) as it will run, and the parameters' sums.
 
@@ -133,11 +137,11 @@ def planned_edges(
     gradient the consumer hands back, after dropping the sums :func:`deferred_sums`
     moves to parameters (and equal to ``grad_have`` where no gradient flows).
     """
-    dropped, summed = deferred_sums(graph, params, flows, ndim)
+    dropped, summed = deferred_sums(laid, params)
     out = []
-    for e, have, need, grad in edges(graph):
+    for e, have, need, grad in edges(laid):
         grad_have = grad_layout(have)
-        if grad is None or not flows.get(e[0], False):
+        if grad is None or not laid.flows.get(e[0], False):
             grad = grad_have
         for a in dropped.get(e, ()):
             grad = (*grad[:a], grad_have[a], *grad[a + 1 :])

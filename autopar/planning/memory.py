@@ -1,4 +1,4 @@
-"""Memory: the options (ZeRO, offload), where ZeRO splits each parameter, and the per-rank memory model.
+"""Memory: where ZeRO splits each parameter, and the per-rank memory model (options: ``ir.options``).
 
 Per rank, for one training step (bytes; ``n`` is the size of the mesh axis ZeRO
 splits a parameter over, ``s`` the optimizer's fp32 values per element)::
@@ -17,9 +17,10 @@ splits a parameter over, ``s`` the optimizer's fp32 values per element)::
 by ZeRO only along a mesh axis its gradient is summed over (a data-parallel axis for
 it), along a dimension no other axis splits and that the axis divides, and only when
 its local size is at least ``zero_threshold`` (:func:`zero_split`). What autograd
-saves per op comes from :func:`autopar.planning.activations.saved_by` (the op run once on
-``meta`` tensors); under a pipeline a stage keeps its activations for as many
-microbatches as its schedule has in flight.
+saves per op comes from :func:`autopar.planning.saved_tensors.saved_by` (the op run once on
+fake tensors); under a pipeline a stage keeps its activations for as many
+microbatches as its schedule has in flight. The activation model reads a graph's layouts
+as data (:class:`~autopar.planning.laid_out.LaidOutGraph`), never from ``node.meta``.
 """
 
 from __future__ import annotations
@@ -35,13 +36,23 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir.layout import Layout, local_fraction, local_shape
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import LAYOUTS
+from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
 from autopar.ir.options import SELECTIVE, Memory
-from autopar.planning.activations import saved_by
+from autopar.planning.laid_out import LaidOutGraph
+from autopar.planning.recompute import Region
+from autopar.planning.saved_tensors import saved_by, storage_ref
 from autopar.rules import OpCall
 
 FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """One candidate of the memory search: a ZeRO stage and the modules recomputed (path -> policy)."""
+
+    zero: int
+    recompute: Mapping[str, str]
 
 
 def zero_split(
@@ -97,8 +108,8 @@ def state_bytes(local: float, itemsize: int, split: int, zero: int, memory: Memo
     states = FP32_BYTES * memory.optimizer_states * (shard if zero >= 1 else numel) if grad else 0.0
     if memory.offload_optimizer and grad:
         host = FP32_BYTES * (memory.optimizer_states + 2) * (shard if zero >= 1 else numel)
-        return StateBytes(param, g, 0.0, host)
-    return StateBytes(param, g, states, 0.0)
+        return StateBytes(param=param, grad=g, optimizer=0.0, host=host)
+    return StateBytes(param=param, grad=g, optimizer=states, host=0.0)
 
 
 # --- activations ---------------------------------------------------------------------
@@ -137,8 +148,15 @@ def _value(node: torch.fx.Node, index: int) -> torch.Tensor:
     ]
 
 
-def _out_layout(node: torch.fx.Node, index: int) -> Layout:
-    outs = node.meta[LAYOUTS][1]
+def local_bytes(node: torch.fx.Node, layout: Layout, mesh: MeshSpec, index: int = 0) -> float:
+    """Bytes on one rank of output ``index`` of ``node`` in ``layout``."""
+    val = node.meta["val"]
+    val = val[index] if isinstance(val, (tuple, list)) else val
+    return val.numel() * val.element_size() * local_fraction(layout, mesh)
+
+
+def _out_layout(layouts: NodeLayouts, index: int) -> Layout:
+    outs = layouts.outputs
     return outs[index] if index < len(outs) else outs[0]
 
 
@@ -166,22 +184,22 @@ def _viewed(node: torch.fx.Node) -> torch.fx.Node | None:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return None
-    storage = StorageWeakRef(val.untyped_storage())
+    storage = storage_ref(val)
     for a in node.all_input_nodes:
         v = a.meta.get("val")
-        if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) == storage:
+        if isinstance(v, torch.Tensor) and storage_ref(v) == storage:
             return a
     return None
 
 
 def storage_of(node: torch.fx.Node, index: int) -> tuple[StorageWeakRef, int]:
     """The storage of output ``index`` of ``node`` (shared by its views) and its global bytes."""
-    storage = _value(node, index).untyped_storage()
-    return StorageWeakRef(storage), storage.nbytes()
+    value = _value(node, index)
+    return storage_ref(value), value.untyped_storage().nbytes()
 
 
 def held_value(
-    value: torch.fx.Node, layout: Layout, mesh: MeshSpec, edge: tuple[str, int] | None = None
+    laid: LaidOutGraph, value: torch.fx.Node, layout: Layout, edge: tuple[str, int] | None = None
 ) -> Saved:
     """``value`` kept in ``layout``: the whole storage it lives in (see :func:`source_of`), on one rank.
 
@@ -190,45 +208,45 @@ def held_value(
     on by layout constraints (identities in the program) is what entered the first of
     them: the copy a redistribution made for it, if one did.
     """
-    redistributed = layout != value.meta[LAYOUTS][1][0]
+    redistributed = layout != laid.layouts[value].output
     while not redistributed and str(value.target) == LAYOUT_CONSTRAINT:
         value, edge = value.args[0], (value.name, 0)
-        redistributed = layout != value.meta[LAYOUTS][1][0]
+        redistributed = layout != laid.layouts[value].output
     source, index = source_of(value)
     storage, nbytes = storage_of(source, index)
-    fraction = local_fraction(layout, mesh)
+    fraction = local_fraction(layout, laid.mesh)
     key = (storage, layout, edge) if redistributed else (storage, fraction)
     return Saved(key, nbytes * fraction, source, redistributed)
 
 
-def saved_values(node: torch.fx.Node, flows: Mapping[torch.fx.Node, bool], mesh: MeshSpec) -> list[Saved]:
+def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
     """What ``node`` keeps for backward, per rank (see :class:`Saved`).
 
     A placeholder's value kept in its own layout (a parameter, a buffer, the batch; or a
     view of one) is not allocated by the step and is left out; one redistributed is a
     copy and counts. The op's other tensors are scaled like its largest operand.
     """
-    if node.op != "call_function" or node.target is operator.getitem or LAYOUTS not in node.meta:
+    if node.op != "call_function" or node.target is operator.getitem or node not in laid.layouts:
         return []
     call = OpCall.of(node)
-    spec = saved_by(node, [bool(flows.get(op, False)) for op in call.operands])
-    operand_layouts = node.meta[LAYOUTS][0]
+    spec = saved_by(node, [bool(laid.flows.get(op, False)) for op in call.operands])
+    mine = laid.layouts[node]
     out = []
     for i in spec.inputs:
-        operand, layout = call.operands[i], operand_layouts[i]
-        if layout is None or LAYOUTS not in operand.meta:
+        operand, layout = call.operands[i], mine.operands[i]
+        if layout is None or operand not in laid.layouts:
             continue
-        item = held_value(operand, layout, mesh, (node.name, i))
+        item = held_value(laid, operand, layout, (node.name, i))
         if not (item.source.op == "placeholder" and not item.redistributed):
             out.append(item)
     for j in spec.outputs:
         storage, nbytes = storage_of(node, j)
-        fraction = local_fraction(_out_layout(node, j), mesh)
+        fraction = local_fraction(_out_layout(mine, j), laid.mesh)
         out.append(Saved((storage, fraction), nbytes * fraction, node))
     if spec.extra_bytes:
         i = largest_operand(call)
-        layout = operand_layouts[i] if i is not None else _out_layout(node, 0)
-        out.append(Saved((node.name, "extra"), spec.extra_bytes * local_fraction(layout, mesh), None))
+        layout = mine.operands[i] if i is not None else _out_layout(mine, 0)
+        out.append(Saved((node.name, "extra"), spec.extra_bytes * local_fraction(layout, laid.mesh), None))
     return out
 
 
@@ -237,13 +255,12 @@ def largest_operand(call: OpCall) -> int | None:
     return max(range(len(call.operands)), key=lambda i: math.prod(call.shapes[i]), default=None)
 
 
-def _forward_peak(
-    graph: torch.fx.Graph, mesh: MeshSpec, kept: Mapping[tuple, float], owner: Mapping[tuple, int]
-) -> float:
+def _forward_peak(laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mapping[tuple, int]) -> float:
     """The most bytes alive during the forward: every value an op allocates lives from its op
     to its last use (to the end when kept), a collective's output for its one consumer, and
     what is kept otherwise (an op's statistics) from the op that keeps it."""
-    nodes = list(graph.nodes)
+    layouts = laid.layouts
+    nodes = list(laid.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
     delta = [0.0] * (end + 2)
@@ -260,19 +277,19 @@ def _forward_peak(
         return max(uses, default=position[node])
 
     for at, node in enumerate(nodes):
-        if node.op != "call_function" or LAYOUTS not in node.meta or node.target is operator.getitem:
+        if node.op != "call_function" or node not in layouts or node.target is operator.getitem:
             continue
         call = OpCall.of(node)
-        for slot, (src, need) in enumerate(zip(call.operands, node.meta[LAYOUTS][0])):
-            if need is not None and LAYOUTS in src.meta and need != src.meta[LAYOUTS][1][0]:
-                item = held_value(src, need, mesh, (node.name, slot))
+        for slot, (src, need) in enumerate(zip(call.operands, layouts[node].operands)):
+            if need is not None and src in layouts and need != layouts[src].output:
+                item = held_value(laid, src, need, (node.name, slot))
                 covered.add(item.key)
                 alive(at, end if item.key in kept else at, item.nbytes)
         if _viewed(node) is not None:
             continue
-        for j in range(len(node.meta[LAYOUTS][1])):
+        for j in range(len(layouts[node].outputs)):
             storage, nbytes = storage_of(node, j)
-            fraction = local_fraction(_out_layout(node, j), mesh)
+            fraction = local_fraction(_out_layout(layouts[node], j), laid.mesh)
             covered.add((storage, fraction))
             alive(at, end if (storage, fraction) in kept else last_use(node, j), nbytes * fraction)
     for key, nbytes in kept.items():
@@ -289,33 +306,10 @@ def _max_prefix(delta: list[float]) -> float:
     return peak
 
 
-def region_of(node: torch.fx.Node, recompute: Mapping[str, str]) -> tuple[str, str] | None:
-    """``(module path, policy)`` of the innermost recompute module ``node`` runs in, if any."""
-    from autopar.capture.export import module_stack
-
-    path = next((p for p in reversed(module_stack(node)) if p in recompute), None)
-    return None if path is None else (path, recompute[path])
-
-
-def regions_of(graph: torch.fx.Graph, recompute: Mapping[str, str]) -> dict[torch.fx.Node, tuple[str, str]]:
-    """Each op inside a recompute module: ``(module path, policy)`` (innermost module first)."""
-    found = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is not operator.getitem:
-            region = region_of(node, recompute)
-            if region is not None:
-                found[node] = region
-    return found
-
-
 def activation_memory(
-    graph: torch.fx.Graph,
-    flows: Mapping[torch.fx.Node, bool],
-    mesh: MeshSpec,
-    regions: Mapping[torch.fx.Node, tuple[str, str]],
-    offload: bool = False,
+    laid: LaidOutGraph, regions: Mapping[torch.fx.Node, Region], offload: bool = False
 ) -> ActivationMemory:
-    """Activation bytes of a graph whose nodes carry layouts (see the module docstring).
+    """Activation bytes of a laid-out graph (see the module docstring).
 
     With ``offload`` what autograd saves outside regions goes to the host as it is saved:
     on the device it lives only until its last use, and ``peak`` is the device's.
@@ -330,6 +324,7 @@ def activation_memory(
     end of the forward and, over regions, what the ops up to the region keep plus the
     region's own recomputed values.
     """
+    layouts = laid.layouts
     kept: dict[tuple, float] = {}
     owner: dict[tuple, int] = {}  # key -> position of the first op keeping it
     inside: dict[str, dict[tuple, float]] = {}
@@ -342,9 +337,9 @@ def activation_memory(
         if by_region:
             by_regions.add(item.key)
 
-    for at, node in enumerate(graph.nodes):
-        saved = saved_values(node, flows, mesh)
-        region = regions.get(node) if LAYOUTS in node.meta else None
+    for at, node in enumerate(laid.graph.nodes):
+        saved = saved_values(laid, node)
+        region = regions.get(node) if node in layouts else None
         if region is None:
             for item in saved:
                 keep(at, item, False)
@@ -352,25 +347,25 @@ def activation_memory(
         name, policy = region
         last[name] = at
         inside.setdefault(name, {}).update((item.key, item.nbytes) for item in saved)
-        for slot, (src, need) in enumerate(zip(OpCall.of(node).operands, node.meta[LAYOUTS][0])):
-            if need is None or LAYOUTS not in src.meta or source_of(src)[0].op == "placeholder":
+        for slot, (src, need) in enumerate(zip(OpCall.of(node).operands, layouts[node].operands)):
+            if need is None or src not in layouts or source_of(src)[0].op == "placeholder":
                 continue
             if regions.get(src, (None,))[0] != name:
-                keep(at, held_value(src, src.meta[LAYOUTS][1][0], mesh), True)
-            if need != src.meta[LAYOUTS][1][0]:
-                keep(at, held_value(src, need, mesh, (node.name, slot)), True)
+                keep(at, held_value(laid, src, layouts[src].output), True)
+            if need != layouts[src].output:
+                keep(at, held_value(laid, src, need, (node.name, slot)), True)
         if policy == SELECTIVE and is_selective_save(node.target):
-            keep(at, held_value(node, _out_layout(node, 0), mesh), True)
+            keep(at, held_value(laid, node, _out_layout(layouts[node], 0)), True)
     own = {name: sum(v for k, v in values.items() if k not in kept) for name, values in inside.items()}
     total = sum(kept.values())
     device = {k: v for k, v in kept.items() if k in by_regions or not offload}
     peak = max(
-        [_forward_peak(graph, mesh, device, owner)]
+        [_forward_peak(laid, device, owner)]
         + [sum(v for k, v in device.items() if owner[k] <= last[name]) + own[name] for name in own]
     )
-    names = [n.name for n in graph.nodes]
+    names = [n.name for n in laid.graph.nodes]
     by_node: dict[str, float] = {}
     for key, at in owner.items():
         by_node[names[at]] = by_node.get(names[at], 0.0) + kept[key]
     by_autograd = sum(v for k, v in kept.items() if k not in by_regions)
-    return ActivationMemory(total, peak, by_node, by_autograd)
+    return ActivationMemory(kept=total, peak=peak, by_node=by_node, by_autograd=by_autograd)

@@ -43,7 +43,7 @@ from autopar.capture.export import BLOCK_PATH, Captured, block_of, module_stack
 from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Pipeline
-from autopar.ir.plan import PipelinePlan, Plan, StagePlan
+from autopar.ir.plan import GRADIENT_SUM, PipelinePlan, Plan, StagePlan
 from autopar.planning.cost import LinkSpec
 
 
@@ -321,56 +321,83 @@ def _crossing_bytes(
     return [(b, k) for b, k in cuts]
 
 
-def plan_pipeline(
-    plan: Plan,
-    captured: Captured,
-    pipeline: Pipeline,
-    mesh: MeshSpec,
-    p2p_link: LinkSpec,
-    memory_bytes: float,
-    local_bytes: Mapping[str, float],
-    activation_bytes: Mapping[str, float],
-    state_bytes: Mapping[str, tuple[float, ...]],
-    flows: Mapping[torch.fx.Node, bool],
-) -> PipelinePlan:
-    """The :class:`~autopar.ir.plan.PipelinePlan` of a solved ``plan`` (planned per microbatch).
+@dataclass(frozen=True, kw_only=True)
+class PipelineInputs:
+    """What the stages of a solved plan (planned per microbatch) are planned from.
 
     ``mesh`` is the whole mesh, ``p2p_link`` the link of its pipeline axis,
-    ``local_bytes`` each tensor node's bytes on one rank, ``activation_bytes`` what
-    each node keeps for backward, ``state_bytes`` each parameter's and buffer's bytes on
-    one rank (itself, its gradient, its optimizer state: see :mod:`autopar.planning.memory`),
-    ``flows`` which nodes carry a gradient.
+    ``memory_bytes`` what each device holds at most, ``local_bytes`` each tensor node's
+    bytes on one rank, ``activation_bytes`` what each node keeps for backward,
+    ``state_bytes`` each parameter's and buffer's bytes on one rank (itself, its
+    gradient, its optimizer state: see :mod:`autopar.planning.memory`), ``flows`` which
+    nodes carry a gradient.
     """
-    p, n_stages, m = pipeline.size(mesh), pipeline.stages(mesh), pipeline.microbatches
-    graph = captured.graph
-    decisions = {d.name: d for d in plan.nodes}
-    per_node = {name: d.compute_s for name, d in decisions.items()}
-    per_node_bytes: dict[str, int] = {}
-    grad_sums: dict[str, tuple[float, int]] = {}
-    for r in plan.redistributions:
-        nbytes = sum(c.bytes for c in (*r.forward, *r.backward))
-        if r.dst == "<gradient sum>":
-            grad_sums[r.src] = (r.seconds, nbytes)
-        else:  # in the consumer's stage; for the model's outputs, the producer's
-            home = r.dst if r.dst in decisions else r.src
-            per_node[home] = per_node.get(home, 0.0) + r.seconds
-            per_node_bytes[home] = per_node_bytes.get(home, 0) + nbytes
-    state = {**captured.params, **captured.buffers}
-    value_bytes = {
-        node: (local_bytes[node.name], bool(flows.get(node)))
-        for node in graph.nodes
-        if node.name in local_bytes and node.name not in state
-    }
 
-    def p2p_seconds(crossing: tuple[float, int]) -> float:
+    captured: Captured
+    pipeline: Pipeline
+    mesh: MeshSpec
+    p2p_link: LinkSpec
+    memory_bytes: float
+    local_bytes: Mapping[str, float]
+    activation_bytes: Mapping[str, float]
+    state_bytes: Mapping[str, tuple[float, ...]]
+    flows: Mapping[torch.fx.Node, bool]
+
+    def p2p_seconds(self, crossing: tuple[float, int]) -> float:
+        """Seconds of sending ``(bytes, tensors)`` across a stage boundary."""
         nbytes, tensors = crossing
-        return tensors * p2p_link.latency_s + nbytes / p2p_link.bandwidth_Bps
+        return tensors * self.p2p_link.latency_s + nbytes / self.p2p_link.bandwidth_Bps
 
-    def held(node: torch.fx.Node) -> tuple[float, float, float]:
+    def held(self, node: torch.fx.Node) -> tuple[float, float, float]:
         """Bytes of a parameter or buffer on one rank, of its gradient, of its optimizer state."""
-        return tuple(state_bytes[node.name][:3]) if node.name in state_bytes else (0.0, 0.0, 0.0)
+        return tuple(self.state_bytes[node.name][:3]) if node.name in self.state_bytes else (0.0, 0.0, 0.0)
 
-    if captured.annotations.stages:
+    def value_bytes(self) -> dict[torch.fx.Node, tuple[float, bool]]:
+        """Each activation's bytes on one rank, and whether a gradient flows back to it."""
+        state = {**self.captured.params, **self.captured.buffers}
+        return {
+            node: (self.local_bytes[node.name], bool(self.flows.get(node)))
+            for node in self.captured.graph.nodes
+            if node.name in self.local_bytes and node.name not in state
+        }
+
+
+@dataclass(frozen=True)
+class _NodeCosts:
+    """Per node of a plan: seconds of one microbatch (its compute and the redistributions into
+    it), the bytes those move; per parameter, its gradient sum's seconds and bytes (once per step)."""
+
+    seconds: dict[str, float]
+    comm_bytes: dict[str, int]
+    grad_sums: dict[str, tuple[float, int]]
+
+    @classmethod
+    def of(cls, plan: Plan) -> _NodeCosts:
+        decisions = {d.name: d for d in plan.nodes}
+        seconds = {name: d.compute_s for name, d in decisions.items()}
+        comm_bytes: dict[str, int] = {}
+        grad_sums: dict[str, tuple[float, int]] = {}
+        for r in plan.redistributions:
+            nbytes = sum(c.bytes for c in (*r.forward, *r.backward))
+            if r.dst == GRADIENT_SUM:
+                grad_sums[r.src] = (r.seconds, nbytes)
+            else:  # in the consumer's stage; for the model's outputs, the producer's
+                home = r.dst if r.dst in decisions else r.src
+                seconds[home] = seconds.get(home, 0.0) + r.seconds
+                comm_bytes[home] = comm_bytes.get(home, 0) + nbytes
+        return cls(seconds=seconds, comm_bytes=comm_bytes, grad_sums=grad_sums)
+
+
+def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
+    """The :class:`~autopar.ir.plan.PipelinePlan` of a solved ``plan`` (planned per microbatch)."""
+    pipeline, captured = inputs.pipeline, inputs.captured
+    p, n_stages, m = pipeline.size(inputs.mesh), pipeline.stages(inputs.mesh), pipeline.microbatches
+    costs = _NodeCosts.of(plan)
+    value_bytes = inputs.value_bytes()
+    automatic = not captured.annotations.stages
+    if automatic:
+        anchors = _automatic_anchors(inputs, costs, value_bytes)
+    else:
         anchors = annotated_anchors(captured)
         n_annotated = max(captured.annotations.stages.values()) + 1
         if n_annotated != n_stages:
@@ -379,49 +406,9 @@ def plan_pipeline(
                 f"{pipeline.axis}={p} with virtual_stages={pipeline.virtual_stages} runs {n_stages}; "
                 f"annotate {n_stages} stages (stage counts must be a multiple of {p})"
             )
-        automatic = False
-    else:
-        cut_units = units(captured)
-        unit_of = {node: i for i, u in enumerate(cut_units) for node in u}
-        placed = _place(captured, unit_of)
-        seconds = [0.0] * len(cut_units)
-        fixed_b = [0.0] * len(cut_units)
-        act = [0.0] * len(cut_units)
-        for node, i in placed.items():
-            seconds[i] += per_node.get(node.name, 0.0) + grad_sums.get(node.name, (0.0, 0))[0] / m
-            fixed_b[i] += sum(held(node))
-            act[i] += activation_bytes.get(node.name, 0.0)
-        cuts = _crossing_bytes(graph, placed, len(cut_units), value_bytes)
-        costs = UnitCosts(seconds, fixed_b, act, [p2p_seconds(c) for c in cuts])
-        stage_of_unit = partition(costs, pipeline, p, memory_bytes)
-        anchors = {node: stage_of_unit[i] for node, i in unit_of.items()}
-        automatic = True
     stage_of = complete_stages(captured, anchors, n_stages)
-    cuts = _crossing_bytes(graph, stage_of, n_stages, value_bytes)
-    stages = []
-    for s in range(n_stages):
-        nodes = [node for node in graph.nodes if stage_of.get(node) == s]
-        sent = [cuts[s] if s else (0.0, 0), cuts[s + 1] if s + 1 < n_stages else (0.0, 0)]
-        param_b, grad_b, optimizer_b = (sum(column) for column in zip(*map(held, nodes)))
-        modules = list(dict.fromkeys(_unit_name(n) for n in nodes if n.op == "call_function"))
-        stages.append(
-            StagePlan(
-                index=s,
-                rank=s % p,
-                modules=tuple(modules),
-                seconds=sum(per_node.get(node.name, 0.0) for node in nodes),
-                p2p_seconds=sum(p2p_seconds(c) for c in sent),
-                grad_sum_seconds=sum(grad_sums.get(node.name, (0.0, 0))[0] for node in nodes),
-                comm_bytes=sum(per_node_bytes.get(node.name, 0) for node in nodes),
-                grad_sum_bytes=sum(grad_sums.get(node.name, (0.0, 0))[1] for node in nodes),
-                p2p_bytes=int(sum(c[0] for c in sent)),
-                param_bytes=int(param_b),
-                grad_bytes=int(grad_b),
-                optimizer_bytes=int(optimizer_b),
-                activation_bytes=int(sum(activation_bytes.get(node.name, 0.0) for node in nodes)),
-                in_flight=pipeline.in_flight(p, s % p) / pipeline.virtual_stages,
-            )
-        )
+    cuts = _crossing_bytes(captured.graph, stage_of, n_stages, value_bytes)
+    stages = tuple(_stage_plan(inputs, costs, stage_of, cuts, s) for s in range(n_stages))
     busiest = max(sum(st.seconds + st.p2p_seconds for st in stages if st.rank == r) for r in range(p))
     sums = max(sum(st.grad_sum_seconds for st in stages if st.rank == r) for r in range(p))
     step = busiest * (m + (p - 1) / pipeline.virtual_stages) + sums
@@ -432,8 +419,67 @@ def plan_pipeline(
         microbatches=m,
         virtual_stages=pipeline.virtual_stages,
         automatic=automatic,
-        stages=tuple(stages),
+        stages=stages,
         node_stages={node.name: s for node, s in stage_of.items()},
         bubble_fraction=pipeline.bubble_fraction(p),
         step_time_s=step,
+    )
+
+
+def _automatic_anchors(
+    inputs: PipelineInputs, costs: _NodeCosts, value_bytes: Mapping[torch.fx.Node, tuple[float, bool]]
+) -> dict[torch.fx.Node, int]:
+    """The stage of every op of a unit, from the split :func:`partition` picks."""
+    pipeline, captured = inputs.pipeline, inputs.captured
+    m = pipeline.microbatches
+    cut_units = units(captured)
+    unit_of = {node: i for i, u in enumerate(cut_units) for node in u}
+    placed = _place(captured, unit_of)
+    seconds = [0.0] * len(cut_units)
+    fixed_b = [0.0] * len(cut_units)
+    act = [0.0] * len(cut_units)
+    for node, i in placed.items():
+        seconds[i] += costs.seconds.get(node.name, 0.0) + costs.grad_sums.get(node.name, (0.0, 0))[0] / m
+        fixed_b[i] += sum(inputs.held(node))
+        act[i] += inputs.activation_bytes.get(node.name, 0.0)
+    cuts = _crossing_bytes(captured.graph, placed, len(cut_units), value_bytes)
+    unit_costs = UnitCosts(
+        seconds=seconds,
+        fixed_bytes=fixed_b,
+        activation_bytes=act,
+        cut_seconds=[inputs.p2p_seconds(c) for c in cuts],
+    )
+    stage_of_unit = partition(unit_costs, pipeline, pipeline.size(inputs.mesh), inputs.memory_bytes)
+    return {node: stage_of_unit[i] for node, i in unit_of.items()}
+
+
+def _stage_plan(
+    inputs: PipelineInputs,
+    costs: _NodeCosts,
+    stage_of: Mapping[torch.fx.Node, int],
+    cuts: list[tuple[float, int]],
+    s: int,
+) -> StagePlan:
+    """Stage ``s``: its nodes' costs and bytes, and what crosses its boundaries (``cuts``)."""
+    pipeline = inputs.pipeline
+    p, n_stages = pipeline.size(inputs.mesh), len(cuts)
+    nodes = [node for node in inputs.captured.graph.nodes if stage_of.get(node) == s]
+    sent = [cuts[s] if s else (0.0, 0), cuts[s + 1] if s + 1 < n_stages else (0.0, 0)]
+    param_b, grad_b, optimizer_b = (sum(column) for column in zip(*map(inputs.held, nodes)))
+    modules = list(dict.fromkeys(_unit_name(n) for n in nodes if n.op == "call_function"))
+    return StagePlan(
+        index=s,
+        rank=s % p,
+        modules=tuple(modules),
+        seconds=sum(costs.seconds.get(node.name, 0.0) for node in nodes),
+        p2p_seconds=sum(inputs.p2p_seconds(c) for c in sent),
+        grad_sum_seconds=sum(costs.grad_sums.get(node.name, (0.0, 0))[0] for node in nodes),
+        comm_bytes=sum(costs.comm_bytes.get(node.name, 0) for node in nodes),
+        grad_sum_bytes=sum(costs.grad_sums.get(node.name, (0.0, 0))[1] for node in nodes),
+        p2p_bytes=int(sum(c[0] for c in sent)),
+        param_bytes=int(param_b),
+        grad_bytes=int(grad_b),
+        optimizer_bytes=int(optimizer_b),
+        activation_bytes=int(sum(inputs.activation_bytes.get(node.name, 0.0) for node in nodes)),
+        in_flight=pipeline.in_flight(p, s % p) / pipeline.virtual_stages,
     )

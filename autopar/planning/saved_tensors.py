@@ -1,6 +1,6 @@
-"""Activation memory: what autograd keeps for backward, predicted per op and measured on a real run.
+"""What autograd saves for backward, per op: predicted by running the op on fake tensors.
 
-Prediction (:func:`saved_by`; :mod:`autopar.planning.memory` sums it over a planned graph) asks torch itself:
+:func:`saved_by` (:mod:`autopar.planning.memory` sums it over a planned graph) asks torch itself:
 each op is re-run on fake tensors (no memory) of its operands' shapes, dtypes and strides under
 ``torch.autograd.graph.saved_tensors_hooks``, and every tensor autograd packs is classified as one of
 the op's operands, one of its outputs, or something else it made (layer-norm statistics, a dropout
@@ -13,34 +13,19 @@ device, and ``meta`` picks paths no real device runs (attention on ``meta`` take
 saves the ``seq x seq`` weights; on CPU it takes the flash kernel, which saves a logsumexp). A graph
 captured on ``meta`` is modelled as CPU, and so is one on an accelerator this process cannot use.
 
-Measurement (:class:`ActivationMeter`) counts the storages that ops allocate in the forward of a
-real run and are still alive at each moment. Right after the forward, that is what autograd saved
-plus the outputs the caller holds, which a plan's ``memory.activation_kept_bytes`` predicts: on
-CPU the two agree to the byte for the MLP and GPT of the tests (fp32 and bf16, with and without
-dropout). Known reasons they can differ:
-
-* the prediction follows storage sharing of the exported fake values, which can differ from the
-  eager run's (``dropout`` with ``p=0`` returns its input eagerly but a fresh value in export:
-  :func:`autopar.planning.memory.source_of` follows it through), and ``capture`` adds ``layout_constraint``
-  copies at block boundaries that the eager model lacks;
-* export inlines a model's own ``torch.utils.checkpoint`` regions, so the prediction is for the
-  model without them (``autopar.recompute`` regions are predicted: :mod:`autopar.planning.memory`);
-* accelerators save differently (a CUDA dropout mask is ``bool``, attention adds RNG state): the
-  prediction follows the device of the graph's operands (see above);
-* both count storage bytes, not the allocator's rounded blocks or its cache.
+:class:`autopar.tools.activation_meter.ActivationMeter` measures the same thing on a real run; its
+docstring says where the two can differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from autopar.rules import OpCall
 
@@ -103,11 +88,8 @@ def _differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def _is_tensor_value(node: torch.fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def _storage(t: torch.Tensor) -> StorageWeakRef:
+def storage_ref(t: torch.Tensor) -> StorageWeakRef:
+    """A weak reference naming the storage ``t`` lives in (equal for a tensor and its views)."""
     return StorageWeakRef(t.untyped_storage())
 
 
@@ -181,7 +163,7 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...]) -> Save
         if j is not None:
             saved_outputs.add(j)
             continue
-        extra[_storage(t)] = t.untyped_storage().nbytes()
+        extra[storage_ref(t)] = t.untyped_storage().nbytes()
     return SavedSpec(frozenset(inputs), frozenset(saved_outputs), sum(extra.values()))
 
 
@@ -209,122 +191,8 @@ def _find(t: torch.Tensor, candidates: Sequence[torch.Tensor]) -> int | None:
     for i, c in enumerate(candidates):
         if t is c:
             return i
-    storage = _storage(t)
+    storage = storage_ref(t)
     for i, c in enumerate(candidates):
-        if _storage(c) == storage:
+        if storage_ref(c) == storage:
             return i
     return None
-
-
-class ActivationMeter(TorchDispatchMode):
-    """Measures activation memory of real tensors during a training step (a ``with`` block).
-
-    Counts the storage of every tensor that an op (ATen or custom) allocates in the forward: while
-    ``torch.is_grad_enabled()`` (the forward pass, and activation-checkpoint recomputation inside
-    backward), and inside the forward of an ``autograd.Function``, which torch runs with grad mode
-    off: custom ops with autograd (``torch.library.custom_op``) are called that way, so their
-    outputs would otherwise be missed. Such a forward is told apart from ``torch.no_grad`` code and
-    from backward (both of which leave forward-mode AD on) by forward-mode AD being off too; code
-    under ``torch.inference_mode`` is not counted. So ordinary backward ops are not counted (nor are
-    the gradients), and neither is work under ``torch.no_grad`` (an optimizer step); a backward with
-    ``create_graph=True`` runs with grad mode on and is counted.
-
-    Outputs that alias an operand are not allocations and are skipped: those the op schema marks as
-    aliases (views, in-place and ``out=`` ops) and those sharing an operand's storage
-    (``_unsafe_view``). Each storage counts once, at ``untyped_storage().nbytes()``, for as long as
-    it is alive; a wrapper subclass such as DTensor counts by its inner tensors (the local shard),
-    sparse and nested tensors not at all. Liveness is re-checked after every op (any op, counted or
-    not), so the cost per op is O(tracked live storages).
-
-    What is alive after the forward is what autograd saved plus whatever the caller still holds:
-    the forward's outputs (the loss, logits) and any tensor kept in Python. Tensors created before
-    the block (parameters, inputs) and by code that dispatches no op are not counted.
-
-    ``live`` is the bytes alive now, ``peak`` the most seen alive after any op or :meth:`mark`
-    within the block, ``marks`` the live bytes recorded by :meth:`mark`. Entering the block again
-    starts from zero.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._tracked: dict[StorageWeakRef, int] = {}
-        self._live = 0
-        self._peak = 0
-        self.marks: dict[str, int] = {}
-
-    def __enter__(self) -> ActivationMeter:
-        self._tracked.clear()
-        self._live = self._peak = 0
-        self.marks = {}
-        return super().__enter__()
-
-    @property
-    def live(self) -> int:
-        """Bytes of the tracked storages alive now."""
-        self._forget_freed()
-        return self._live
-
-    @property
-    def peak(self) -> int:
-        """The largest ``live`` seen after an op or a mark."""
-        return self._peak
-
-    def mark(self, name: str) -> int:
-        """Record the live bytes now as ``marks[name]`` and return them (e.g. ``"after_forward"``)."""
-        self.marks[name] = self.live
-        self._peak = max(self._peak, self._live)
-        return self._live
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self._forget_freed()
-        if _in_forward():
-            self._track(func, args, kwargs or {}, out)
-        self._peak = max(self._peak, self._live)
-        return out
-
-    def _track(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        returns = func._schema.returns
-        if not returns:
-            return
-        results = [out] if len(returns) == 1 else list(out)
-        inputs = {_storage(t) for t in _memory_of(pytree.tree_leaves((args, kwargs)))}
-        for ret, value in zip(returns, results):
-            if ret.alias_info is not None:
-                continue
-            for t in _memory_of(pytree.tree_leaves(value)):
-                storage = _storage(t)
-                if storage not in inputs and storage not in self._tracked:
-                    size = t.untyped_storage().nbytes()
-                    self._tracked[storage] = size
-                    self._live += size
-
-    def _forget_freed(self) -> None:
-        freed = [s for s in self._tracked if s.expired()]
-        for s in freed:
-            self._live -= self._tracked.pop(s)
-
-
-def _in_forward() -> bool:
-    """Whether ops now run a forward pass (see :class:`ActivationMeter`)."""
-    if torch.is_grad_enabled():
-        return True
-    # autograd.Function.apply turns off both modes; no_grad and the backward engine only the first
-    return not torch._C._is_fwd_grad_enabled() and not torch.is_inference_mode_enabled()
-
-
-def _memory_of(values: Sequence[object]) -> Iterator[torch.Tensor]:
-    """The plain strided tensors whose storages hold ``values``' tensors.
-
-    A wrapper subclass (DTensor) holds its memory in inner tensors (the local shard); its own
-    storage is a placeholder of the global size. Sparse and nested tensors, which have no single
-    storage, are left out.
-    """
-    for t in values:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            yield from _memory_of([getattr(t, name) for name in names])
-        elif t.layout == torch.strided:
-            yield t

@@ -1,0 +1,421 @@
+"""From the solver's assignment to a :class:`~autopar.ir.plan.Plan`: decisions, collectives, predictions.
+
+The plan lists what the compiled program will run: every node's layouts, every
+redistribution exactly as the passes insert it (the same edges and gradient sums,
+:func:`~autopar.planning.gradient_sums.planned_edges`), the ZeRO splits and recompute
+regions of its memory choice (:mod:`autopar.planning.recompute`), and the predicted
+step: compute, communication and memory per device (:mod:`autopar.planning.memory`),
+and under a pipeline its stages (:mod:`autopar.planning.pipeline`). Everything is
+computed from the strategy graph and the assignment; the captured graph is only read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from autopar.capture.export import module_path
+from autopar.ir.layout import format_layout
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.meta import NodeLayouts
+from autopar.ir.ops import is_selective_save
+from autopar.ir.options import FULL, Memory, Pipeline
+from autopar.ir.plan import (
+    GRADIENT_SUM,
+    Alternative,
+    ChoiceKind,
+    CollectiveKind,
+    CollectiveStep,
+    MemoryPlan,
+    NodeDecision,
+    Plan,
+    Prediction,
+    Redistribution,
+    SolverReport,
+)
+from autopar.ir.printing import format_graph
+from autopar.planning.cost import Cluster, Collective, CostModel
+from autopar.planning.gradient_sums import planned_edges
+from autopar.planning.laid_out import LaidOutGraph
+from autopar.planning.memory import (
+    ActivationMemory,
+    MemoryChoice,
+    activation_memory,
+    local_bytes,
+    state_bytes,
+    with_split,
+    zero_split,
+)
+from autopar.planning.pipeline import PipelineInputs, plan_pipeline
+from autopar.planning.recompute import Region, recompute_regions
+from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
+from autopar.rules import OpCall, shape_of
+
+Split = tuple[int, int]  # (mesh axis, tensor dim) ZeRO splits a parameter along
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSetting:
+    """What plans are assembled under, besides the solver's assignment and the memory choice.
+
+    ``mesh`` is the whole mesh (the graph's is one stage's under a ``pipeline``);
+    ``budget`` the bytes per device the plan is asked to fit (recorded in the plan, and
+    the bound on each pipeline stage), None when the plan is not asked to fit.
+    """
+
+    graph: StrategyGraph
+    cluster: Cluster
+    memory: Memory
+    mesh: MeshSpec
+    pipeline: Pipeline | None = None
+    budget: float | None = None
+
+
+@dataclass(frozen=True)
+class _State:
+    """Parameters' and buffers' layouts by fully-qualified name (aliases included), and
+    each one's bytes per rank by placeholder: (itself, its gradient, optimizer state, host)."""
+
+    layouts: dict[str, str]
+    held: dict[str, tuple[float, float, float, float]]
+
+
+def assemble_plan(
+    setting: PlanSetting, choice: MemoryChoice, assignment: Mapping[str, int], report: SolverReport
+) -> Plan:
+    """Turn solver choices into a :class:`Plan` with costs, bytes and memory.
+
+    ``choice`` applies its ZeRO stage (ZeRO-3 stores each split parameter split, so the
+    consumers gather it) and its recompute; ``setting.pipeline`` adds the stages.
+    """
+    g = setting.graph
+    splits = zero_splits(g, assignment, setting.memory) if choice.zero else {}
+    if choice.zero == 3:
+        g = _stored_split(g, assignment, splits)
+    graph = g.captured.graph
+    layouts = g.layouts(assignment)
+    laid = LaidOutGraph(graph=graph, layouts=layouts, mesh=g.mesh, flows=g.requires_grad)
+    nodes = _decisions(g, assignment)
+    regions = recompute_regions(graph, choice.recompute, layouts, splits if choice.zero == 3 else ())
+    redists, summed = _edge_redistributions(g, laid, regions)
+    redists += _gradient_sums(g, assignment, summed, splits if choice.zero in (1, 2) else {}, choice.zero)
+    compute = sum(d.compute_s for d in nodes) + _recomputed_seconds(g, assignment, regions)
+    state = _state(g, assignment, splits, choice.zero, setting.memory)
+    acts = activation_memory(laid, regions, setting.memory.offload_activations)
+    comm = sum(r.seconds for r in redists)
+    prediction = Prediction(
+        step_time_s=compute + comm,
+        compute_s=compute,
+        comm_s=comm,
+        comm_bytes=int(sum(c.bytes for r in redists for c in (*r.forward, *r.backward))),
+        param_bytes=int(sum(b[0] for b in state.held.values())),
+        grad_bytes=int(sum(b[1] for b in state.held.values())),
+        optimizer_bytes=int(sum(b[2] for b in state.held.values())),
+        activation_bytes=int(acts.peak),
+    )
+    result = Plan(
+        mesh=g.mesh.to_dict(),
+        cluster=setting.cluster.to_dict(),
+        nodes=nodes,
+        redistributions=redists,
+        parameters=state.layouts,
+        inputs={n.name: format_layout(layouts[n].output) for n in g.choices if n.name in g.captured.inputs},
+        prediction=prediction,
+        solver=report,
+        code=format_graph(
+            graph, f"Constructed by autopar.plan on mesh {g.mesh} ({setting.cluster.name})", layouts
+        ),
+        warnings=_warnings(g),
+        memory=_memory_plan(setting, choice, splits, acts, state),
+    )
+    if setting.pipeline is not None:
+        result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state))
+    return result
+
+
+def zero_splits(
+    g: StrategyGraph, assignment: Mapping[str, int], memory: Memory
+) -> dict[torch.fx.Node, Split]:
+    """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see :func:`~autopar.planning.memory.zero_split`).
+
+    The axes a parameter's gradient is summed over are those the compiled program sums
+    (:func:`~autopar.planning.gradient_sums.planned_edges`) under the assignment.
+    """
+    laid = LaidOutGraph(
+        graph=g.captured.graph, layouts=g.layouts(assignment), mesh=g.mesh, flows=g.requires_grad
+    )
+    _, summed = planned_edges(laid, _state_names(g))
+    splits = {}
+    for node in g.captured.graph.nodes:  # graph order: every rank lists the splits alike
+        axes = summed.get(node)
+        if axes and node.name in g.captured.params:
+            layout = laid.layouts[node].output
+            itemsize = node.meta["val"].element_size()
+            split = zero_split(shape_of(node), layout, axes, g.mesh, itemsize, memory.zero_threshold)
+            if split is not None:
+                splits[node] = split
+    return splits
+
+
+def _state_names(g: StrategyGraph) -> set[str]:
+    """The placeholders of parameters and buffers."""
+    return set(g.captured.params) | set(g.captured.buffers)
+
+
+def _stored_split(
+    g: StrategyGraph, assignment: Mapping[str, int], splits: Mapping[torch.fx.Node, Split]
+) -> StrategyGraph:
+    """``g`` with each parameter ZeRO-3 splits stored split (its consumers then gather it)."""
+    stored = {
+        node: Choice(
+            root=None,
+            strategies=[fixed_strategy(with_split(g.strategy(node, assignment).outputs[0], split))],
+            kind=ChoiceKind.ZERO3,
+        )
+        for node, split in splits.items()
+    }
+    return replace(g, choices={**g.choices, **stored})
+
+
+def _decisions(g: StrategyGraph, assignment: Mapping[str, int]) -> list[NodeDecision]:
+    """Every node's strategy, as the plan records it."""
+    decisions = []
+    for node, c in g.choices.items():
+        if c.kind == ChoiceKind.OUTPUT:
+            continue
+        s = g.strategy(node, assignment)
+        op = node.op == "call_function"
+        decisions.append(
+            NodeDecision(
+                name=node.name,
+                op=str(node.target) if op else node.op,
+                module=module_path(node),
+                kind=c.kind,
+                operands=tuple(None if o is None else format_layout(o) for o in s.operands),
+                outputs=tuple(format_layout(o) for o in s.outputs),
+                grads=tuple(None if o is None else format_layout(o) for o in s.grads),
+                compute_s=g.compute_seconds(node, assignment),
+                choice=c.root,
+                args=tuple(a.name for a in OpCall.of(node).operands) if op else (),
+            )
+        )
+    return decisions
+
+
+def _steps(g: StrategyGraph, collectives: Iterable[Collective]) -> tuple[CollectiveStep, ...]:
+    return tuple(
+        CollectiveStep(kind=c.kind, mesh_axes=c.mesh_axes, bytes=c.bytes, seconds=g.cost.collective_time(c))
+        for c in collectives
+    )
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...]:
+    return tuple(int(x) for x in node.meta["val"].shape)
+
+
+def _edge_redistributions(
+    g: StrategyGraph, laid: LaidOutGraph, regions: Mapping[torch.fx.Node, Region]
+) -> tuple[list[Redistribution], dict[torch.fx.Node, set[int]]]:
+    """The collectives exactly as the compiled program will issue them (same edges, same sums),
+    and the mesh axes each parameter's gradient is summed over."""
+    state = _state_names(g)
+    planned, summed = planned_edges(laid, state)
+    found = []
+    for (src, dst, slot), have, need, grad_need, grad_have in planned:
+        if have == need and grad_need == grad_have:
+            continue
+        shape, itemsize = _shape(src), src.meta["val"].element_size()
+        fwd, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
+        bwd, t_bwd = g.cost.backward(have, need, grad_need, grad_have, shape, itemsize)
+        if src.name in state and dst in regions:  # gathered again when the region is recomputed
+            bwd, t_bwd = [*fwd, *bwd], t_bwd + t_fwd
+        found.append(
+            Redistribution(
+                src=src.name,
+                dst=dst.name,
+                slot=slot,
+                module=module_path(dst),
+                shape=shape,
+                have=format_layout(have),
+                need=format_layout(need),
+                forward=_steps(g, fwd),
+                backward=_steps(g, bwd),
+                seconds=t_fwd + t_bwd,
+            )
+        )
+    return found, summed
+
+
+def _gradient_sums(
+    g: StrategyGraph,
+    assignment: Mapping[str, int],
+    summed: Mapping[torch.fx.Node, set[int]],
+    splits: Mapping[torch.fx.Node, Split],
+    zero: int,
+) -> list[Redistribution]:
+    """Each parameter's gradient sum over ``summed`` axes, bucketed (bandwidth only); with a
+    ZeRO-1/2 split (``splits``), ZeRO-2 reduce-scatters along the split axis and the updated
+    shards are all-gathered after the optimizer step."""
+    found = []
+    for node, axes in summed.items():
+        layout = g.strategy(node, assignment).outputs[0]
+        size = int(local_bytes(node, layout, g.mesh))
+        split = splits.get(node)
+        scattered = CollectiveKind.REDUCE_SCATTER if zero == 2 else CollectiveKind.ALL_REDUCE
+        bwd = [
+            Collective(
+                scattered if split and a == split[0] else CollectiveKind.ALL_REDUCE,
+                (g.mesh.axis_names[a],),
+                size,
+            )
+            for a in sorted(axes, key=lambda a: split is not None and a == split[0])
+        ]
+        if split is not None:  # the updated shards, gathered after the optimizer step
+            n = g.mesh.axis_sizes[split[0]]
+            bwd.append(Collective(CollectiveKind.ALL_GATHER, (g.mesh.axis_names[split[0]],), size // n))
+        found.append(
+            Redistribution(
+                src=node.name,
+                dst=GRADIENT_SUM,
+                slot=0,
+                module="",
+                shape=_shape(node),
+                have=format_layout(layout),
+                need=format_layout(layout),
+                forward=(),
+                backward=_steps(g, bwd),
+                seconds=sum(g.cost.collective_time(c, latency=False) for c in bwd),  # bucketed
+            )
+        )
+    return found
+
+
+def _recomputed_seconds(
+    g: StrategyGraph, assignment: Mapping[str, int], regions: Mapping[torch.fx.Node, Region]
+) -> float:
+    """The forward run again in backward: a third of forward + backward of each recomputed op
+    that carries a gradient (under the selective policy, but matrix products and attention)."""
+    return sum(
+        g.compute_seconds(node, assignment) / 3.0
+        for node, (_, policy) in regions.items()
+        if (c := g.choices.get(node)) is not None
+        and c.compute is not None
+        and g.requires_grad.get(node)
+        and (policy == FULL or not is_selective_save(node.target))
+    )
+
+
+def _state(
+    g: StrategyGraph,
+    assignment: Mapping[str, int],
+    splits: Mapping[torch.fx.Node, Split],
+    zero: int,
+    memory: Memory,
+) -> _State:
+    """Every parameter's and buffer's layout and bytes per rank under ZeRO stage ``zero``."""
+    layouts: dict[str, str] = {}
+    held: dict[str, tuple[float, float, float, float]] = {}
+    by_name = {n.name: n for n in g.choices}
+    for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
+        node = by_name[name]
+        layout = g.strategy(node, assignment).outputs[0]
+        for alias in g.captured.aliases.get(fqn, [fqn]):
+            layouts[alias] = format_layout(layout)
+        split = splits.get(node)
+        n = g.mesh.axis_sizes[split[0]] if split else 1
+        local = local_bytes(node, layout, g.mesh) * (n if zero == 3 else 1)
+        grad = name in g.captured.params and bool(g.requires_grad.get(node))
+        b = state_bytes(local, node.meta["val"].element_size(), n, zero, memory, grad)
+        held[name] = (b.param, b.grad, b.optimizer, b.host)
+    return _State(layouts=layouts, held=held)
+
+
+def _warnings(g: StrategyGraph) -> list[str]:
+    """One warning per op without a sharding rule, per module it runs in."""
+    return [
+        f"no sharding rule for {op} in module '{path or '<root>'}': replicated"
+        for op, path in dict.fromkeys(g.fallbacks)
+    ]
+
+
+def _memory_plan(
+    setting: PlanSetting,
+    choice: MemoryChoice,
+    splits: Mapping[torch.fx.Node, Split],
+    acts: ActivationMemory,
+    state: _State,
+) -> MemoryPlan:
+    memory, g = setting.memory, setting.graph
+    return MemoryPlan(
+        zero=choice.zero,
+        zero_threshold=memory.zero_threshold,
+        optimizer_states=memory.optimizer_states,
+        offload_optimizer=memory.offload_optimizer,
+        offload_activations=memory.offload_activations,
+        zero_splits={
+            g.captured.params[node.name]: (g.mesh.axis_names[a], d) for node, (a, d) in splits.items()
+        },
+        recompute=dict(choice.recompute),
+        budget=None if setting.budget is None else int(setting.budget),
+        chosen=False,
+        activation_kept_bytes=int(acts.kept),
+        host_optimizer_bytes=int(sum(b[3] for b in state.held.values())),
+        host_activation_bytes=int(acts.by_autograd if memory.offload_activations else 0.0),
+    )
+
+
+def _pipeline_inputs(
+    setting: PlanSetting,
+    g: StrategyGraph,
+    layouts: Mapping[torch.fx.Node, NodeLayouts],
+    acts: ActivationMemory,
+    state: _State,
+) -> PipelineInputs:
+    """What the pipeline's stages are planned from (per microbatch, on one stage's mesh)."""
+    return PipelineInputs(
+        captured=g.captured,
+        pipeline=setting.pipeline,
+        mesh=setting.mesh,
+        p2p_link=CostModel(setting.mesh, setting.cluster).link(0),
+        memory_bytes=math.inf if setting.budget is None else setting.budget,
+        local_bytes={
+            n.name: local_bytes(n, lay.output, g.mesh)
+            for n, lay in layouts.items()
+            if isinstance(n.meta.get("val"), torch.Tensor)
+        },
+        activation_bytes=acts.by_node,
+        state_bytes=state.held,
+        flows=g.requires_grad,
+    )
+
+
+def alternatives(
+    g: StrategyGraph,
+    node_costs: Mapping[str, np.ndarray],
+    pair_costs: Mapping[tuple[str, str], np.ndarray],
+    assignment: Mapping[str, int],
+) -> dict[str, list[Alternative]]:
+    """Every variable's strategies, each priced by the variable's terms of the objective with
+    every other variable as assigned (what ``autopar explain`` shows)."""
+    local = {r: c.astype(float).copy() for r, c in node_costs.items()}
+    for (u, v), m in pair_costs.items():
+        local[u] += m[:, assignment[v]]
+        local[v] += m[assignment[u], :]
+    owner = {c.root: node for node, c in g.choices.items() if c.root is not None and c.root == node.name}
+    out = {}
+    for r, seconds in local.items():
+        strategies = g.choices[owner[r]].strategies if r in owner else []
+        out[r] = [
+            Alternative(
+                operands=tuple(None if o is None else format_layout(o) for o in st.operands),
+                outputs=tuple(format_layout(o) for o in st.outputs),
+                seconds=float(seconds[i]),
+                chosen=i == assignment[r],
+            )
+            for i, st in enumerate(strategies)
+        ]
+    return out

@@ -1,0 +1,93 @@
+"""The price of every edge of the strategy graph, and the cost tables the ILP minimises.
+
+An edge costs the redistribution of the producer's output into the layout the consumer
+needs plus, in backward, of the consumer's gradient into the layout the producer's
+gradient must have. A parameter's gradient sum is bucketed by the runtime: it costs
+bandwidth only, once per step (:attr:`StrategyGraph.grad_sum_weight` of it per microbatch).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from autopar.ir.layout import Layout, grad_layout
+from autopar.planning.strategy_graph import Edge, StrategyGraph
+from autopar.rules import Strategy
+
+
+class CostTables(NamedTuple):
+    """The ILP's objective (``StrategyILP(*tables)``): seconds per root and strategy, per pair
+    of roots and strategies, and of everything no root decides."""
+
+    node_costs: dict[str, np.ndarray]
+    pair_costs: dict[tuple[str, str], np.ndarray]
+    constant: float
+
+
+def edge_layouts(edge: Edge, src: Strategy, dst: Strategy | None) -> tuple[Layout, Layout, Layout | None]:
+    """The producer's layout, the layout the consumer needs, and the consumer's gradient layout.
+
+    A model output (``dst`` None) needs its Partial axes reduced and hands back a
+    gradient in that same layout.
+    """
+    have = src.outputs[edge.index]
+    if dst is None:
+        need = grad_layout(have)
+        return have, need, need
+    return have, dst.operands[edge.slot], dst.grads[edge.slot]
+
+
+def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None) -> float:
+    """Seconds of one edge when its producer runs ``src`` and its consumer ``dst``."""
+    val = edge.src.meta["val"]
+    val = val[edge.index] if isinstance(val, (tuple, list)) else val
+    shape, itemsize = tuple(int(s) for s in val.shape), val.element_size()
+    have, need, grad = edge_layouts(edge, src, dst)
+    _, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
+    flows = g.requires_grad.get(edge.src, False) and grad is not None
+    if edge.src.name in g.captured.params and have == need and flows:
+        # a parameter's gradient sum waits for the runtime's buckets: bandwidth only
+        bwd, _ = g.cost.backward(have, need, grad, grad_layout(have), shape, itemsize)
+        bucketed = sum(g.cost.collective_time(c, latency=False) for c in bwd)
+        return t_fwd + g.grad_sum_weight * bucketed
+    t_bwd = g.cost.backward(have, need, grad, grad_layout(have), shape, itemsize)[1] if flows else 0.0
+    return t_fwd + t_bwd
+
+
+def cost_tables(g: StrategyGraph) -> CostTables:
+    """Node cost vectors per root, edge cost matrices per root pair, and a constant."""
+    node_costs = {r: np.zeros(k) for r, k in g.roots.items()}
+    pair_costs: dict[tuple[str, str], np.ndarray] = {}
+    constant = 0.0
+    for choice in g.choices.values():
+        if choice.compute is None:
+            continue
+        if choice.root is None:
+            constant += float(choice.compute[0])
+        else:
+            node_costs[choice.root] += choice.compute
+    cache: dict[tuple, np.ndarray] = {}
+    for e in g.edges:
+        cs, cd = g.choices[e.src], g.choices[e.dst]
+        key = (id(cs), id(cd), e.slot, e.index)
+        m = cache.get(key)
+        if m is None:
+            if cs.root is not None and cs.root == cd.root:
+                m = np.array([edge_cost(g, e, a, b) for a, b in zip(cs.strategies, cd.strategies)])
+            else:
+                m = np.array([[edge_cost(g, e, a, b) for b in cd.strategies] for a in cs.strategies])
+            cache[key] = m
+        if cs.root is None and cd.root is None:
+            constant += float(m[0, 0])
+        elif cs.root is not None and cs.root == cd.root:
+            node_costs[cs.root] += m
+        elif cs.root is None:
+            node_costs[cd.root] += m[0]
+        elif cd.root is None:
+            node_costs[cs.root] += m[:, 0]
+        else:
+            key2 = (cs.root, cd.root)
+            pair_costs[key2] = pair_costs.get(key2, 0) + m
+    return CostTables(node_costs=node_costs, pair_costs=pair_costs, constant=constant)

@@ -1,0 +1,169 @@
+"""The memory search's terms of the ILP: per root and strategy, the seconds and bytes a memory choice adds.
+
+Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers again in
+backward (ZeRO-2's reduce-scatter and all-gather cost what the all-reduce does);
+recomputed ops run their forward again. Bytes: each parameter's state
+(:func:`~autopar.planning.memory.state_bytes`, split over the axes it is replicated on),
+and each op's saved values in the layouts of its strategy, each value counted at its
+first saver; inside a recompute region only what the region keeps, plus the first
+region's own values (the one being recomputed). A plan's figure is exact
+(:mod:`autopar.planning.memory`); this is the linear estimate the ILP constrains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Replicate
+
+from autopar.ir.layout import local_fraction
+from autopar.ir.ops import is_selective_save
+from autopar.ir.options import FULL, SELECTIVE, Memory
+from autopar.ir.plan import ChoiceKind, CollectiveKind
+from autopar.planning.cost import Collective
+from autopar.planning.memory import (
+    MemoryChoice,
+    largest_operand,
+    local_bytes,
+    source_of,
+    state_bytes,
+    storage_of,
+    zero_split,
+)
+from autopar.planning.recompute import Region, module_regions
+from autopar.planning.saved_tensors import saved_by
+from autopar.planning.strategy_graph import Choice, StrategyGraph
+from autopar.rules import OpCall, shape_of
+
+
+@dataclass
+class MemoryTables:
+    """Per root, a vector over its strategies of seconds (``seconds``) and bytes (``nbytes``);
+    what no root decides in ``seconds_constant`` and ``bytes_constant``."""
+
+    seconds: dict[str, np.ndarray]
+    nbytes: dict[str, np.ndarray]
+    seconds_constant: float = 0.0
+    bytes_constant: float = 0.0
+
+    def add_seconds(self, choice: Choice, values: np.ndarray) -> None:
+        """Add ``values`` (one per strategy of ``choice``) to the seconds of its root."""
+        if choice.root is None:
+            self.seconds_constant += float(values[0])
+        else:
+            self.seconds[choice.root] += values
+
+    def add_bytes(self, choice: Choice, values: np.ndarray) -> None:
+        """Add ``values`` (one per strategy of ``choice``) to the bytes of its root."""
+        if choice.root is None:
+            self.bytes_constant += float(values[0])
+        else:
+            self.nbytes[choice.root] += values
+
+
+def memory_tables(g: StrategyGraph, choice: MemoryChoice, memory: Memory) -> MemoryTables:
+    """The seconds ``choice`` adds and the bytes per device it holds (see the module docstring)."""
+    tables = MemoryTables(
+        seconds={r: np.zeros(k) for r, k in g.roots.items()},
+        nbytes={r: np.zeros(k) for r, k in g.roots.items()},
+    )
+    _state_terms(g, choice, memory, tables)
+    _activation_terms(g, choice, tables)
+    return tables
+
+
+def _state_terms(g: StrategyGraph, choice: MemoryChoice, memory: Memory, tables: MemoryTables) -> None:
+    """Each parameter's and buffer's state under each of its layouts, and the seconds ZeRO adds."""
+    mesh = g.mesh
+    state = {**g.captured.params, **g.captured.buffers}
+    for node, c in g.choices.items():
+        if node.name not in state:
+            continue
+        grad = node.name in g.captured.params and bool(g.requires_grad.get(node))
+        itemsize = node.meta["val"].element_size()
+        held, extra = [], []
+        for s in c.strategies:
+            layout = s.outputs[0]
+            local = local_bytes(node, layout, mesh)
+            axes = [a for a, p in enumerate(layout) if isinstance(p, Replicate)] if grad else []
+            split = (
+                zero_split(shape_of(node), layout, axes, mesh, itemsize, memory.zero_threshold)
+                if choice.zero
+                else None
+            )
+            n = mesh.axis_sizes[split[0]] if split else 1
+            b = state_bytes(local, itemsize, n, choice.zero, memory, grad)
+            held.append(b.param + b.grad + b.optimizer)
+            extra.append(_zero_seconds(g, choice.zero, split, local))
+        tables.add_bytes(c, np.array(held))
+        tables.add_seconds(c, np.array(extra))
+
+
+def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTables) -> None:
+    """Each op's saved values under each of its strategies, and the seconds recompute adds."""
+    regions = module_regions(g.captured.graph, choice.recompute)
+    first = next((name for name, _ in regions.values()), None)
+    claimed: set[object] = set()  # storages already counted
+    for node in g.captured.graph.nodes:
+        c = g.choices.get(node)
+        if c is None or node.op != "call_function" or c.kind in (ChoiceKind.GETITEM, ChoiceKind.OUTPUT):
+            continue
+        items = _saved_items(g, node, regions, claimed)
+        region = regions.get(node)
+        weights = [1.0 if kept or (region is not None and region[0] == first) else 0.0 for *_, kept in items]
+        values = []
+        for s in c.strategies:
+            total = 0.0
+            for (which, index, size, _), w in zip(items, weights):
+                layout = (s.operands if which == "operand" else s.outputs)[index]
+                total += 0.0 if layout is None else w * size * local_fraction(layout, g.mesh)
+            values.append(total)
+        tables.add_bytes(c, np.array(values))
+        if region is not None and g.requires_grad.get(node) and c.compute is not None:
+            if region[1] == FULL or not is_selective_save(node.target):
+                tables.add_seconds(c, c.compute / 3.0)  # forward again: a third of forward + backward
+
+
+def _saved_items(
+    g: StrategyGraph, node: torch.fx.Node, regions: Mapping[torch.fx.Node, Region], claimed: set[object]
+) -> list[tuple[str, int, float, bool]]:
+    """What ``node`` saves, each value at its first saver (``claimed``: the storages counted so
+    far): ``(operand or output, index, global bytes, kept)``; ``kept`` is False for what its
+    region recomputes."""
+    call = OpCall.of(node)
+    spec = saved_by(node, [bool(g.requires_grad.get(op)) for op in call.operands])
+    region = regions.get(node)
+    items = []
+    for i in spec.inputs:
+        src, index = source_of(call.operands[i])
+        storage, size = storage_of(src, index)
+        if src.op == "placeholder" or storage in claimed:
+            continue
+        claimed.add(storage)
+        kept = region is None or regions.get(src, (None,))[0] != region[0]
+        items.append(("operand", i, size, kept))
+    for j in spec.outputs:
+        storage, size = storage_of(node, j)
+        if storage not in claimed:
+            claimed.add(storage)
+            kept = region is None or (region[1] == SELECTIVE and is_selective_save(node.target))
+            items.append(("output", j, size, kept))
+    if spec.extra_bytes:
+        largest = largest_operand(call)
+        which = ("operand", largest) if largest is not None else ("output", 0)
+        items.append((*which, float(spec.extra_bytes), region is None))
+    return items
+
+
+def _zero_seconds(g: StrategyGraph, zero: int, split: tuple[int, int] | None, local: float) -> float:
+    """Seconds ZeRO adds for one parameter: an all-gather of its shard (ZeRO-1 after the step,
+    ZeRO-3 again in backward); ZeRO-2 trades the all-reduce for a reduce-scatter and an all-gather."""
+    if split is None or zero not in (1, 3):
+        return 0.0
+    axis = g.mesh.axis_names[split[0]]
+    shard = int(local / g.mesh.axis_sizes[split[0]])
+    gather = Collective(CollectiveKind.ALL_GATHER, (axis,), shard)
+    return g.grad_sum_weight * g.cost.collective_time(gather, latency=False)

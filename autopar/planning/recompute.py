@@ -1,0 +1,103 @@
+"""Which ops are recomputed in backward, and in which region: one definition for the plan and the program.
+
+Two kinds of region (:data:`Region`: ``(name, policy)``):
+
+* a recompute module (``autopar.recompute`` or a memory-search candidate): every op it runs,
+  in its innermost such module, under that module's policy (:func:`module_regions`);
+* under ZeRO-3, an op outside every module region that reads a split parameter gathered
+  (in another layout than it is stored in): a selective region of its own, ``zero3:<op>``,
+  so the gather runs again in backward and the gathered weight is never kept
+  (:func:`zero3_regions`).
+
+The planner prices the regions of :func:`recompute_regions` on the captured graph; the
+``mark_recompute`` pass marks the same ones on the lowered graph, where a gather is a chain
+of autopar collectives between the parameter and the op, so the plan predicts what runs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from autopar.capture.export import module_stack
+from autopar.ir.meta import NodeLayouts
+from autopar.ir.ops import LAYOUT_CONSTRAINT, is_autopar_op
+from autopar.ir.options import SELECTIVE
+from autopar.rules import OpCall
+
+Region = tuple[str, str]  # (name, policy): a recompute module's path, or zero3:<op>
+
+
+def _region_of(node: torch.fx.Node, recompute: Mapping[str, str]) -> Region | None:
+    """``(module path, policy)`` of the innermost recompute module ``node`` runs in, if any."""
+    path = next((p for p in reversed(module_stack(node)) if p in recompute), None)
+    return None if path is None else (path, recompute[path])
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """One of autopar's collectives (``torch.ops.autopar.*`` but the layout constraint, which
+    the compiler drops before the collectives are placed)."""
+    return node.op == "call_function" and is_autopar_op(node.target) and str(node.target) != LAYOUT_CONSTRAINT
+
+
+def _is_op(node: torch.fx.Node) -> bool:
+    """A computing op: a call other than ``getitem`` (which picks an output of its op) and a
+    collective (which joins the region of the op it feeds)."""
+    return node.op == "call_function" and node.target is not operator.getitem and not is_collective(node)
+
+
+def module_regions(graph: torch.fx.Graph, recompute: Mapping[str, str]) -> dict[torch.fx.Node, Region]:
+    """Each op inside a recompute module (``recompute``: module path -> policy), in graph order."""
+    found = {}
+    for node in graph.nodes:
+        if _is_op(node) and (region := _region_of(node, recompute)) is not None:
+            found[node] = region
+    return found
+
+
+def _gathered_readers(
+    param: torch.fx.Node, layouts: Mapping[torch.fx.Node, NodeLayouts]
+) -> Iterator[torch.fx.Node]:
+    """The ops reading ``param`` in another layout than it is stored in: directly (a plan being
+    made) or through a chain of collectives, each feeding the next only (a lowered graph)."""
+    stored = layouts[param].output
+    for user in param.users:
+        value, reader = param, user
+        while is_collective(reader) and len(reader.users) == 1:
+            value, reader = reader, next(iter(reader.users))
+        if not _is_op(reader) or reader not in layouts:
+            continue
+        needs = layouts[reader].operands
+        slots = [i for i, operand in enumerate(OpCall.of(reader).operands) if operand is value]
+        if any(needs[i] is not None and needs[i] != stored for i in slots):
+            yield reader
+
+
+def zero3_regions(
+    params: Iterable[torch.fx.Node],
+    layouts: Mapping[torch.fx.Node, NodeLayouts],
+    taken: Mapping[torch.fx.Node, Region],
+) -> dict[torch.fx.Node, Region]:
+    """A selective region ``zero3:<op>`` for each op outside ``taken`` reading one of the ZeRO-3
+    split parameter placeholders ``params`` gathered (see the module docstring)."""
+    found: dict[torch.fx.Node, Region] = {}
+    for param in params:
+        for reader in _gathered_readers(param, layouts):
+            if reader not in taken:
+                found.setdefault(reader, (f"zero3:{reader.name}", SELECTIVE))
+    return found
+
+
+def recompute_regions(
+    graph: torch.fx.Graph,
+    recompute: Mapping[str, str],
+    layouts: Mapping[torch.fx.Node, NodeLayouts],
+    zero3_params: Iterable[torch.fx.Node],
+) -> dict[torch.fx.Node, Region]:
+    """Each recomputed op: the module regions, then the ZeRO-3 gathers' (``zero3_params``: the
+    parameters ZeRO-3 stores split; none below ZeRO-3)."""
+    regions = module_regions(graph, recompute)
+    regions.update(zero3_regions(zero3_params, layouts, regions))
+    return regions

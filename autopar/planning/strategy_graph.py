@@ -1,0 +1,369 @@
+"""The strategy graph: per node, the strategies the solver picks among, and the edges between nodes.
+
+Every node with a tensor output gets a list of :class:`~autopar.rules.Strategy`
+aligned with one solver variable, its *root*:
+
+* anchors (matrix products, attention, embeddings) and user inputs are roots: one
+  variable each, one choice per strategy their rule allows;
+* cheap ops *follow* one operand (the largest non-parameter one): their i-th
+  strategy keeps the operand's i-th layout where the op allows, so they share the
+  operand's variable (Alpa's graph simplification);
+* parameters and buffers follow their first consumer backwards: they are stored in
+  the layout that consumer needs; an annotated parameter is fixed instead;
+* layout constraints (``shard`` in/out strategies, ``constrain``) are fixed;
+* repeated blocks (``layers.0``, ``layers.1``, ... with identical ops and shapes)
+  share the strategies, hence the variables, of the first such block
+  (:mod:`autopar.planning.tying`).
+
+A node's compute is in seconds under each choice: its forward, plus backward as twice
+the forward when a gradient flows. Edges are priced in :mod:`autopar.planning.edge_costs`.
+The graph is data about the captured graph: building it, and reading layouts off it
+(:meth:`StrategyGraph.layouts`), leaves the captured graph untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.capture.constraint_op import parse_constraint_spec
+from autopar.capture.export import Captured, gradient_flow, module_path
+from autopar.ir.layout import Layout, grad_layout, is_valid_for, local_fraction, replicated
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.meta import NodeLayouts
+from autopar.ir.ops import LAYOUT_CONSTRAINT
+from autopar.ir.plan import ChoiceKind
+from autopar.planning.cost import CostModel
+from autopar.planning.tying import tie_blocks
+from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
+
+
+@dataclass
+class Choice:
+    """The strategies of one node (or of a group of tied nodes, which share it)."""
+
+    root: str | None  # variable key; None = a single fixed strategy
+    strategies: list[Strategy | None]  # [None] for the graph's output node, which needs no strategy
+    kind: ChoiceKind
+    compute: np.ndarray | None = None  # seconds per strategy
+
+
+@dataclass
+class Edge:
+    """A tensor flowing from ``src`` output ``index`` into operand ``slot`` of ``dst``."""
+
+    src: torch.fx.Node
+    dst: torch.fx.Node
+    slot: int
+    index: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyGraph:
+    """Everything the solver and the plan need; see the module docstring."""
+
+    captured: Captured
+    mesh: MeshSpec
+    cost: CostModel
+    choices: dict[torch.fx.Node, Choice]
+    edges: list[Edge]
+    roots: dict[str, int]  # root -> number of strategies
+    requires_grad: dict[torch.fx.Node, bool]
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (op, module path)
+    tied_blocks: int = 0
+    # parameters' gradient sums happen once per step: with m microbatches, 1/m of a microbatch's cost
+    grad_sum_weight: float = 1.0
+
+    def strategy(self, node: torch.fx.Node, assignment: Mapping[str, int]) -> Strategy:
+        """The strategy ``node`` runs under ``assignment`` (root -> strategy index)."""
+        c = self.choices[node]
+        return c.strategies[assignment[c.root] if c.root is not None else 0]
+
+    def compute_seconds(self, node: torch.fx.Node, assignment: Mapping[str, int]) -> float:
+        """Seconds of ``node``'s compute under ``assignment`` (0 for nodes that compute nothing)."""
+        c = self.choices[node]
+        if c.compute is None:
+            return 0.0
+        return float(c.compute[assignment[c.root]] if c.root else c.compute[0])
+
+    def layouts(self, assignment: Mapping[str, int]) -> dict[torch.fx.Node, NodeLayouts]:
+        """The layouts every node computes with under ``assignment`` (the graph's output node has none)."""
+        found = {}
+        for node, choice in self.choices.items():
+            if choice.kind != ChoiceKind.OUTPUT:
+                s = self.strategy(node, assignment)
+                found[node] = NodeLayouts(operands=s.operands, outputs=s.outputs, grads=s.grads)
+        return found
+
+
+def _tensor_nodes(graph: torch.fx.Graph) -> Iterable[torch.fx.Node]:
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op in ("placeholder", "call_function") and (
+            isinstance(val, torch.Tensor)
+            or (isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
+        ):
+            yield node
+
+
+def _numel(node: torch.fx.Node) -> int:
+    return math.prod(shape_of(node))
+
+
+def all_layouts(shape: tuple[int, ...], mesh: MeshSpec) -> list[Layout]:
+    """Every even layout of a tensor: each mesh axis replicates or splits one dimension,
+    no dimension split over two axes (see ``rules.enumerate_strategies``)."""
+    options = [Replicate(), *(Shard(d) for d in range(len(shape)))]
+    out = []
+    for combo in _product(options, mesh.ndim):
+        dims = [p.dim for p in combo if isinstance(p, Shard)]
+        if is_valid_for(combo, shape, mesh) and len(dims) == len(set(dims)):
+            out.append(combo)
+    return out
+
+
+def _product(options: list, n: int) -> Iterable[tuple]:
+    if n == 0:
+        yield ()
+        return
+    for rest in _product(options, n - 1):
+        for o in options:
+            yield (*rest, o)
+
+
+def fixed_strategy(layout: Layout, operands: int = 0) -> Strategy:
+    """The one strategy of a value held in ``layout``, taking ``operands`` operands in it too."""
+    return Strategy(
+        operands=tuple(layout for _ in range(operands)),
+        outputs=(layout,),
+        grads=tuple(grad_layout(layout) for _ in range(operands)),
+        choices=(),
+        split=1,
+    )
+
+
+def _replicated_strategy(spec: DimSpec, mesh: MeshSpec) -> Strategy:
+    rep = replicated(mesh)
+    return Strategy(
+        operands=tuple(None if labels is None else rep for labels in spec.operands),
+        outputs=tuple(rep for _ in spec.outputs),
+        grads=tuple(None if labels is None else rep for labels in spec.operands),
+        choices=(None,) * mesh.ndim,
+        split=1,
+    )
+
+
+class _Builder:
+    def __init__(
+        self, captured: Captured, mesh: MeshSpec, cost: CostModel, fixed_inputs: Mapping[str, Layout]
+    ) -> None:
+        self.captured = captured
+        self.fixed_inputs = fixed_inputs
+        self.graph = captured.graph
+        self.mesh = mesh
+        self.cost = cost
+        self.choices: dict[torch.fx.Node, Choice] = {}
+        self.fallbacks: list[tuple[str, str]] = []
+        # a dict, not a set: graph order keeps the solver's variable order, hence the plan, reproducible
+        self.param_nodes = dict.fromkeys(
+            n for n in self.graph.nodes if n.name in captured.params or n.name in captured.buffers
+        )
+        self.requires_grad = gradient_flow(captured)
+        self.canon, self.tied_blocks = tie_blocks(captured)
+
+    def build(self, grad_sum_weight: float) -> StrategyGraph:
+        for node in _tensor_nodes(self.graph):
+            if node.op == "placeholder":
+                if node not in self.param_nodes:
+                    self.choices[node] = self._input(node)
+                continue
+            if node in self.canon:
+                self.choices[node] = self.choices[self.canon[node]]
+                continue
+            self.choices[node] = self._op(node)
+        for node in self.param_nodes:
+            self.choices[node] = self._param(node)
+        edges = self._edges()
+        roots = {c.root: len(c.strategies) for c in self.choices.values() if c.root is not None}
+        return StrategyGraph(
+            captured=self.captured,
+            mesh=self.mesh,
+            cost=self.cost,
+            choices=self.choices,
+            edges=edges,
+            roots=roots,
+            requires_grad=self.requires_grad,
+            fallbacks=self.fallbacks,
+            tied_blocks=self.tied_blocks,
+            grad_sum_weight=grad_sum_weight,
+        )
+
+    def _input(self, node: torch.fx.Node) -> Choice:
+        # loading an input costs its local bytes once, so of equally good plans the one
+        # that splits the batch at the source wins
+        fixed = self.fixed_inputs.get(node.name)
+        layouts = all_layouts(shape_of(node), self.mesh) if fixed is None else [fixed]
+        val = node.meta["val"]
+        load = [
+            self.cost.compute_time(
+                0.0, val.numel() * val.element_size() * local_fraction(lay, self.mesh), val.dtype
+            )
+            for lay in layouts
+        ]
+        return Choice(
+            root=node.name if fixed is None else None,
+            strategies=[fixed_strategy(lay) for lay in layouts],
+            kind=ChoiceKind.INPUT,
+            compute=np.array(load),
+        )
+
+    def _param(self, node: torch.fx.Node) -> Choice:
+        fqn = self.captured.params.get(node.name) or self.captured.buffers.get(node.name)
+        fixed = self.captured.annotations.parameter_layouts.get(fqn)
+        if fixed is not None:
+            return Choice(root=None, strategies=[fixed_strategy(fixed)], kind=ChoiceKind.FIXED)
+        # a parameter of a repeated block shares the choice of its twin in the first block
+        for user in node.users:
+            twin_user = self.canon.get(user)
+            if twin_user is None:
+                continue
+            slots = [i for i, op in enumerate(OpCall.of(user).operands) if op is node]
+            twin = OpCall.of(twin_user).operands[slots[0]] if slots else None
+            if twin is not None and twin is not node and twin in self.choices:
+                return self.choices[twin]
+        # stored in any even layout; its consumers redistribute what they need (a weight
+        # stored split and gathered for use is ZeRO-3/FSDP; stored as used, Megatron)
+        layouts = all_layouts(shape_of(node), self.mesh)
+        return Choice(
+            root=node.name, strategies=[fixed_strategy(lay) for lay in layouts], kind=ChoiceKind.PARAM
+        )
+
+    def _op(self, node: torch.fx.Node) -> Choice:
+        if str(node.target) == LAYOUT_CONSTRAINT:
+            return self._constraint(node)
+        if node.target is operator.getitem:
+            src = self.choices[node.args[0]]
+            k = node.args[1]
+            picked = [
+                Strategy(
+                    operands=(s.outputs[k],),
+                    outputs=(s.outputs[k],),
+                    grads=(grad_layout(s.outputs[k]),),
+                    choices=(),
+                    split=1,
+                )
+                for s in src.strategies
+            ]
+            return Choice(root=src.root, strategies=picked, kind=ChoiceKind.GETITEM)
+        call = OpCall.of(node)
+        rule = lookup(node.target)
+        spec = None
+        if rule is not None:
+            try:
+                spec = rule.fn(call)
+            except Exception:  # noqa: BLE001 - an unforeseen call form of a known op
+                spec = None
+        if spec is None:
+            self.fallbacks.append((str(node.target), module_path(node)))
+            spec = fallback(call)
+            return self._priced(
+                call, spec, None, [_replicated_strategy(spec, self.mesh)], ChoiceKind.FALLBACK
+            )
+        primary = self._primary(call, spec)
+        if (rule.anchor or primary is None) and spec.shardable():
+            strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh)
+            if len(strategies) > 1:
+                return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)
+        if primary is None:
+            return self._priced(call, spec, None, [_replicated_strategy(spec, self.mesh)], ChoiceKind.FOLLOW)
+        slot, producer = primary
+        src = self.choices[producer]
+        cache: dict[Layout, Strategy] = {}
+        strategies = []
+        for s in src.strategies:
+            lay = s.outputs[0]
+            if lay not in cache:
+                cache[lay] = follow(spec, slot, lay, call.shapes, call.out_shapes, self.mesh)
+            strategies.append(cache[lay])
+        return self._priced(call, spec, src.root, strategies, ChoiceKind.FOLLOW)
+
+    def _constraint(self, node: torch.fx.Node) -> Choice:
+        layout, _ = parse_constraint_spec(node.args[1])
+        if layout is None:  # a free choice point: any layout, the solver picks
+            options = all_layouts(shape_of(node), self.mesh)
+            return Choice(
+                root=node.name,
+                strategies=[fixed_strategy(lay, operands=1) for lay in options],
+                kind=ChoiceKind.ANCHOR,
+            )
+        return Choice(root=None, strategies=[fixed_strategy(layout, operands=1)], kind=ChoiceKind.FIXED)
+
+    def _primary(self, call: OpCall, spec: DimSpec) -> tuple[int, torch.fx.Node] | None:
+        """The operand a cheap op follows: the largest one that is not a parameter."""
+        best = None
+        for i, op in enumerate(call.operands):
+            if spec.operands[i] is None or op in self.param_nodes or op not in self.choices:
+                continue
+            if best is None or _numel(op) > _numel(best[1]):
+                best = (i, op)
+        return best
+
+    def _priced(
+        self, call: OpCall, spec: DimSpec, root: str | None, strategies: list[Strategy], kind: ChoiceKind
+    ) -> Choice:
+        """The choice of an op, with the seconds of its compute under each strategy."""
+        node = call.node
+        out_vals = [
+            v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)
+        ]
+        dtype = out_vals[0].dtype if out_vals else torch.float32
+        itemsize = out_vals[0].element_size() if out_vals else 4
+        total_bytes = itemsize * (
+            sum(math.prod(s) for s in call.shapes) + sum(math.prod(s) for s in call.out_shapes)
+        )
+        backward = 3.0 if self.requires_grad.get(node, False) else 1.0
+        costs = [
+            backward * self.cost.compute_time(spec.flops / s.split, total_bytes / s.split, dtype)
+            for s in strategies
+        ]
+        return Choice(root=root, strategies=strategies, kind=kind, compute=np.array(costs))
+
+    def _edges(self) -> list[Edge]:
+        edges = []
+        # model outputs are consumers too: a Partial output is reduced to Replicate
+        out = next(n for n in self.graph.nodes if n.op == "output")
+        returned = [a for a in torch.utils._pytree.tree_leaves(out.args) if a in self.choices]
+        if returned:
+            self.choices[out] = Choice(root=None, strategies=[None], kind=ChoiceKind.OUTPUT)
+        for slot, op in enumerate(returned):
+            edges.append(Edge(src=op, dst=out, slot=slot, index=0))
+        for node, choice in self.choices.items():
+            if node.op != "call_function":
+                continue
+            if choice.kind == ChoiceKind.GETITEM:
+                edges.append(Edge(src=node.args[0], dst=node, slot=0, index=node.args[1]))
+                continue
+            for slot, op in enumerate(OpCall.of(node).operands):
+                if op in self.choices and choice.strategies[0].operands[slot] is not None:
+                    edges.append(Edge(src=op, dst=node, slot=slot, index=0))
+        return edges
+
+
+def build_strategy_graph(
+    captured: Captured,
+    mesh: MeshSpec,
+    cost: CostModel,
+    fixed_inputs: Mapping[str, Layout] | None = None,
+    *,
+    grad_sum_weight: float = 1.0,
+) -> StrategyGraph:
+    """See the module docstring; ``fixed_inputs`` pins the layouts of some user inputs (by
+    placeholder); ``grad_sum_weight`` is the share of a parameter's gradient sum one
+    microbatch pays (``1/m`` with ``m`` microbatches)."""
+    return _Builder(captured, mesh, cost, fixed_inputs or {}).build(grad_sum_weight)

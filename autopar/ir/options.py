@@ -30,7 +30,7 @@ POLICIES = tuple(p.value for p in RecomputePolicy)
 
 @dataclass(frozen=True)
 class Memory:
-    """How a plan holds its state; see the module docstring.
+    """How a plan holds its state; the bytes each choice costs are in :mod:`autopar.planning.memory`.
 
     ``zero``: the ZeRO stage (0: none; 1: optimizer state split over each parameter's
     data-parallel axis; 2: gradients reduce-scattered too; 3: parameters split too,

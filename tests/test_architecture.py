@@ -1,0 +1,177 @@
+"""The shape of the code: the import-layer rule, no import cycles, size limits, who writes node.meta.
+
+Checked over the source text (``ast``), so every import counts: module-level, function-local and
+type-only ones alike. ``docs/architecture.md`` states the same rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+IR, RULES, CAPTURE, PLANNING, RUNTIME = (
+    "autopar.ir",
+    "autopar.rules",
+    "autopar.capture",
+    "autopar.planning",
+    "autopar.runtime",
+)
+PASSES, COMPILER, ROOT, TOOLS = "autopar.passes", "autopar.compiler", "autopar", "autopar.tools"
+
+# layer -> the layers it may import (besides itself); tools may import anything and nothing imports them
+ALLOWED = {
+    IR: set(),
+    RULES: {IR},
+    CAPTURE: {IR},
+    RUNTIME: {IR},
+    PLANNING: {IR, RULES, CAPTURE},
+    PASSES: {IR, RULES, CAPTURE, PLANNING, RUNTIME},
+    COMPILER: {IR, RULES, CAPTURE, PLANNING, RUNTIME, PASSES},
+    ROOT: {IR, RULES, CAPTURE, PLANNING, RUNTIME, PASSES, COMPILER},
+    TOOLS: {IR, RULES, CAPTURE, PLANNING, RUNTIME, PASSES, COMPILER, ROOT},
+}
+
+
+def _sources() -> dict[str, Path]:
+    """Every module of the package by its dotted name (``passes/`` installs as ``autopar.passes``)."""
+    found = {}
+    for folder, package in ((REPO / "autopar", "autopar"), (REPO / "passes", "autopar.passes")):
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _sources()
+
+
+def layer_of(module: str) -> str:
+    """The layer a dotted module name belongs to: its phase package, or the compiler or the root."""
+    for layer in (IR, RULES, CAPTURE, PLANNING, RUNTIME, PASSES, TOOLS, COMPILER):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return ROOT
+
+
+def _type_only(tree: ast.Module) -> set[int]:
+    """Line numbers of the imports under ``if TYPE_CHECKING:``."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                lines.update(range(inner.lineno, inner.end_lineno + 1))
+    return lines
+
+
+def imports(module: str) -> list[tuple[str, int, bool]]:
+    """``(imported autopar module, line, type-only)`` for every import statement in ``module``.
+
+    ``from autopar.x import name`` counts as importing ``autopar.x.name`` when that is a module,
+    else ``autopar.x``.
+    """
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    type_only = _type_only(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            if target == "autopar" or target.startswith("autopar."):
+                found.append((target, node.lineno, node.lineno in type_only))
+    return found
+
+
+def test_every_import_respects_the_layers():
+    wrong = []
+    for module in sorted(MODULES):
+        mine = layer_of(module)
+        for target, line, _ in imports(module):
+            theirs = layer_of(target)
+            if theirs != mine and theirs not in ALLOWED[mine]:
+                wrong.append(f"{MODULES[module].relative_to(REPO)}:{line}: {mine} imports {target}")
+    assert not wrong, "imports against the layer rule (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def test_nothing_imports_the_command_line():
+    users = [
+        f"{MODULES[m].relative_to(REPO)}:{line}"
+        for m in MODULES
+        for target, line, _ in imports(m)
+        if target == "autopar.tools.cli" and m != "autopar.tools.cli"
+    ]
+    assert not users, f"the CLI is imported by {users}"
+
+
+def test_no_import_cycles():
+    """Among modules, counting function-local imports too (type-only ones never run)."""
+    graph = nx.DiGraph()
+    for module in MODULES:
+        graph.add_node(module)
+        for target, _, type_only in imports(module):
+            # importing a module runs its package's __init__ first
+            parents = [target.rsplit(".", k)[0] for k in range(target.count("."))]
+            for t in [target, *parents]:
+                if t in MODULES and t != module and not type_only and not module.startswith(t + "."):
+                    graph.add_edge(module, t)
+    cycles = sorted(sorted(c) for c in nx.simple_cycles(graph))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_and_functions_stay_small(module: str):
+    path = MODULES[module]
+    text = path.read_text()
+    assert len(text.splitlines()) <= 500, f"{path.relative_to(REPO)} has {len(text.splitlines())} lines"
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100
+    ]
+    assert not long, f"{path.relative_to(REPO)}: functions of 100 lines or more: {long}"
+
+
+def _writes_meta(tree: ast.Module) -> list[int]:
+    """Lines that assign, delete or update an entry of some ``.meta``."""
+    lines = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        for t in targets:
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "meta":
+                lines.append(node.lineno)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("update", "setdefault", "pop", "clear")
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr == "meta"
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_passes_write_node_meta():
+    """Planning is pure: layouts travel as data; ``node.meta`` is written by passes (through ``ir.meta``)."""
+    writers = {
+        f"{MODULES[m].relative_to(REPO)}:{line}"
+        for m in MODULES
+        if layer_of(m) != PASSES and m != "autopar.ir.meta"
+        for line in _writes_meta(ast.parse(MODULES[m].read_text()))
+    }
+    assert not writers, f"node.meta written outside the passes: {sorted(writers)}"

@@ -260,11 +260,11 @@ def build(
             )
     free = [labels is None for labels in spec.operands]
     return Strategy(
-        tuple(None if f else tuple(o) for f, o in zip(free, operands)),
-        tuple(map(tuple, outputs)),
-        tuple(None if f else tuple(g) for f, g in zip(free, grads)),
-        tuple(choices),
-        split,
+        operands=tuple(None if f else tuple(o) for f, o in zip(free, operands)),
+        outputs=tuple(map(tuple, outputs)),
+        grads=tuple(None if f else tuple(g) for f, g in zip(free, grads)),
+        choices=tuple(choices),
+        split=split,
     )
 
 

@@ -81,6 +81,34 @@ def test_inputs_of_the_wrong_shape_get_a_clear_error(mesh):
         dmodel(*args)
 
 
+class _Scaled(torch.nn.Module):
+    """A model with non-tensor options, called as users call transformers models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0, return_dict: bool = False) -> object:
+        y = self.proj(x) * scale
+        return {"out": y} if return_dict else y
+
+
+def test_non_tensor_inputs_are_constants_of_the_program(mesh):
+    x = torch.randn(4, 8)
+    dmodel = autopar.compile(_Scaled(), mesh, (x,), example_kwargs={"scale": 2.0, "return_dict": True})
+    local_args, local_kwargs = dmodel.shard_inputs(x, scale=2.0, return_dict=True)
+    assert local_kwargs == {"scale": 2.0, "return_dict": True}
+    assert set(dmodel(*local_args, **local_kwargs)) == {"out"}
+    with pytest.raises(
+        autopar.ShapeError, match=r"input 'scale' is 3.0, but the module was compiled with scale=2.0"
+    ):
+        dmodel(*local_args, scale=3.0, return_dict=True)
+    with pytest.raises(
+        autopar.ShapeError, match=r"input 'return_dict' is 1, .* compiled with return_dict=True"
+    ):
+        dmodel(*local_args, scale=2.0, return_dict=1)
+
+
 def test_a_plan_for_another_mesh_or_model_is_refused(mesh):
     model, args = gpt.build(batch_size=4)
     other_mesh = autopar.plan(model, args, {"dp": 4})

@@ -53,7 +53,13 @@ def _hf_gpt2(tied: bool = True, batch_size: int = 4):
     )
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 64, (batch_size, 16))
-    return model, (), {"input_ids": ids, "labels": ids}
+    # called as users call it: with non-tensor options, constants of the compiled program
+    return model, (), {"input_ids": ids, "labels": ids, "use_cache": False, "return_dict": True}
+
+
+def _fresh_ids(example: object) -> object:
+    """New token ids shaped like a tensor input; a non-tensor input stays as it is."""
+    return torch.randint(0, 64, example.shape) if isinstance(example, torch.Tensor) else example
 
 
 def _assert_grads_match(dmodel: torch.nn.Module, reference: torch.nn.Module, where: str) -> None:
@@ -104,7 +110,7 @@ def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> di
     for step in range(3):
         torch.manual_seed(step)
         if model_name == "hf-gpt2":
-            batch_args, batch_kwargs = (), {k: torch.randint(0, 64, v.shape) for k, v in kwargs.items()}
+            batch_args, batch_kwargs = (), {k: _fresh_ids(v) for k, v in kwargs.items()}
         else:
             batch_args, batch_kwargs = (
                 tuple(
@@ -296,7 +302,7 @@ def _pipeline_case(model_name: str, shape: tuple[int, ...], schedule: str, style
     for step in range(3):
         torch.manual_seed(step)
         if loss_fn is None:
-            inputs = {k: torch.randint(0, 64, v.shape) for k, v in inputs.items()}
+            inputs = {k: _fresh_ids(v) for k, v in inputs.items()}
         else:
             inputs, target = (torch.randint(0, 128, idx.shape),), torch.randint(0, 128, idx.shape)
         collectives.reset_comm_counts()

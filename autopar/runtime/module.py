@@ -41,7 +41,7 @@ from autopar.runtime.grad_reducer import GradReducer
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import distributed_copy, local_piece
 from autopar.runtime.optimizer import ZeroShard, make_optimizer
-from autopar.runtime.pipeline_runtime import PipelineRuntime
+from autopar.runtime.pipeline_runtime import PipelineRuntime, device_of
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # loss_fn(output, target) -> a scalar loss
 
@@ -57,13 +57,6 @@ class LossCompiler(Protocol):
         ``output`` (shaped like the module's outputs) and ``target`` are ``meta`` examples
         of one microbatch; the program takes the outputs in ``module.output_layouts``.
         """
-
-
-def _device(device_type: str) -> torch.device:
-    """The device this rank computes on for a mesh of ``device_type``."""
-    if device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(device_type, torch.get_device_module(device_type).current_device())
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -128,7 +121,7 @@ class DistributedModule(torch.nn.Module):
                 pipeline,
                 device_mesh.get_group(pipeline.axis),
                 [[self._state[name] for name in st.state] for st in local_stages],
-                _device(device_mesh.device_type),
+                device_of(device_mesh.device_type),
             )
 
     def _hold_state(self, model: torch.nn.Module, kept: set[str] | None) -> dict[str, torch.Tensor]:
@@ -177,7 +170,15 @@ class DistributedModule(torch.nn.Module):
         self._in_spec = exported.call_spec.in_spec
         nodes = {n.name: n for n in program.graph.nodes}
         self._input_layouts = {
-            name: output_layout(nodes[name]) for name in self._input_names if name in nodes
+            name: output_layout(nodes[name])
+            for name in self._input_names
+            if name in nodes and LAYOUTS in nodes[name].meta
+        }
+        # a non-tensor input (use_cache=False, return_dict=True) is a constant of the program
+        self._constant_inputs = {
+            name: nodes[name].meta.get("val")
+            for name in self._input_names
+            if name in nodes and not isinstance(nodes[name].meta.get("val"), torch.Tensor)
         }
         self._input_global = {name: tuple(nodes[name].meta["val"].shape) for name in self._input_layouts}
         output = next(n for n in program.graph.nodes if n.op == "output")
@@ -251,6 +252,14 @@ class DistributedModule(torch.nn.Module):
         return pytree.tree_unflatten(whole, spec)
 
     def _check(self, name: str, t: Any) -> None:
+        if name in self._constant_inputs:
+            compiled = self._constant_inputs[name]
+            if type(t) is not type(compiled) or t != compiled:
+                raise ShapeError(
+                    f"input '{name}' is {t!r}, but the module was compiled with {name}={compiled!r}: a "
+                    f"non-tensor input is a constant of the compiled program; compile again for another value"
+                )
+            return
         if not isinstance(t, torch.Tensor) or name not in self._input_layouts:
             return
         layout = self._input_layouts[name]
@@ -317,8 +326,10 @@ class DistributedModule(torch.nn.Module):
             loss.backward()
             return loss.detach()
         m = self.pipeline.pipeline.microbatches
-        leaves = self._user_leaves(args, kwargs)
-        local = [self._microbatches(name, t, m) for name, t in zip(self._input_names, leaves)]
+        leaves = dict(zip(self._input_names, self._user_leaves(args, kwargs)))
+        for name in self._constant_inputs:
+            self._check(name, leaves.pop(name))  # constants are the program's own: only tensors cross stages
+        local = [self._microbatches(name, t, m) for name, t in leaves.items()]
 
         def microbatch_loss(output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
             out = pytree.tree_unflatten(list(output), self._out_spec)

@@ -72,6 +72,13 @@ class _StageModule(torch.nn.Module):
         return tuple(self.program(*received, *self.state))
 
 
+def device_of(device_type: str) -> torch.device:
+    """The device this rank computes on for a mesh of ``device_type`` (what its stages run on)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
 def _examples(boundaries: Sequence[Boundary], device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(
         torch.empty(b.shape, dtype=b.dtype, device=device, requires_grad=b.requires_grad) for b in boundaries

@@ -92,6 +92,12 @@ def linear_unary(call: OpCall) -> DimSpec:
     aten.clamp.default,
     aten.clamp_min.default,
     aten.clamp_max.default,
+    aten.minimum.default,
+    aten.maximum.default,
+    aten.min.other,
+    aten.max.other,
+    aten.where.ScalarOther,  # a scalar branch would be taken once per rank: not linear
+    aten.where.ScalarSelf,
     aten.dropout.default,
     aten.native_dropout.default,
     aten.masked_fill.Scalar,

@@ -71,12 +71,14 @@ def view(call: OpCall) -> DimSpec:
     return DimSpec((src_l,), (dst_l,), whole=whole, linear=LINEAR)
 
 
-@rule(aten.transpose.int, aten.permute.default, aten.t.default)
+@rule(aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default)
 def permute(call: OpCall) -> DimSpec:
     (src,) = call.shapes
     labels = fresh(len(src))
     if call.node.target is aten.permute.default:
         order = [d % len(src) for d in call.arg("dims")]
+    elif call.node.target is aten.numpy_T.default:  # x.T: every dim reversed
+        order = list(reversed(range(len(src))))
     else:
         order = list(range(len(src)))
         d0, d1 = (call.arg("dim0", 0), call.arg("dim1", 1)) if len(src) > 1 else (0, 0)

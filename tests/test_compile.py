@@ -148,3 +148,29 @@ def test_a_model_built_on_meta_gets_the_same_initialised_weights_on_every_rank(m
     fc, fc_again = (m.get_parameter("blocks.0.mlp.fc.weight").to_local() for m in (dmodel, again))
     torch.testing.assert_close(fc, fc_again)
     assert model.get_parameter("blocks.0.mlp.fc.weight").is_meta  # the user's model is untouched
+
+
+def test_a_key_value_cache_output_is_dropped_and_said(mesh):
+    """transformers' causal LMs return a DynamicCache unless called with use_cache=False:
+    the compiled module returns None there, and the plan says so."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    ids = torch.randint(0, 64, (4, 8))
+    batch = {"input_ids": ids, "labels": ids}
+    dmodel = autopar.compile(transformers.LlamaForCausalLM(config), mesh, (), example_kwargs=batch)
+    assert any(
+        w.startswith("output['past_key_values'] (DynamicCache) is not returned") for w in dmodel.plan.warnings
+    )
+    assert not any("no sharding rule" in w for w in dmodel.plan.warnings)
+    local_args, local_kwargs = dmodel.shard_inputs(**batch)
+    out = dmodel(*local_args, **local_kwargs)
+    assert out.past_key_values is None and out.loss.shape == ()

@@ -50,7 +50,7 @@ def split_value(t: torch.Tensor, layout, mesh: MeshSpec, gen: torch.Generator) -
         nxt = {}
         for coord, v in pieces.items():
             if isinstance(p, Shard):
-                parts = torch.chunk(v, n, dim=p.dim)
+                parts = [c.clone() for c in torch.chunk(v, n, dim=p.dim)]  # a rank owns its piece
             elif isinstance(p, Partial):
                 rand = [torch.randn(v.shape, generator=gen, dtype=v.dtype) for _ in range(n - 1)]
                 parts = [*rand, v - sum(rand)]
@@ -168,6 +168,7 @@ CASES = [
     (aten.silu.default, (r(4, 8),), {}),
     (aten.rsqrt.default, (torch.rand(4, 8) + 0.5,), {}),
     (aten.to.dtype, (r(4, 8), torch.float64), {}),
+    (aten.detach_.default, (r(4, 8),), {}),
     (aten.eq.Tensor, (r(4, 8), r(4, 8)), {}),
     (aten.dropout.default, (r(4, 8), 0.0, True), {}),
     (aten.view.default, (r(4, 8), [4, 2, 4]), {}),

@@ -44,6 +44,7 @@ class Captured:
     annotations: ModelAnnotations
     aliases: dict[str, list[str]] = field(default_factory=dict)
     requires_grad: dict[str, bool] = field(default_factory=dict)
+    dropped_outputs: list[str] = field(default_factory=list)  # outputs the program returns as None
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -159,6 +160,39 @@ def _track_modules(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
             h.remove()
 
 
+# what a captured program can return; any other output value (a key/value cache object) is dropped
+_RETURNABLE = (torch.Tensor, int, float, bool, str, type(None))
+
+
+@contextmanager
+def _returnable_outputs(model: torch.nn.Module) -> Iterator[list[str]]:
+    """While active, ``model``'s outputs that export cannot return become ``None``.
+
+    A training step needs no key/value cache, yet transformers' models return one (a
+    ``DynamicCache``) unless called with ``use_cache=False``, and export refuses it. Each
+    dropped output is listed (its path and type), for the plan to say so.
+    """
+    dropped: list[str] = []
+
+    def keep_returnable(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        leaves, spec = torch.utils._pytree.tree_flatten_with_path(output)
+        if all(isinstance(v, _RETURNABLE) for _, v in leaves):
+            return None
+        kept = []
+        for path, value in leaves:
+            if not isinstance(value, _RETURNABLE):
+                dropped.append(f"output{torch.utils._pytree.keystr(path)} ({type(value).__name__})")
+                value = None
+            kept.append(value)
+        return torch.utils._pytree.tree_unflatten(kept, spec)
+
+    handle = model.register_forward_hook(keep_returnable)
+    try:
+        yield dropped
+    finally:
+        handle.remove()
+
+
 def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Copies of repeated input tensors: export would give one tensor passed twice (say
     ``input_ids`` as ``labels`` too) a single placeholder, and the program would then
@@ -187,7 +221,12 @@ def capture(
     if not isinstance(args, tuple):
         args = (args,)
     args, kwargs = _distinct_inputs(args, dict(kwargs or {}))
-    with annotation_hooks(model, mesh) as annotations, _block_inputs(model), _track_modules(model) as running:
+    with (
+        annotation_hooks(model, mesh) as annotations,
+        _block_inputs(model),
+        _track_modules(model) as running,
+        _returnable_outputs(model) as dropped,
+    ):
         try:
             program = torch.export.export(model, args, kwargs, strict=False)
         except AnnotationError:
@@ -221,7 +260,16 @@ def capture(
     for node in program.graph.nodes:
         if node.name in inputs and isinstance(node.meta.get("val"), torch.Tensor):
             requires_grad[node.name] = bool(node.meta["val"].requires_grad)
-    return Captured(program, params, buffers, inputs, annotations, aliases, requires_grad)
+    return Captured(
+        program=program,
+        params=params,
+        buffers=buffers,
+        inputs=inputs,
+        annotations=annotations,
+        aliases=aliases,
+        requires_grad=requires_grad,
+        dropped_outputs=dropped,
+    )
 
 
 def gradient_flow(captured: Captured) -> dict[torch.fx.Node, bool]:

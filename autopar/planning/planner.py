@@ -174,6 +174,10 @@ def plan_captured(
     best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
     if pipeline is None and captured.annotations.stages:
         best.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
+    best.warnings.extend(
+        f"{what} is not returned (None): a compiled program returns tensors and plain values"
+        for what in captured.dropped_outputs
+    )
     return best
 
 

@@ -62,6 +62,7 @@ def where(call: OpCall) -> DimSpec:
     aten.contiguous.default,
     aten.alias.default,
     aten.detach.default,
+    aten.detach_.default,  # in place, but changes no value: a redistributed copy may take it
     aten.to.dtype,
     aten.to.dtype_layout,
     aten.to.device,

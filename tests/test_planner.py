@@ -244,3 +244,17 @@ def test_plan_prints_the_graph_as_python_with_layouts():
     first = next(line for line in lines if line.startswith("    linear = aten.linear("))
     assert first.endswith("# R, S(0), S(0) -> S(1)"), first
     assert lines[-1].startswith("    return (")
+
+
+def test_a_mean_loss_with_ignored_targets_is_captured_as_a_sum_over_a_count():
+    """So that a split batch or sequence keeps it exact; the value is the mean's on one device."""
+
+    class Loss(torch.nn.Module):
+        def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-1, label_smoothing=0.1)
+
+    logits, labels = torch.randn(6, 5), torch.tensor([0, -1, 3, -1, 4, 2])
+    captured = capture(Loss(), (logits, labels), None, MeshSpec.of({"dp": 2}))
+    ops = [str(n.target) for n in captured.graph.nodes if n.op == "call_function"]
+    assert ops == ["aten.cross_entropy_loss.default", "aten.ne.Scalar", "aten.sum.default", "aten.div.Tensor"]
+    torch.testing.assert_close(captured.program.module()(logits, labels), Loss()(logits, labels))

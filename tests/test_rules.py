@@ -233,3 +233,17 @@ def test_split_strategies_exist_for_matmul():
     spec = lookup(aten.mm.default).fn(call)
     outs = {s.outputs[0] for s in enumerate_strategies(spec, call.shapes, call.out_shapes, MESHES[0])}
     assert outs == {(Replicate(),), (Shard(0),), (Shard(1),), (Partial(),)}
+
+
+def test_a_mean_class_loss_never_splits_its_items():
+    """Its mean counts only targets other than ignore_index: a mean of per-rank means is not it."""
+    node = make_node(aten.cross_entropy_loss.default, (r(8, 4), torch.randint(0, 4, (8,))), {})
+    call = OpCall.of(node)
+    spec = lookup(aten.cross_entropy_loss.default).fn(call)
+    strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, MESHES[0])
+    assert strategies and all(s.operands[0] == (Replicate(),) for s in strategies)
+    summed = make_node(aten.cross_entropy_loss.default, (r(8, 4), torch.randint(0, 4, (8,)), None, 2), {})
+    call = OpCall.of(summed)
+    spec = lookup(aten.cross_entropy_loss.default).fn(call)
+    layouts = {s.operands[0] for s in enumerate_strategies(spec, call.shapes, call.out_shapes, MESHES[0])}
+    assert (Shard(0),) in layouts

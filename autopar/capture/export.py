@@ -22,6 +22,7 @@ import torch
 
 from autopar.capture.annotations import ModelAnnotations
 from autopar.capture.constraint_op import constraint_spec, layout_constraint
+from autopar.capture.exact_means import ExactMeans
 from autopar.capture.hooks import annotation_hooks
 from autopar.ir.errors import AnnotationError, CaptureError
 from autopar.ir.mesh import MeshSpec
@@ -226,6 +227,7 @@ def capture(
         _block_inputs(model),
         _track_modules(model) as running,
         _returnable_outputs(model) as dropped,
+        ExactMeans(),
     ):
         try:
             program = torch.export.export(model, args, kwargs, strict=False)

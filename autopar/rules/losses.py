@@ -2,8 +2,11 @@
 
 With reduction ``mean`` or ``sum`` every batch-like dimension is summed: splitting
 it leaves each rank a partial loss. For ``mean`` the lowering scales each rank's
-result by the fraction of the batch it holds (``mean_over``); with ignored targets
-it must divide the local sum by the global count instead.
+result by the fraction of the batch it holds (``mean_over``), which is exact only when
+every item counts. A class loss with class-index targets skips ``ignore_index`` (and
+weighs items by class weights), so its mean is a sum over a count that the ranks do not
+share: its items are never split. Capture records the usual calls as a sum over a count
+instead (``autopar/capture/exact_means.py``), which splits exactly.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def _class_loss(call: OpCall) -> DimSpec:
     per_item = tuple(lab for lab in x_labels if lab != "C")
     if reduction == _NONE:
         return DimSpec(operands, (per_item,), whole=frozenset("C"), flops=5 * math.prod(x))
+    if reduction == _MEAN and len(target) != len(x):  # a mean over the counted items only: kept whole
+        return DimSpec(operands, ((),), whole=frozenset(("C", *per_item)), flops=5 * math.prod(x))
     return DimSpec(
         operands,
         ((),),

@@ -14,7 +14,7 @@ import torch
 from autopar.capture.export import module_path
 from autopar.ir.errors import PlanError
 from autopar.ir.layout import parse_layout
-from autopar.ir.meta import GRADS, LAYOUTS, STAGE
+from autopar.ir.meta import STAGE, NodeLayouts, write_layouts
 from autopar.passes.context import PassContext
 
 
@@ -44,8 +44,10 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
                 f"'{decision.module}' in the plan; the plan was made for another model: plan again"
             )
         seen.add(node.name)
-        node.meta[LAYOUTS] = (_parse(decision.operands), _parse(decision.outputs))
-        node.meta[GRADS] = _parse(decision.grads)
+        layouts = NodeLayouts(
+            operands=_parse(decision.operands), outputs=_parse(decision.outputs), grads=_parse(decision.grads)
+        )
+        write_layouts(node, layouts)
         if ctx.plan.pipeline is not None:
             node.meta[STAGE] = ctx.plan.pipeline.node_stages[node.name]
     missing = sorted(set(decisions) - seen)

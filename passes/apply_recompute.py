@@ -43,7 +43,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.ir.errors import CompileError
-from autopar.ir.meta import GRADS, LAYOUTS, RECOMPUTE, REGATHER, STAGE
+from autopar.ir.meta import GRADS, LAYOUTS, RECOMPUTE, REGATHER, STAGE, NodeLayouts, write_layouts
 from autopar.ir.ops import is_autopar_op, is_selective_save
 from autopar.ir.options import POLICIES, SELECTIVE
 
@@ -217,7 +217,8 @@ def _outline(gm: torch.fx.GraphModule, name: str, nodes: list[torch.fx.Node], st
         for key in (RECOMPUTE, REGATHER, GRADS):
             out.meta.pop(key, None)
         if LAYOUTS in out.meta:
-            out.meta[LAYOUTS] = (out.meta[LAYOUTS][1], out.meta[LAYOUTS][1])
+            laid_out = out.meta[LAYOUTS][1]
+            write_layouts(out, NodeLayouts(operands=laid_out, outputs=laid_out))
         last.append(out)
         last = out
     for n in moved:

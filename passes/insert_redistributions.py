@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture.export import gradient_flow
 from autopar.ir.layout import format_layout
-from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, STAGE, GraphLayouts
+from autopar.ir.meta import REDISTRIBUTION, STAGE, GraphLayouts, NodeLayouts, write_layouts
 from autopar.passes.context import PassContext
 from autopar.planning.gradient_sums import planned_edges
 from autopar.planning.laid_out import LaidOutGraph
@@ -70,7 +70,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             layouts = (have, need, grad_need, grad_have)
             r = graph.call_function(redistribute, (src, *(format_layout(x) for x in layouts)))
         r.meta["val"] = src.meta["val"]
-        r.meta[LAYOUTS] = ((have,), (need,))
+        write_layouts(r, NodeLayouts(operands=(have,), outputs=(need,)))
         r.meta[REDISTRIBUTION] = layouts
         if STAGE in node.meta:  # runs in its consumer's pipeline stage, as the plan priced it
             r.meta[STAGE] = node.meta[STAGE]

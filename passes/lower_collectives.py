@@ -27,7 +27,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar)
 from autopar.ir.errors import CompileError
-from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, STAGE
+from autopar.ir.meta import REDISTRIBUTION, STAGE, NodeLayouts, write_layouts
 from autopar.passes.context import PassContext
 from autopar.passes.insert_redistributions import redistribute
 from autopar.planning.cost import StepKind
@@ -106,7 +106,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
                     current[a] = need[a]
                 y = graph.call_function(target, args)
                 y.meta["val"] = node.meta["val"]
-                y.meta[LAYOUTS] = ((before,), (tuple(current),))
+                write_layouts(y, NodeLayouts(operands=(before,), outputs=(tuple(current),)))
                 if STAGE in node.meta:
                     y.meta[STAGE] = node.meta[STAGE]
                 x = y

@@ -2,6 +2,8 @@
 
 * An op's ``size``/``shape`` argument (view, reshape, expand, new_ones, ...) describes
   the global output; it becomes the local output shape under the node's layout.
+* An argument counting items of a split dimension (a grouped convolution's ``groups``,
+  the rule's ``counts``) becomes this rank's share.
 * A mean over a dimension split across ranks (``mean``, a mean-reduced loss; the
   rule's ``mean_over`` labels) is computed locally over 1/c of the items, so its
   result is multiplied by 1/c to become a correct partial sum.
@@ -14,12 +16,11 @@ nodes after rescaled means (with ``autopar.layouts`` and the mean's ``autopar.st
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Shard
 
 from autopar.ir.layout import local_shape
 from autopar.ir.meta import MEAN_SPLIT, STAGE, GraphLayouts, NodeLayouts, write_layouts
 from autopar.passes.context import PassContext
-from autopar.rules import OpCall, lookup
+from autopar.rules import DimSpec, OpCall, spec_of, split_counts
 
 _SIZE_ARGS = ("size", "shape")
 
@@ -40,21 +41,27 @@ def _localize_size(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) 
             node.kwargs = {**node.kwargs, name: local}
 
 
-def _mean_split(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> int:
+def _localize_counts(node: torch.fx.Node, spec: DimSpec, split: dict[str, int]) -> None:
+    """Arguments counting items of a split label (``groups``) become this rank's share."""
+    arguments = node.target._schema.arguments if spec.counts else []
+    for name, label in spec.counts:
+        if split.get(label, 1) == 1:
+            continue
+        share = int(OpCall.of(node).arg(name)) // split[label]
+        index = next(i for i, a in enumerate(arguments) if a.name == name)
+        if name in node.kwargs or arguments[index].kwarg_only:
+            node.kwargs = {**node.kwargs, name: share}
+        else:
+            args = [*node.args, *(a.default_value for a in arguments[len(node.args) : index + 1])]
+            args[index] = share
+            node.args = tuple(args)
+
+
+def _mean_split(spec: DimSpec, split: dict[str, int]) -> int:
     """How many ways a mean's items are split across ranks (1 if not a split mean)."""
-    rule = lookup(node.target)
-    if rule is None:
-        return 1
-    spec = rule.fn(OpCall.of(node))
-    if not spec.mean_over:
-        return 1
     count = 1
-    for a, size in enumerate(ctx.mesh.axis_sizes):
-        for labels, layout in zip(spec.operands, layouts.operands):
-            p = None if labels is None or layout is None else layout[a]
-            if isinstance(p, Shard) and labels[p.dim] in spec.mean_over:
-                count *= size
-                break
+    for label in spec.mean_over:
+        count *= split.get(label, 1)
     return count
 
 
@@ -65,7 +72,12 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         _localize_size(node, layouts[node], ctx)
-        split = _mean_split(node, layouts[node], ctx)
+        spec = spec_of(OpCall.of(node))
+        if spec is None:
+            continue
+        counts = split_counts(spec, layouts[node].operands, ctx.mesh.axis_sizes)
+        _localize_counts(node, spec, counts)
+        split = _mean_split(spec, counts)
         if split > 1:
             with graph.inserting_after(node):
                 scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 / split))

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import local_shape
 from autopar.ir.mesh import MeshSpec
-from autopar.rules import PASSTHROUGH, OpCall, build, enumerate_strategies, lookup
+from autopar.rules import PASSTHROUGH, OpCall, build, enumerate_strategies, lookup, split_counts
 
 aten = torch.ops.aten
 MESHES = [MeshSpec(("x",), (2,)), MeshSpec(("x", "y"), (2, 2))]
@@ -100,6 +100,7 @@ def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
             lambda v, pieces=pieces: next(pieces) if isinstance(v, torch.Tensor) else v, (args, kwargs)
         )
         local_args = localize_sizes(op, local_args, call.out_shapes[0], local_out)
+        local_args = localize_counts(op, local_args, spec, strategy, mesh)
         out = op(*local_args, **local_kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out
         outs[coord] = out * scale if scale != 1.0 else out
@@ -116,6 +117,17 @@ def localize_sizes(op, args, global_shape, local) -> tuple:
     for i, a in enumerate(schema.arguments[: len(args)]):
         if a.name in ("size", "shape") and isinstance(args[i], (list, tuple)):
             out[i] = list(local)
+    return tuple(out)
+
+
+def localize_counts(op, args, spec, strategy, mesh) -> tuple:
+    """Replace an argument counting items of a split label (``groups``) by this rank's share."""
+    split = split_counts(spec, strategy.operands, mesh.axis_sizes)
+    out = list(args)
+    names = [a.name for a in op._schema.arguments]
+    for name, label in spec.counts:
+        if split.get(label, 1) > 1:
+            out[names.index(name)] //= split[label]
     return tuple(out)
 
 

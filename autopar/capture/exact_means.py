@@ -14,6 +14,21 @@ are whole, so value and gradient are the single-device mean's under every plan.
 
 Left as they are: class weights (the mean then divides by a sum of weights), the legacy
 ``size_average``/``reduce`` arguments, and class-probability targets (no item is ignored).
+
+Batch normalisation in training is a mean too: its statistics are over the whole batch
+(and space), and ``batch_norm`` also updates the running statistics in place. Split over
+the batch, each rank would normalise by its own piece's statistics. So ``batch_norm``
+with batch statistics is recorded as its formula,
+
+    mean = x.mean(dims); var = ((x - mean) ** 2).mean(dims)
+    y = (x - mean) * rsqrt(var + eps) * weight + bias
+    running_mean = (1 - m) * running_mean + m * mean
+    running_var = (1 - m) * running_var + m * var * n / (n - 1)
+
+whose means the planner may split into partial sums (their all-reduce follows from the
+rules, as SyncBatchNorm's does); the running statistics are updated in place from the
+whole-batch values, ``n`` the items per channel of the whole batch. A cumulative average
+(``momentum=None``) is left as it is.
 """
 
 from __future__ import annotations
@@ -31,11 +46,17 @@ _CLASS_LOSSES = {
 }
 
 
+_BATCH_NORM = inspect.signature(F.batch_norm)
+
+
 class ExactMeans(TorchFunctionMode):
-    """Records mean class losses as a sum over a count (see the module docstring)."""
+    """Records mean class losses as a sum over a count and training batch norms as their
+    formula (see the module docstring)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is F.batch_norm:
+            return _batch_norm(func, args, kwargs)
         signature = _CLASS_LOSSES.get(func)
         if signature is None:
             return func(*args, **kwargs)
@@ -55,3 +76,29 @@ class ExactMeans(TorchFunctionMode):
         given["reduction"] = "sum"
         total = func(*bound.args, **bound.kwargs)
         return total / (target != given["ignore_index"]).sum()
+
+
+def _batch_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    bound = _BATCH_NORM.bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    x, momentum = given["input"], given["momentum"]
+    running_mean, running_var = given["running_mean"], given["running_var"]
+    if not given["training"] or (running_mean is not None and momentum is None) or x.dim() < 2:
+        return func(*args, **kwargs)
+    dims = [d for d in range(x.dim()) if d != 1]
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    mean = x.mean(dims, keepdim=True)
+    centred = x - mean
+    var = (centred * centred).mean(dims, keepdim=True)
+    y = centred * torch.rsqrt(var + given["eps"])
+    if given["weight"] is not None:
+        y = y * given["weight"].view(shape)
+    if given["bias"] is not None:
+        y = y + given["bias"].view(shape)
+    if running_mean is not None:
+        items = x.numel() // x.shape[1]
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.view(-1), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(var.view(-1), alpha=momentum * items / max(items - 1, 1))
+    return y

@@ -7,6 +7,7 @@
   :func:`is_selective_save`, for graph nodes (the composite ops export keeps, such as
   ``linear`` or ``scaled_dot_product_attention``) and for the ops they dispatch to at run
   time (``mm``, the fused attention kernels) alike.
+* In-place ops, read off their schemas: :func:`written_operand`.
 """
 
 from __future__ import annotations
@@ -50,3 +51,21 @@ def is_selective_save(target: object) -> bool:
     name = getattr(packet, "_qualified_op_name", "")
     namespace, _, op = name.partition("::")
     return namespace == "aten" and op in SELECTIVE_SAVES
+
+
+def written_operand(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The graph value an op node writes in place (its schema marks the argument written), or None.
+
+    A chain of in-place ops (``x.mul_(a).add_(b)``) writes its first value: the result
+    of an in-place op is the tensor it wrote.
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if not isinstance(value, torch.fx.Node):
+                return None
+            return written_operand(value) or value
+    return None

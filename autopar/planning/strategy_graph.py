@@ -37,11 +37,21 @@ from autopar.capture.export import Captured, gradient_flow, module_path
 from autopar.ir.layout import Layout, grad_layout, is_valid_for, local_fraction, replicated
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts
-from autopar.ir.ops import LAYOUT_CONSTRAINT
+from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
 from autopar.ir.plan import ChoiceKind
 from autopar.planning.cost import CostModel
 from autopar.planning.tying import tie_blocks
-from autopar.rules import DimSpec, OpCall, Strategy, enumerate_strategies, fallback, follow, lookup, shape_of
+from autopar.rules import (
+    DimSpec,
+    OpCall,
+    Strategy,
+    enumerate_strategies,
+    fallback,
+    follow,
+    lookup,
+    shape_of,
+    spec_of,
+)
 
 
 @dataclass
@@ -176,6 +186,7 @@ class _Builder:
         )
         self.requires_grad = gradient_flow(captured)
         self.canon, self.tied_blocks = tie_blocks(captured)
+        self.written = {written_operand(n) for n in self.graph.nodes} - {None}
 
     def build(self, grad_sum_weight: float) -> StrategyGraph:
         for node in _tensor_nodes(self.graph):
@@ -208,6 +219,8 @@ class _Builder:
         # loading an input costs its local bytes once, so of equally good plans the one
         # that splits the batch at the source wins
         fixed = self.fixed_inputs.get(node.name)
+        if fixed is None and node in self.written:
+            fixed = replicated(self.mesh)  # updated in place: see _param
         layouts = all_layouts(shape_of(node), self.mesh) if fixed is None else [fixed]
         val = node.meta["val"]
         load = [
@@ -226,6 +239,10 @@ class _Builder:
     def _param(self, node: torch.fx.Node) -> Choice:
         fqn = self.captured.params.get(node.name) or self.captured.buffers.get(node.name)
         fixed = self.captured.annotations.parameter_layouts.get(fqn)
+        if fixed is None and node in self.written:
+            # updated in place (running statistics): kept whole, so the update is never
+            # made to a redistributed copy
+            fixed = replicated(self.mesh)
         if fixed is not None:
             return Choice(root=None, strategies=[fixed_strategy(fixed)], kind=ChoiceKind.FIXED)
         # a parameter of a repeated block shares the choice of its twin in the first block
@@ -262,13 +279,7 @@ class _Builder:
             ]
             return Choice(root=src.root, strategies=picked, kind=ChoiceKind.GETITEM)
         call = OpCall.of(node)
-        rule = lookup(node.target)
-        spec = None
-        if rule is not None:
-            try:
-                spec = rule.fn(call)
-            except Exception:  # noqa: BLE001 - an unforeseen call form of a known op
-                spec = None
+        spec = spec_of(call)
         if spec is None:
             self.fallbacks.append((str(node.target), module_path(node)))
             spec = fallback(call)
@@ -276,7 +287,7 @@ class _Builder:
                 call, spec, None, [_replicated_strategy(spec, self.mesh)], ChoiceKind.FALLBACK
             )
         primary = self._primary(call, spec)
-        if (rule.anchor or primary is None) and spec.shardable():
+        if (lookup(node.target).anchor or primary is None) and spec.shardable():
             strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh)
             if len(strategies) > 1:
                 return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)

@@ -52,7 +52,10 @@ class DimSpec:
     in place of the whole tuple marks an operand read only for its dtype or shape
     (any layout will do). ``mean_over`` are summed labels whose local result is a
     mean: a rank holding 1/c of such a dimension must scale its result by 1/c so the
-    pieces add up (the lowering does this).
+    pieces add up (the lowering does this). ``extents`` are further sizes a label's split
+    count must divide, and ``counts`` name arguments counting items of a label, which each
+    rank passes as its share (a grouped convolution splits its channels only by whole
+    groups, and each rank convolves ``groups / c`` of them).
     """
 
     operands: tuple[Labels | None, ...]
@@ -63,6 +66,8 @@ class DimSpec:
     linear: frozenset[int] = frozenset()
     mean_over: frozenset[str] = frozenset()
     flops: float = 0.0
+    extents: tuple[tuple[str, int], ...] = ()
+    counts: tuple[tuple[str, str], ...] = ()
 
     def shardable(self) -> tuple[str, ...]:
         """Labels a mesh axis may split, in order of first appearance."""
@@ -134,7 +139,9 @@ def shape_of(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in node.meta["val"].shape)
 
 
-RuleFn = Callable[[OpCall], DimSpec]
+#: A rule labels one call of its op, or returns None for a call form it does not cover
+#: (the op is then replicated and listed, as one without a rule).
+RuleFn = Callable[[OpCall], DimSpec | None]
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,31 @@ def lookup(target: object) -> Rule | None:
     if found is None and hasattr(target, "overloadpacket"):
         found = RULES.get(target.overloadpacket)
     return found
+
+
+def spec_of(call: OpCall) -> DimSpec | None:
+    """The labels of ``call`` from its op's rule; None where no rule covers the call."""
+    found = lookup(call.node.target)
+    if found is None:
+        return None
+    try:
+        return found.fn(call)
+    except Exception:  # noqa: BLE001 - an unforeseen call form of a known op is not covered
+        return None
+
+
+def split_counts(
+    spec: DimSpec, operand_layouts: Sequence[Layout | None], mesh_sizes: Sequence[int]
+) -> dict[str, int]:
+    """How many ways each label of ``spec`` is split when its operands have these layouts."""
+    counts: dict[str, int] = {}
+    for a, size in enumerate(mesh_sizes):
+        for labels, layout in zip(spec.operands, operand_layouts):
+            p = None if labels is None or layout is None else layout[a]
+            if isinstance(p, Shard) and labels[p.dim]:
+                counts[labels[p.dim]] = counts.get(labels[p.dim], 1) * size
+                break
+    return counts
 
 
 def fallback(call: OpCall) -> DimSpec:
@@ -206,6 +238,8 @@ def _dims_of(spec: DimSpec, shapes: Sequence[tuple[int, ...]], out_shapes: Seque
         for lab, size in zip(labels or (), shape):
             if lab:
                 sizes.setdefault(lab, []).append(size)
+    for lab, size in spec.extents:
+        sizes.setdefault(lab, []).append(size)
     return sizes
 
 
@@ -321,12 +355,14 @@ def follow(
 
 from autopar.rules import (  # noqa: E402,F401  (registers the table)
     attention,
+    conv,
     elementwise,
     embedding,
     factories,
     losses,
     matmul,
     norms,
+    pooling,
     reductions,
     views,
 )

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from autopar.rules import DimSpec, OpCall, broadcast, rule
+from autopar.ir.ops import written_operand
+from autopar.rules import DimSpec, OpCall, broadcast, fallback, rule
 
 aten = torch.ops.aten
 
@@ -134,3 +135,33 @@ def linear_unary(call: OpCall) -> DimSpec:
 )
 def nonlinear(call: OpCall) -> DimSpec:
     return _pointwise(call)
+
+
+@rule(
+    aten.add_.Tensor,
+    aten.add_.Scalar,
+    aten.sub_.Tensor,
+    aten.sub_.Scalar,
+    aten.mul_.Tensor,
+    aten.mul_.Scalar,
+    aten.div_.Tensor,
+    aten.div_.Scalar,
+    aten.copy_.default,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zero_.default,
+    aten.lerp_.Scalar,
+    aten.lerp_.Tensor,
+    aten.addcmul_.default,
+    aten.clamp_.default,
+)
+def update_in_place(call: OpCall) -> DimSpec | None:
+    # An update of a model input or buffer (BatchNorm's running statistics, a step
+    # counter, an EMA) writes the tensor where it is stored; the planner stores such
+    # tensors replicated, so the update runs replicated on whole operands. In-place ops on
+    # intermediate values are captured as their out-of-place forms where that is exact;
+    # any left here are not covered (replicated and listed).
+    target = written_operand(call.node)
+    if target is None or target.op != "placeholder":
+        return None
+    return fallback(call)

@@ -1,4 +1,4 @@
-"""Normalisations: layer_norm, rms_norm, softmax, log_softmax (normalised dims stay whole)."""
+"""Normalisations: layer, rms, batch, group and instance norms, (log_)softmax; normalised dims stay whole."""
 
 from __future__ import annotations
 
@@ -29,3 +29,43 @@ def softmax(call: OpCall) -> DimSpec:
     labels = fresh(len(x))
     dim = call.arg("dim") % len(x)
     return DimSpec((tuple(labels),), (tuple(labels),), whole=frozenset(labels[dim]), flops=5 * math.prod(x))
+
+
+@rule(aten.batch_norm.default)
+def batch_norm(call: OpCall) -> DimSpec | None:
+    # (n, c, *space): per-channel statistics. In eval (running statistics used) every dim
+    # splits. Training normalises by statistics over the batch and space, so only channels
+    # split; with running statistics the op also updates them in place, which a rank's
+    # piece of the buffer cannot take: capture records that case as plain means instead
+    # (capture/exact_means.py), and an op seen here anyway stays replicated and listed.
+    x = call.shapes[0]
+    labels = fresh(len(x))
+    channel = labels[1]
+    training = bool(call.arg("training"))
+    if training and call.arg("running_mean") is not None:
+        return None
+    operands = (tuple(labels), *((channel,) for _ in call.shapes[1:]))
+    whole = frozenset(labels) - {channel} if training else frozenset()
+    return DimSpec(operands, (tuple(labels),), whole=whole, flops=5 * math.prod(x))
+
+
+@rule(aten.group_norm.default)
+def group_norm(call: OpCall) -> DimSpec:
+    # (n, c, *space) normalised over each group of channels and all of space: the batch
+    # splits, the rest stays whole (a channel split would change the op's group count).
+    x = call.shapes[0]
+    labels = fresh(len(x))
+    operands = (tuple(labels), *((labels[1],) for _ in call.shapes[1:]))
+    return DimSpec(operands, (tuple(labels),), whole=frozenset(labels[1:]), flops=5 * math.prod(x))
+
+
+@rule(aten.instance_norm.default)
+def instance_norm(call: OpCall) -> DimSpec | None:
+    # per sample and channel over space: batch and channels split. Running statistics
+    # (track_running_stats) average over the batch and update buffers in place: replicated.
+    if call.arg("running_mean") is not None:
+        return None
+    x = call.shapes[0]
+    labels = fresh(len(x))
+    operands = (tuple(labels), *((labels[1],) for _ in call.shapes[1:]))
+    return DimSpec(operands, (tuple(labels),), whole=frozenset(labels[2:]), flops=5 * math.prod(x))

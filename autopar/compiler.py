@@ -35,11 +35,13 @@ from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import materialize
 from autopar.runtime.module import DistributedModule, LossFn
 
+_ON_FIRST_CALL = object()  # example_args not given: the first call is the example
+
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
     model: torch.nn.Module,
     mesh: Any,
-    example_args: Any,
+    example_args: Any = _ON_FIRST_CALL,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     plan: Plan | None = None,
@@ -53,20 +55,29 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     """Compile ``model`` for ``mesh`` (a ``DeviceMesh`` with axis names); see the module docstring.
 
     ``example_args``/``example_kwargs`` are *global* example inputs (the whole batch).
+    Without them, compiling waits for the first call, whose inputs are the example (as
+    with ``torch.compile``): see :class:`CompiledOnFirstCall`.
     ``pipeline`` pipelines over one mesh axis (a saved ``plan`` brings its own).
     ``memory`` and ``memory_budget`` are :func:`autopar.plan`'s (a saved plan brings its
     memory plan).
     Returns a :class:`~autopar.runtime.module.DistributedModule` whose parameters are
     DTensors under the original names, each rank holding its piece of the model's
-    weights (under a pipeline, of its stages' weights only); a model built on ``meta``
-    is initialised by :func:`~autopar.runtime.materialize.materialize` (``reset_parameters()``
-    under ``seed``).
+    weights (under a pipeline, of its stages' weights only). A model built on ``meta``
+    is initialised by :func:`~autopar.runtime.materialize.materialize` as its own code
+    would (a transformers model's ``_init_weights``, other modules' ``reset_parameters()``),
+    under ``seed``, identically on every rank; a meta tensor nothing initialises raises
+    :class:`~autopar.ir.errors.InitializationError` naming it and the remedies.
     """
     if not hasattr(mesh, "get_group"):
         raise CompileError(
             "autopar.compile needs a DeviceMesh with axis names (init_device_mesh(..., mesh_dim_names=...)); "
             "to plan without ranks use autopar.plan"
         )
+    if example_args is _ON_FIRST_CALL:
+        if example_kwargs is not None:
+            raise CompileError("example_kwargs were given without example_args: pass example_args=() too")
+        options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, pipeline=pipeline)
+        return CompiledOnFirstCall(model, mesh, {**options, "memory": memory, "memory_budget": memory_budget})
     spec = MeshSpec.of(mesh)
     if plan is not None and plan.pipeline is not None:
         saved = plan.pipeline
@@ -185,3 +196,61 @@ def compile_loss(
     fixed = dict(zip(captured.inputs, module.output_layouts))  # the target, the last input, stays free
     plan = plan_captured(captured, spec, cluster=Cluster.from_dict(module.plan.cluster), fixed_inputs=fixed)
     return build_module(loss, module.stage_mesh, module.stage_mesh, captured, plan)
+
+
+class CompiledOnFirstCall(torch.nn.Module):
+    """A model ``autopar.compile`` compiles on its first call, that call's inputs the example.
+
+    It stands in for the user's model in a training loop: every call takes the *global*
+    batch, whole on every rank (as the plain model would), and each rank runs the compiled
+    program on its own piece (``DistributedModule.shard_inputs``). The first call captures,
+    plans and builds the :class:`~autopar.runtime.module.DistributedModule` (``compiled``);
+    every attribute after that is the compiled module's (``plan``, ``code``, ``train_step``,
+    ``gather_outputs``, ...), and so are the parameters, buffers and ``state_dict``.
+
+    A compiled program has static shapes: a later call with another input shape or
+    structure raises a ``ShapeError`` naming the input (rather than planning again, which
+    would re-create the parameters under an optimizer that already holds the old ones).
+    Before the first call there are no distributed parameters yet: asking for them raises,
+    so an optimizer cannot silently be built on the plain model's.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: Any, options: dict[str, Any]) -> None:
+        super().__init__()
+        self.__dict__["_model"] = model  # not a submodule: its parameters are not this module's
+        self.__dict__["_mesh"] = mesh
+        self.__dict__["_options"] = options
+        self.compiled: DistributedModule | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is None:
+            self.compiled = compile(self._model, self._mesh, args, example_kwargs=kwargs, **self._options)
+        local_args, local_kwargs = self.compiled.shard_inputs(*args, **kwargs)
+        return self.compiled(*local_args, **local_kwargs)
+
+    def _require(self, what: str) -> DistributedModule:
+        if self.compiled is None:
+            raise CompileError(
+                f"{type(self._model).__name__} compiles on its first call, so its distributed {what} do not "
+                "exist yet: call the module once (a global batch) before building an optimizer or reading "
+                "its state, or give autopar.compile example inputs"
+            )
+        return self.compiled
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self._require("parameters").named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
+        return self._require("buffers").named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._require("state").state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._require("state").load_state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._require(f"attributes ({name!r})"), name)

@@ -174,3 +174,26 @@ def test_a_key_value_cache_output_is_dropped_and_said(mesh):
     local_args, local_kwargs = dmodel.shard_inputs(**batch)
     out = dmodel(*local_args, **local_kwargs)
     assert out.past_key_values is None and out.loss.shape == ()
+
+
+def test_without_examples_the_first_call_is_the_example(mesh):
+    model, args = gpt.build(batch_size=4)
+    plain = gpt.build(batch_size=4)[0]
+    plain.load_state_dict(model.state_dict())
+    dmodel = autopar.compile(model, mesh)
+    # no distributed parameters before the first call: an optimizer cannot take the plain model's
+    with pytest.raises(autopar.CompileError, match="compiles on its first call"):
+        torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    with pytest.raises(autopar.CompileError, match="first call"):
+        _ = dmodel.plan
+    loss = dmodel(*args)  # the global batch, as the plain model takes it
+    assert loss.shape == ()
+    assert dmodel.plan.mesh_spec.axis_names == ("dp", "tp")
+    assert set(dmodel.state_dict()) == set(plain.state_dict())
+    assert all(isinstance(p, DTensor) for p in dmodel.parameters())
+    assert "def forward(" in dmodel.code
+    longer = tuple(torch.cat([a, a], dim=0) for a in args)
+    with pytest.raises(
+        autopar.ShapeError, match=r"input .idx. has shape \(8, 32\); compiled for the global shape \(4, 32\)"
+    ):
+        dmodel(*longer)

@@ -233,6 +233,8 @@ class DistributedModule(torch.nn.Module):
     def shard_inputs(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         """This rank's local inputs from a global batch that every rank holds whole."""
         leaves = self._user_leaves(args, kwargs)
+        for name, t in zip(self._input_names, leaves):
+            self._check(name, t, is_global=True)
         local = [
             local_piece(t, self._input_layouts[n], self.stage_mesh) if isinstance(t, torch.Tensor) else t
             for t, n in zip(leaves, self._input_names)
@@ -251,25 +253,25 @@ class DistributedModule(torch.nn.Module):
         ]
         return pytree.tree_unflatten(whole, spec)
 
-    def _check(self, name: str, t: Any) -> None:
+    def _check(self, name: str, t: Any, is_global: bool = False) -> None:
         if name in self._constant_inputs:
             compiled = self._constant_inputs[name]
             if type(t) is not type(compiled) or t != compiled:
                 raise ShapeError(
-                    f"input '{name}' is {t!r}, but the module was compiled with {name}={compiled!r}: a "
-                    f"non-tensor input is a constant of the compiled program; compile again for another value"
+                    f"input '{name}' is {t!r}, but the module was compiled with {name}={compiled!r}: a non-"
+                    "tensor input is a constant of the compiled program; compile again for another value"
                 )
             return
         if not isinstance(t, torch.Tensor) or name not in self._input_layouts:
             return
-        layout = self._input_layouts[name]
-        expected = local_shape(self._input_global[name], layout, self.plan.mesh_spec)
+        layout, whole = self._input_layouts[name], self._input_global[name]
+        expected = whole if is_global else local_shape(whole, layout, self.plan.mesh_spec)
         if tuple(t.shape) != expected:
+            shown = f"global shape {whole}" if is_global else f"local piece {expected} (global {whole})"
+            fix = "compile again for it" if is_global else "pass dmodel.shard_inputs(...) of the batch"
             raise ShapeError(
-                f"input '{name}' has shape {tuple(t.shape)}, "
-                f"but this rank expects its local piece {expected} "
-                f"(global {self._input_global[name]} laid out {format_layout(layout)} on mesh "
-                f"{self.plan.mesh_spec}); pass dmodel.shard_inputs(...) of a batch shaped like the example"
+                f"input '{name}' has shape {tuple(t.shape)}; compiled for the {shown} laid out "
+                f"{format_layout(layout)} on mesh {self.plan.mesh_spec} (static shapes): {fix}"
             )
 
     def program_inputs(self, args: tuple, kwargs: dict) -> list[Any]:

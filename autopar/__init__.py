@@ -14,7 +14,15 @@ or, on every rank of a job with a named ``DeviceMesh``, compile and train::
 from autopar.capture.annotations import pipeline_stage, recompute, shard
 from autopar.capture.hooks import constrain
 from autopar.compiler import compile
-from autopar.ir.errors import AnnotationError, AutoparError, CaptureError, CompileError, PlanError, ShapeError
+from autopar.ir.errors import (
+    AnnotationError,
+    AutoparError,
+    CaptureError,
+    CompileError,
+    InitializationError,
+    PlanError,
+    ShapeError,
+)
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory, Pipeline
 from autopar.ir.plan import Plan, load_plan
@@ -27,6 +35,7 @@ __all__ = [
     "CaptureError",
     "Cluster",
     "CompileError",
+    "InitializationError",
     "LinkSpec",
     "Memory",
     "MeshSpec",

@@ -28,3 +28,8 @@ class CompileError(AutoparError, RuntimeError):
 class ShapeError(AutoparError, ValueError):
     """A compiled module was called with inputs other than it was compiled for: other shapes or
     structure, or a training step without what it needs (a target, a loss)."""
+
+
+class InitializationError(AutoparError, ValueError):
+    """A model built on ``meta`` has a tensor whose initial value nothing in the model defines,
+    or one of its initializers failed: the message names each tensor and what to do."""

@@ -6,33 +6,33 @@ None of these communicates: every rank computes the same whole tensors and keeps
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from autopar.ir.layout import Layout
+from autopar.runtime.initialize import has_meta, initialize
 
 
-def materialize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """A copy of a model built on ``meta`` with real weights, the same on every rank.
+def materialize(
+    model: torch.nn.Module, seed: int, *, init: Callable[[torch.nn.Module], None] | None = None
+) -> torch.nn.Module:
+    """A copy of a model built on ``meta`` with the initial values its own code gives, the same on every rank.
 
-    The documented initializer: the copy is moved to the CPU uninitialised, then every
-    module that has ``reset_parameters()`` (all of torch's layers) calls it, after
-    ``torch.manual_seed(seed)`` so that every rank draws the same weights; each rank
-    later keeps its piece. A model without meta tensors is returned as it is. (The whole
-    model is built on every rank before slicing: fine for models that fit one host.)
+    The contract is :mod:`autopar.runtime.initialize`'s: a transformers model's own
+    initialisation (``_init_weights``: norms, rotary ``inv_freq``, position ids, tied
+    weights kept tied), every other module's ``reset_parameters()`` children first, then
+    ``init(module)`` when given, all on the CPU after ``torch.manual_seed(seed)``; tensors
+    not on meta keep their values, and a meta tensor none of these sets raises
+    :class:`~autopar.ir.errors.InitializationError` naming it. A model without meta tensors
+    is returned as it is. (The whole model is built on every rank before each keeps its
+    piece: fine for models that fit one host.)
     """
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+    if not has_meta(model):
         return model
-    model = copy.deepcopy(model).to_empty(device="cpu")
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-    return model
+    return initialize(model, seed, init)
 
 
 def local_piece(t: torch.Tensor, layout: Layout, mesh: Any) -> torch.Tensor:

@@ -162,6 +162,7 @@ def build_module(
         grad_reductions=ctx.grad_reductions,
         stages=None if ctx.stages is None else tuple(ctx.stages),
         snapshots=ctx.snapshots,
+        number_outputs=ctx.captured.number_outputs,
     )
     return DistributedModule(
         model, mesh, lowered, compile_loss=compile_loss, stage_mesh=stage_mesh, pipeline=pipeline

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from autopar.capture.annotations import ModelAnnotations
 from autopar.capture.constraint_op import constraint_spec, layout_constraint
@@ -46,6 +47,7 @@ class Captured:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     dropped_outputs: list[str] = field(default_factory=list)  # outputs the program returns as None
+    number_outputs: tuple[int, ...] = ()  # output leaves the model returns as Python numbers (.item())
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -165,18 +167,44 @@ def _track_modules(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
 _RETURNABLE = (torch.Tensor, int, float, bool, str, type(None))
 
 
+class _NumbersAsTensors(TorchFunctionMode):
+    """While capturing, ``t.item()`` gives ``t`` detached (0-d) instead of a Python number.
+
+    A number computed from a split value must come from the whole value (a Partial sum
+    reduced first); as a tensor it stays in the graph, where the plan reduces it like any
+    output. ``numbers`` keeps each such tensor, so outputs that are numbers can be told
+    apart and turned back into numbers after the program runs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numbers: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is not torch.Tensor.item:
+            return func(*args, **(kwargs or {}))
+        number = args[0].detach()
+        self.numbers[id(number)] = number
+        return number
+
+
 @contextmanager
-def _returnable_outputs(model: torch.nn.Module) -> Iterator[list[str]]:
-    """While active, ``model``'s outputs that export cannot return become ``None``.
+def _returnable_outputs(model: torch.nn.Module) -> Iterator[tuple[list[str], list[int]]]:
+    """While active, ``model``'s outputs that export cannot return become ``None``, and
+    numbers taken with ``.item()`` are returned as tensors.
 
     A training step needs no key/value cache, yet transformers' models return one (a
     ``DynamicCache``) unless called with ``use_cache=False``, and export refuses it. Each
-    dropped output is listed (its path and type), for the plan to say so.
+    dropped output is listed (its path and type), for the plan to say so; each output
+    that is a number is listed by its position among the output's leaves.
     """
     dropped: list[str] = []
+    numbers: list[int] = []
+    mode = _NumbersAsTensors()
 
     def keep_returnable(module: torch.nn.Module, args: tuple, output: Any) -> Any:
         leaves, spec = torch.utils._pytree.tree_flatten_with_path(output)
+        numbers.extend(i for i, (_, v) in enumerate(leaves) if id(v) in mode.numbers)
         if all(isinstance(v, _RETURNABLE) for _, v in leaves):
             return None
         kept = []
@@ -189,7 +217,8 @@ def _returnable_outputs(model: torch.nn.Module) -> Iterator[list[str]]:
 
     handle = model.register_forward_hook(keep_returnable)
     try:
-        yield dropped
+        with mode:
+            yield dropped, numbers
     finally:
         handle.remove()
 
@@ -226,7 +255,7 @@ def capture(
         annotation_hooks(model, mesh) as annotations,
         _block_inputs(model),
         _track_modules(model) as running,
-        _returnable_outputs(model) as dropped,
+        _returnable_outputs(model) as (dropped, numbers),
         ExactMeans(),
     ):
         try:
@@ -271,6 +300,7 @@ def capture(
         aliases=aliases,
         requires_grad=requires_grad,
         dropped_outputs=dropped,
+        number_outputs=tuple(numbers),
     )
 
 

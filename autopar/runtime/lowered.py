@@ -35,6 +35,7 @@ class LoweredProgram:
     grad_reductions: Mapping[str, tuple[str, ...]]  # parameter placeholder -> axis keys its grad sums over
     stages: tuple[StageProgram, ...] | None
     snapshots: Mapping[str, str]  # pass name -> the graph printed after it
+    number_outputs: tuple[int, ...] = ()  # user output leaves the model returns as Python numbers
 
     def state_names(self, placeholders: Iterable[str]) -> set[str]:
         """Every name in the model (tied weights have several) of the parameters and buffers

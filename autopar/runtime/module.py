@@ -27,7 +27,6 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from autopar.ir.errors import CompileError, ShapeError
@@ -40,7 +39,7 @@ from autopar.runtime import offload
 from autopar.runtime.grad_reducer import GradReducer
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import distributed_copy, local_piece
-from autopar.runtime.optimizer import ZeroShard, make_optimizer
+from autopar.runtime.optimizer import ZeroShard, held_bytes, make_optimizer
 from autopar.runtime.pipeline_runtime import PipelineRuntime, device_of
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # loss_fn(output, target) -> a scalar loss
@@ -291,7 +290,10 @@ class DistributedModule(torch.nn.Module):
         offload = self.memory.offload_activations
         with self.activations_to_host(inputs) if offload else contextlib.nullcontext():
             outs = self._program(*inputs)
-        return pytree.tree_unflatten([outs[i] for i in self._user_outputs], self._out_spec)
+        leaves = [outs[i] for i in self._user_outputs]
+        for i in self._lowered.number_outputs:  # whole on every rank: the plan reduced them
+            leaves[i] = leaves[i].item()
+        return pytree.tree_unflatten(leaves, self._out_spec)
 
     # --- training ----------------------------------------------------------------------
     def train_step(
@@ -437,44 +439,8 @@ class DistributedModule(torch.nn.Module):
         )
 
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds now, measured from the live tensors (each storage once).
-
-        ``param`` and ``grad``: the parameters' local pieces and their gradients (ZeRO
-        shards' gradients included); ``optimizer``: the state tensors of ``optimizer``
-        shaped like its parameters (per-parameter step counters left out); under optimizer
-        offload those, the master copies and their gradients count as ``host`` instead.
-        The plan predicts the same (``plan.prediction``, ``plan.memory.host_bytes``).
-        """
-        seen: set = set()
-
-        def size(tensors: Iterable[Any]) -> int:
-            total = 0
-            for t in tensors:
-                if isinstance(t, torch.Tensor):
-                    local = t.to_local() if isinstance(t, DTensor) else t
-                    key = StorageWeakRef(local.untyped_storage())
-                    if key not in seen:
-                        seen.add(key)
-                        total += local.untyped_storage().nbytes()
-            return total
-
-        params = list(self.parameters())
-        param = size([*params, *self.buffers()])
-        grad = size([p.grad for p in params] + [s.shard.grad for s in self.zero_shards.values()])
-        held = {"param": param, "grad": grad, "optimizer": 0, "host": 0}
-        if optimizer is not None:
-            owned = [p for group in optimizer.param_groups for p in group["params"]]
-            states = [
-                t
-                for p in owned
-                for t in optimizer.state.get(p, {}).values()
-                if isinstance(t, torch.Tensor) and t.shape == p.shape
-            ]
-            if self.memory.offload_optimizer:
-                held["host"] = size([*owned, *(p.grad for p in owned), *states])
-            else:
-                held["optimizer"] = size(states)
-        return held
+        """Bytes this rank holds now, measured from the live tensors: see :func:`held_bytes`."""
+        return held_bytes(self, optimizer)
 
     # --- introspection ------------------------------------------------------------------
     @property

@@ -16,11 +16,12 @@ so any optimizer over ``dmodel.parameters()`` holds split state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.runtime import collectives
 
@@ -119,3 +120,44 @@ def make_optimizer(
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
     return optimizer
+
+
+def held_bytes(module: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes a ``DistributedModule`` holds on this rank now, from the live tensors (each storage once).
+
+    ``param`` and ``grad``: the parameters' local pieces and their gradients (ZeRO
+    shards' gradients included); ``optimizer``: the state tensors of ``optimizer``
+    shaped like its parameters (per-parameter step counters left out); under optimizer
+    offload those, the master copies and their gradients count as ``host`` instead.
+    The plan predicts the same (``plan.prediction``, ``plan.memory.host_bytes``).
+    """
+    seen: set = set()
+
+    def size(tensors: Iterable[Any]) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                local = t.to_local() if isinstance(t, DTensor) else t
+                key = StorageWeakRef(local.untyped_storage())
+                if key not in seen:
+                    seen.add(key)
+                    total += local.untyped_storage().nbytes()
+        return total
+
+    params = list(module.parameters())
+    param = size([*params, *module.buffers()])
+    grad = size([p.grad for p in params] + [s.shard.grad for s in module.zero_shards.values()])
+    held = {"param": param, "grad": grad, "optimizer": 0, "host": 0}
+    if optimizer is not None:
+        owned = [p for group in optimizer.param_groups for p in group["params"]]
+        states = [
+            t
+            for p in owned
+            for t in optimizer.state.get(p, {}).values()
+            if isinstance(t, torch.Tensor) and t.shape == p.shape
+        ]
+        if module.memory.offload_optimizer:
+            held["host"] = size([*owned, *(p.grad for p in owned), *states])
+        else:
+            held["optimizer"] = size(states)
+    return held

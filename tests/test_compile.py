@@ -197,3 +197,23 @@ def test_without_examples_the_first_call_is_the_example(mesh):
         autopar.ShapeError, match=r"input .idx. has shape \(8, 32\); compiled for the global shape \(4, 32\)"
     ):
         dmodel(*longer)
+
+
+class _WithNumber(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        y = self.proj(x)
+        return y.sum(), y.pow(2).sum().item()
+
+
+def test_a_python_number_output_is_taken_from_the_whole_value(mesh):
+    model = _WithNumber()
+    autopar.shard(model, in_strategy=(("dp", None),))  # split the batch: sums are partial per rank
+    dmodel = autopar.compile(model, mesh, (torch.randn(64, 8),), cluster="fast-links")
+    number = dmodel.code.split("pow_1")[-1]
+    assert "autopar.all_reduce(" in number, dmodel.code  # reduced before it becomes a number
+    loss, value = dmodel(*dmodel.shard_inputs(torch.randn(64, 8))[0])
+    assert isinstance(value, float) and isinstance(loss, torch.Tensor)

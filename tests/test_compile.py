@@ -32,7 +32,7 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
     assert code.startswith("# Constructed by autopar.compile on mesh dp=2×tp=2\ndef forward(")
     # row-parallel linear: partial sums all-reduced in forward, identity in backward ("g") ...
     assert (
-        "linear_5 = aten.linear(gelu, p_blocks_0_mlp_proj_weight, to_partial_default)"
+        "linear_5 = aten.linear(gelu, p_blocks_0_mlp_proj_weight, to_partial_default_1)"
         "  # S(0)S(2), RS(1), RP -> S(0)P" in code
     )
     assert "autopar.all_reduce(linear_5, 'tp', 'identity')  # S(0)P -> S(0)R" in code

@@ -142,6 +142,47 @@ def test_annotated_parameters_are_honoured():
     assert plan.parameter_placements["layers.2.weight"] == (Replicate(), Shard(1))
 
 
+def test_a_parameter_plan_is_the_layout_its_op_computes_with():
+    """MindSpore's meaning: Megatron's column- and row-parallel linears, with no weight gathered."""
+    model, args = mlp.build(device="meta")
+    autopar.shard(model.layers[0], parameter_plan={"weight": ("tp", None)})  # column-parallel
+    autopar.shard(model.layers[1], parameter_plan={"weight": (None, "tp")})  # row-parallel
+    plan = autopar.plan(model, args, {"dp": 2, "tp": 2})  # cpu-gloo: gathering would be cheaper
+    weights = {"p_layers_0_weight", "p_layers_1_weight"}
+    assert not [r for r in plan.redistributions if r.src in weights], plan.summary()
+    column = next(d for d in plan.nodes if d.name == "linear")
+    assert column.operands[1] == "RS(0)", column
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x).sum()
+
+
+def test_a_compute_layout_no_op_can_use_is_a_clear_error():
+    model = _Normed()
+    autopar.shard(model.norm, parameter_plan={"weight": ("tp",)})  # the normalised dim is whole
+    with pytest.raises(autopar.AnnotationError, match=r"parameter 'norm.weight' \(shape \(8,\)\).*S\(0\)"):
+        autopar.plan(model, (torch.randn(4, 8),), {"tp": 2})
+    with pytest.raises(
+        autopar.AnnotationError, match="parameter_plan .compute layout. and parameter_storage"
+    ):
+        autopar.shard(model.norm, parameter_plan={"weight": None}, parameter_storage={"weight": None})
+
+
+def test_parameter_storage_pins_only_how_a_parameter_is_stored():
+    model = _Normed()
+    autopar.shard(model.norm, parameter_storage={"weight": ("tp",)})  # stored split, gathered for use
+    plan = autopar.plan(model, (torch.randn(4, 8),), {"tp": 2})
+    assert plan.parameters["norm.weight"] == "S(0)"
+    gathered = [r for r in plan.redistributions if r.src == "p_norm_weight"]
+    assert [(r.have, r.need) for r in gathered] == [("S(0)", "R")], plan.summary()
+
+
 def test_constrain_pins_an_activation():
     class Pinned(torch.nn.Module):
         def __init__(self) -> None:
@@ -161,17 +202,17 @@ def test_constrain_pins_an_activation():
 
 
 def test_op_without_rule_is_replicated_and_listed():
-    class Sorter(torch.nn.Module):
+    class Factorized(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.proj = torch.nn.Linear(8, 8)
 
         def forward(self, x):
-            return torch.sort(self.proj(x), dim=-1).values.sum()
+            return torch.linalg.qr(self.proj(x)).R.sum()  # a QR factorisation has no rule
 
-    model = Sorter()
+    model = Factorized()
     plan = autopar.plan(model, (torch.randn(4, 8),), {"dp": 2})
-    assert any("aten.sort" in w and "<root>" in w for w in plan.warnings), plan.warnings
+    assert any("aten.linalg_qr" in w and "<root>" in w for w in plan.warnings), plan.warnings
 
 
 def test_capture_failure_names_module_and_hint():

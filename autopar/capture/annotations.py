@@ -3,7 +3,10 @@
 Three annotations are recorded on the modules themselves:
 
 * :func:`shard` fixes strategies (see :mod:`autopar.capture.strategies`) for a module's
-  tensor inputs, outputs and parameters;
+  tensor inputs, outputs and parameters. As in MindSpore, a parameter's strategy is the
+  layout its ops compute with (``parameter_plan``: Megatron's column/row-parallel when
+  written so); ``parameter_storage`` pins only how a parameter is stored, its ops taking
+  it in whatever layout the planner picks (gathered for use: ZeRO-3/FSDP style);
 * :func:`pipeline_stage` and :func:`recompute` mark modules for later passes.
 
 The fourth, :func:`~autopar.capture.hooks.constrain`, sits inside ``forward`` and acts
@@ -48,13 +51,14 @@ class ShardAnnotation:
     """What :func:`shard` recorded. ``None`` entries are left to the solver.
 
     ``in_strategy``/``out_strategy`` hold one entry per tensor input/output (``None``:
-    none given); ``parameter_plan`` holds ``(name relative to the module, strategy)``
-    pairs in the order given.
+    none given); ``parameter_plan`` (compute layouts) and ``parameter_storage`` (storage
+    only) hold ``(name relative to the module, strategy)`` pairs in the order given.
     """
 
     in_strategy: tuple[Strategy | None, ...] | None = None
     out_strategy: tuple[Strategy | None, ...] | None = None
     parameter_plan: tuple[tuple[str, Strategy | None], ...] = ()
+    parameter_storage: tuple[tuple[str, Strategy | None], ...] = ()
 
 
 def _check_entries(entries: object, what: str, where: str) -> tuple[Strategy | None, ...] | None:
@@ -75,16 +79,16 @@ def _check_entries(entries: object, what: str, where: str) -> tuple[Strategy | N
     return entries
 
 
-def _check_plan(plan: object, where: str) -> tuple[tuple[str, Strategy | None], ...]:
+def _check_plan(plan: object, what: str, where: str) -> tuple[tuple[str, Strategy | None], ...]:
     if plan is None:
         return ()
     if not isinstance(plan, Mapping):
-        raise AnnotationError(f"{where}: parameter_plan must be a mapping {{param_name: strategy}}")
+        raise AnnotationError(f"{where}: {what} must be a mapping {{param_name: strategy}}")
     for name, strategy in plan.items():
         if not isinstance(name, str):
-            raise AnnotationError(f"{where}: parameter_plan key {name!r} is not a parameter name (str)")
+            raise AnnotationError(f"{where}: {what} key {name!r} is not a parameter name (str)")
         if strategy is not None:
-            check_strategy_form(strategy, where=f"{where} parameter_plan[{name!r}]")
+            check_strategy_form(strategy, where=f"{where} {what}[{name!r}]")
     return tuple(plan.items())
 
 
@@ -102,8 +106,13 @@ def shard(
     in_strategy: tuple[Strategy | None, ...] | None = None,
     out_strategy: tuple[Strategy | None, ...] | None = None,
     parameter_plan: Mapping[str, Strategy | None] | None = None,
+    parameter_storage: Mapping[str, Strategy | None] | None = None,
 ) -> Any:
     """Record strategies for a module's tensor inputs, outputs and parameters.
+
+    ``parameter_plan`` gives the layout each named parameter is stored in *and* computed
+    with: every op reading it takes it so (no gather). ``parameter_storage`` gives only
+    how a parameter is stored; its ops may take it in other layouts (all-gathered for use).
 
     ``target`` an instance: annotate it and return it. ``target`` an ``nn.Module``
     subclass: annotate every instance (of it and its subclasses; an instance's own
@@ -118,10 +127,24 @@ def shard(
     annotation = ShardAnnotation(
         in_strategy=_check_entries(in_strategy, "in_strategy", where),
         out_strategy=_check_entries(out_strategy, "out_strategy", where),
-        parameter_plan=_check_plan(parameter_plan, where),
+        parameter_plan=_check_plan(parameter_plan, "parameter_plan", where),
+        parameter_storage=_check_plan(parameter_storage, "parameter_storage", where),
     )
-    if in_strategy is None and out_strategy is None and not annotation.parameter_plan:
-        raise AnnotationError(f"{where}: give at least one of in_strategy, out_strategy, parameter_plan")
+    both = {n for n, _ in annotation.parameter_plan} & {n for n, _ in annotation.parameter_storage}
+    if both:
+        raise AnnotationError(
+            f"{where}: parameters {sorted(both)} are in both parameter_plan (compute layout) and "
+            "parameter_storage (storage only); give each in one"
+        )
+    if (
+        in_strategy is None
+        and out_strategy is None
+        and not annotation.parameter_plan
+        and not annotation.parameter_storage
+    ):
+        raise AnnotationError(
+            f"{where}: give at least one of in_strategy, out_strategy, parameter_plan, parameter_storage"
+        )
     if target is None:
         return lambda t: _attach(t, annotation)
     return _attach(target, annotation)
@@ -182,12 +205,14 @@ def recompute(module: ModuleT, policy: RecomputePolicy | str = RecomputePolicy.F
 class ModelAnnotations:
     """The model-wide annotations, validated against one mesh (read-only mappings).
 
-    ``parameter_layouts`` is keyed by fqn as in ``model.named_parameters()`` (tied
-    weights under their first name); ``stages`` and ``recompute`` by module path as
-    in ``model.named_modules()`` ("" is the root).
+    ``parameter_layouts`` (how parameters are stored) is keyed by fqn as in
+    ``model.named_parameters()`` (tied weights under their first name); those in
+    ``compute_layouts`` are also the layouts their ops compute with. ``stages`` and
+    ``recompute`` are keyed by module path as in ``model.named_modules()`` ("" is the root).
     """
 
     parameter_layouts: Mapping[str, Layout]
+    compute_layouts: frozenset[str]
     stages: Mapping[str, int]
     recompute: Mapping[str, RecomputePolicy]  # module path -> policy
 
@@ -225,6 +250,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
     fqn_of = {id(p): name for name, p in model.named_parameters()}
     layouts: dict[str, Layout] = {}
     layout_origin: dict[str, str] = {}
+    computed_with: set[str] = set()
     stages: dict[str, int] = {}
     recomputed: dict[str, RecomputePolicy] = {}
     modules = dict(model.named_modules())
@@ -236,10 +262,15 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
                 for i, strategy in enumerate(entries or ()):
                     if strategy is not None:
                         strategy_axes(strategy, mesh, where=f"{desc} {what} {i}")
-            for name, strategy in annotation.parameter_plan:
+            pinned = [(n, st, True) for n, st in annotation.parameter_plan]
+            for name, strategy, computed in pinned + [
+                (n, st, False) for n, st in annotation.parameter_storage
+            ]:
                 param = _parameter(module, name, desc)
                 if strategy is None:
                     continue
+                if computed:
+                    computed_with.add(fqn_of[id(param)])
                 where = f"{desc} parameter {name!r}"
                 layout = lower_strategy(strategy, tuple(param.shape), mesh, where=where)
                 fqn = fqn_of[id(param)]
@@ -265,6 +296,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
                 )
     return ModelAnnotations(
         parameter_layouts=MappingProxyType(layouts),
+        compute_layouts=frozenset(computed_with),
         stages=MappingProxyType(stages),
         recompute=MappingProxyType(recomputed),
     )

@@ -34,7 +34,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture.constraint_op import parse_constraint_spec
 from autopar.capture.export import Captured, gradient_flow, module_path
-from autopar.ir.layout import Layout, grad_layout, is_valid_for, local_fraction, replicated
+from autopar.ir.errors import AnnotationError
+from autopar.ir.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
@@ -187,6 +188,13 @@ class _Builder:
         self.requires_grad = gradient_flow(captured)
         self.canon, self.tied_blocks = tie_blocks(captured)
         self.written = {written_operand(n) for n in self.graph.nodes} - {None}
+        # values every op must read in one layout: parameters annotated with a compute
+        # layout, and views or casts of them (filled in graph order by _compute_pinned)
+        self.pinned: dict[torch.fx.Node, Layout] = {}
+        for node in self.param_nodes:
+            fqn = captured.params.get(node.name)
+            if fqn in captured.annotations.compute_layouts:
+                self.pinned[node] = captured.annotations.parameter_layouts[fqn]
 
     def build(self, grad_sum_weight: float) -> StrategyGraph:
         for node in _tensor_nodes(self.graph):
@@ -283,9 +291,13 @@ class _Builder:
         if spec is None:
             self.fallbacks.append((str(node.target), module_path(node)))
             spec = fallback(call)
-            return self._priced(
-                call, spec, None, [_replicated_strategy(spec, self.mesh)], ChoiceKind.FALLBACK
+            strategies = self._compute_pinned(call, [_replicated_strategy(spec, self.mesh)])
+            return self._priced(call, spec, None, strategies, ChoiceKind.FALLBACK)
+        if any(op in self.pinned for op in call.operands):
+            strategies = self._compute_pinned(
+                call, enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh)
             )
+            return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)
         primary = self._primary(call, spec)
         if (lookup(node.target).anchor or primary is None) and spec.shardable():
             strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh)
@@ -303,6 +315,35 @@ class _Builder:
                 cache[lay] = follow(spec, slot, lay, call.shapes, call.out_shapes, self.mesh)
             strategies.append(cache[lay])
         return self._priced(call, spec, src.root, strategies, ChoiceKind.FOLLOW)
+
+    def _compute_pinned(self, call: OpCall, strategies: list[Strategy]) -> list[Strategy]:
+        """The strategies that read every compute-pinned operand in its pinned layout.
+
+        A view or cast of a pinned parameter (its only operand) passes the pin on to its
+        output when the kept strategies agree on one output layout. None kept is the
+        user's contradiction: an ``AnnotationError`` names the op, the parameter and the
+        layouts the op could read it in.
+        """
+        pins = [(i, self.pinned[op]) for i, op in enumerate(call.operands) if op in self.pinned]
+        if not pins:
+            return strategies
+        kept = [s for s in strategies if all(s.operands[i] in (None, lay) for i, lay in pins)]
+        if not kept:
+            i, layout = pins[0]
+            source = call.operands[i]
+            name = self.captured.params.get(source.name, source.name)
+            usable = sorted({format_layout(s.operands[i]) for s in strategies if s.operands[i] is not None})
+            raise AnnotationError(
+                f"module '{module_path(call.node) or '<root>'}': op {call.node.target} reads parameter "
+                f"'{name}' (shape {shape_of(source)}), whose shard(parameter_plan=...) layout "
+                f"{format_layout(layout)} is the layout its ops compute with, but this op can read it only "
+                f"as {usable or ['R' * self.mesh.ndim]}; give one of those, or pin only its storage with "
+                "shard(parameter_storage=...)"
+            )
+        outputs = {s.outputs[0] for s in kept}
+        if len(call.operands) == 1 and len(outputs) == 1:
+            self.pinned[call.node] = outputs.pop()
+        return kept
 
     def _constraint(self, node: torch.fx.Node) -> Choice:
         layout, _ = parse_constraint_spec(node.args[1])

@@ -31,7 +31,13 @@ def _token(captured: Captured, index: dict[torch.fx.Node, int], a: object) -> ob
             return ("in", index[a])
         fqn = captured.params.get(a.name) or captured.buffers.get(a.name)
         layout = captured.annotations.parameter_layouts.get(fqn) if fqn else None
-        return ("ext", shape_of(a) if isinstance(a.meta.get("val"), torch.Tensor) else None, str(layout))
+        computed = fqn in captured.annotations.compute_layouts
+        return (
+            "ext",
+            shape_of(a) if isinstance(a.meta.get("val"), torch.Tensor) else None,
+            str(layout),
+            computed,
+        )
     if isinstance(a, str) and a.startswith("{"):
         return parse_constraint_spec(a)[0]
     return a

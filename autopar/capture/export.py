@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from autopar.capture.annotations import ModelAnnotations
 from autopar.capture.constraint_op import constraint_spec, layout_constraint
 from autopar.capture.exact_means import ExactMeans
+from autopar.capture.functionalize import functionalize
 from autopar.capture.hooks import annotation_hooks
 from autopar.ir.errors import AnnotationError, CaptureError
 from autopar.ir.mesh import MeshSpec
@@ -277,6 +278,7 @@ def capture(
             )
             what = f"{type(model).__name__}{where}: {type(exc).__name__}: {message}"
             raise CaptureError(f"could not capture {what}. Try: {hint}.") from exc
+    functionalize(program.graph_module)  # in-place ops on temporaries, as out-of-place ones where exact
     sig = program.graph_signature
     params = dict(sig.inputs_to_parameters)
     buffers = dict(sig.inputs_to_buffers)

@@ -364,5 +364,6 @@ from autopar.rules import (  # noqa: E402,F401  (registers the table)
     norms,
     pooling,
     reductions,
+    routing,
     views,
 )

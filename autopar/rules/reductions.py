@@ -1,4 +1,5 @@
-"""Reductions: sum/mean (split dims give Partial), max-like and statistics (dims whole)."""
+"""Reductions: sum/mean (split dims give Partial), max-like, order statistics (median, kthvalue,
+mode) and other statistics (dims whole)."""
 
 from __future__ import annotations
 
@@ -60,12 +61,24 @@ def mean(call: OpCall) -> DimSpec:
     aten.all.dim,
     aten.logsumexp.default,
     aten.prod.dim_int,
+    aten.aminmax.default,
+    aten.kthvalue.default,
+    aten.median.dim,
+    aten.nanmedian.dim,
+    aten.mode.default,
 )
 def whole_reduction(call: OpCall) -> DimSpec:
     return _reduce(call, summable=False)
 
 
-@rule(aten.max.default, aten.min.default, aten.any.default, aten.all.default)
+@rule(
+    aten.max.default,
+    aten.min.default,
+    aten.any.default,
+    aten.all.default,
+    aten.median.default,
+    aten.nanmedian.default,
+)
 def full_reduction(call: OpCall) -> DimSpec:
     x = call.shapes[0]
     labels = tuple(fresh(len(x)))

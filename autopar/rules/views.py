@@ -1,5 +1,5 @@
-"""Shape ops: view/reshape, transpose/permute, (un)squeeze, expand, slice/select,
-split/chunk/unbind, cat/stack, pad, diff, cumsum, flip, tril/triu.
+"""Shape ops: view/reshape, transpose/permute, (un)squeeze, expand, repeat(_interleave),
+slice/select, split/chunk/unbind, cat/stack, pad, diff, cumsum, flip, tril/triu.
 
 All move data without arithmetic, so all are linear: a Partial operand passes through.
 """
@@ -95,6 +95,34 @@ def expand(call: OpCall) -> DimSpec:
     offset = len(dst) - len(src)
     src_l = tuple(out[offset + i] if s == dst[offset + i] else None for i, s in enumerate(src))
     return DimSpec((src_l,), (tuple(out),), linear=LINEAR)
+
+
+@rule(aten.repeat.default)
+def repeat(call: OpCall) -> DimSpec:
+    # a dim repeated more than once holds several copies of the input's dim: both stay
+    # whole, as do the new leading dims (each rank would need its share of the count)
+    src, dst = call.shapes[0], call.out_shapes[0]
+    repeats = list(call.arg("repeats"))
+    lead = len(repeats) - len(src)
+    out = fresh(len(dst))
+    src_l = tuple(out[lead + d] if repeats[lead + d] == 1 else f"{out[lead + d]}'" for d in range(len(src)))
+    whole = frozenset(out[:lead]) | frozenset(
+        out[lead + d] for d in range(len(src)) if repeats[lead + d] != 1
+    )
+    return DimSpec((src_l,), (tuple(out),), whole=whole, linear=LINEAR)
+
+
+@rule(aten.repeat_interleave.self_int)
+def repeat_interleave(call: OpCall) -> DimSpec | None:
+    # each element repeated in place: a block of the dim gives the block of the output at
+    # the same rank, so the dim splits with its input. Without a dim the input is flattened
+    # first: only its leading dim splits, as in a reshape. A given output_size is global.
+    if call.arg("output_size") is not None:
+        return None
+    labels = fresh(len(call.shapes[0]))
+    if call.arg("dim") is None:
+        return DimSpec((tuple(labels),), ((labels[0],),), whole=frozenset(labels[1:]), linear=LINEAR)
+    return DimSpec((tuple(labels),), (tuple(labels),), linear=LINEAR)
 
 
 def _keep_but(call: OpCall, dims: set[int], drop: bool = False) -> DimSpec:

@@ -1,0 +1,160 @@
+"""In-place ops on a program's own temporaries, captured as their out-of-place forms.
+
+Export keeps ``h.add_(b)`` as ``aten.add_.Tensor``. Such an op cannot be offered a
+split: the lowering may hand an op a redistributed *copy* of its operand, and writing to
+a copy loses the update. Where nothing can tell the difference, :func:`functionalize`
+rewrites ``y = x.op_(...)`` as ``y = op(x, ...)`` and points every later use of ``x`` at
+``y``; the op then takes the rule of its out-of-place form. That is the same program when
+
+* ``x`` is computed by the program itself: not a placeholder (a parameter, buffer or
+  user input, whose update is a side effect the caller sees: BatchNorm's
+  ``num_batches_tracked.add_(1)``) nor a constant;
+* ``x`` owns its memory: its op's schema says no output aliases an input (a view such
+  as ``select`` or ``split``'s pieces, or an op that may return its input, such as
+  ``to`` or ``contiguous``, would carry the write into another tensor);
+* no other view of ``x``'s memory made before the op is read at or after it (it would
+  see the update), nor is passed to the op (an overlapping read);
+* the op writes only its first argument and returns it (schema ``Tensor(a!) self ->
+  Tensor(a!)``), an out-of-place overload of the same name without the ``_`` exists,
+  takes the same arguments and aliases nothing, and on the traced values it gives the
+  same shape, dtype and strides as the in-place op (no type promotion an in-place op
+  would have cast away) without sharing memory with another operand (``set_``);
+* ``x`` is not itself an output of the program (its output slot is named in the
+  program's signature).
+
+Only the graph's own ops are rewritten: a region exported as a submodule (``torch.no_grad``,
+whose in-place op must stay invisible to autograd) keeps its ops. Everything else is left
+as it was: the planner replicates it and lists it.
+
+The rewritten node keeps its name and metadata; its ``val`` still shares memory with
+``x``'s, which is how the memory model reads it: ``x`` is dead once ``y`` exists (every
+later use reads ``y``), one buffer as with the in-place op.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+
+
+def functionalize(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Rewrite the in-place ops of ``gm`` that are provably safe as out-of-place ops (see
+    the module docstring), in place, recompiling ``gm``; returns the nodes rewritten."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    rewritten = []
+    for node in list(graph.nodes):
+        out_of_place = _out_of_place(node.target)
+        if out_of_place is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        written = node.args[0]
+        if not (_owns_memory(written) and _unobserved(written, node, order)):
+            continue
+        if not _same_result(node, out_of_place):
+            continue
+        node.target = out_of_place
+        for user in [u for u in written.users if order[u] > order[node]]:
+            user.replace_input_with(written, node)
+        rewritten.append(node)
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+def _out_of_place(target: object) -> torch._ops.OpOverload | None:
+    """The out-of-place twin of an op writing (only) its first argument and returning it."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    schema = target._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    result = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    if (
+        first is None
+        or result is None
+        or not (first.is_write and result.is_write and first.before_set == result.before_set)
+        or any(a.alias_info is not None for a in schema.arguments[1:])
+        or not schema.name.endswith("_")
+    ):
+        return None
+    packet = getattr(getattr(torch.ops, target.namespace), schema.name.split("::")[-1][:-1], None)
+    twin = getattr(packet, target._overloadname, None) if packet is not None else None
+    if not isinstance(twin, torch._ops.OpOverload):
+        return None
+    theirs = twin._schema
+    if any(a.alias_info is not None for a in (*theirs.arguments, *theirs.returns)):
+        return None
+    signature = [(a.name, str(a.type), a.kwarg_only) for a in schema.arguments]
+    if signature != [(a.name, str(a.type), a.kwarg_only) for a in theirs.arguments]:
+        return None
+    return twin
+
+
+def _aliases_inputs(node: torch.fx.Node) -> bool:
+    """Whether an output of ``node`` may share memory with an input (conservative: an op
+    without a schema may; ``getitem`` asks the op whose outputs it takes apart)."""
+    if node.op != "call_function":
+        return True
+    if node.target is operator.getitem:
+        source = node.args[0]
+        schema = getattr(source.target, "_schema", None)
+        if source.op != "call_function" or schema is None:
+            return True
+        return any(r.alias_info is not None for r in schema.returns)
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _owns_memory(value: torch.fx.Node) -> bool:
+    """A tensor the program computes into memory of its own (not an input, constant or view)."""
+    return isinstance(value.meta.get("val"), torch.Tensor) and not _aliases_inputs(value)
+
+
+def _unobserved(written: torch.fx.Node, op: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
+    """No view of ``written`` made before ``op`` is read at or after it, and ``written`` is
+    no output of the program (later uses of ``written`` itself are redirected)."""
+    if any(u.op == "output" for u in written.users):
+        return False
+    views, seen = [written], {written}
+    while views:
+        value = views.pop()
+        for user in value.users:
+            if user in seen or order[user] >= order[op] or not _aliases_inputs(user):
+                continue
+            if any(order[u] >= order[op] for u in user.users):
+                return False
+            seen.add(user)
+            views.append(user)
+    return True
+
+
+def _storages(value: object) -> set[StorageWeakRef]:
+    return {
+        StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
+    }
+
+
+def _same_result(node: torch.fx.Node, twin: torch._ops.OpOverload) -> bool:
+    """Whether ``twin`` on the traced values gives a result like the in-place op's (shape,
+    dtype, strides), and the in-place result shares no memory with another operand."""
+    before = node.meta.get("val")
+    if not isinstance(before, torch.Tensor):
+        return False
+    others = [a for a in node.all_input_nodes if a is not node.args[0]]
+    if _storages(before) & _storages([a.meta.get("val") for a in others]):
+        return False
+    args, kwargs = pytree.tree_map(
+        lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, (node.args, node.kwargs)
+    )
+    try:
+        after = twin(*args, **kwargs)
+        return (
+            isinstance(after, torch.Tensor)
+            and after.dtype == before.dtype
+            and after.shape == before.shape
+            and after.stride() == before.stride()
+        )
+    except Exception:  # noqa: BLE001 - a form the twin does not take, or sizes it cannot compare
+        return False

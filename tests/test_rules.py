@@ -145,6 +145,7 @@ CASES = [
     (aten.bmm.default, (r(2, 4, 8), r(2, 8, 4)), {}),
     (aten.matmul.default, (r(2, 4, 8), r(8, 4)), {}),
     (aten.linear.default, (r(2, 4, 8), r(4, 8), r(4)), {}),
+    (aten._grouped_mm.default, (r(6, 16), r(3, 16, 16), torch.tensor([2, 4, 6], dtype=torch.int32)), {}),
     (
         aten.scaled_dot_product_attention.default,
         (r(2, 4, 8, 4), r(2, 4, 8, 4), r(2, 4, 8, 4)),
@@ -259,3 +260,11 @@ def test_a_mean_class_loss_never_splits_its_items():
     spec = lookup(aten.cross_entropy_loss.default).fn(call)
     layouts = {s.operands[0] for s in enumerate_strategies(spec, call.shapes, call.out_shapes, MESHES[0])}
     assert (Shard(0),) in layouts
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+def test_a_rule_for_another_librarys_op_is_found_by_its_name(mesh):
+    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.*)
+
+    op = torch.ops.transformers.grouped_mm_fallback.default  # MoE experts' grouped matmul
+    test_rule_matches_single_device(op, (r(6, 16), r(3, 16, 16), torch.tensor([2, 4, 6])), {}, mesh)

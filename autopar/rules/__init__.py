@@ -167,11 +167,13 @@ def rule(*targets: object, anchor: bool = False) -> Callable[[RuleFn], RuleFn]:
 
 
 def lookup(target: object) -> Rule | None:
-    """The rule for an op overload (falling back to its overload packet)."""
+    """The rule for an op overload (falling back to its overload packet, then to its name:
+    a rule for another library's op registers under the name, ``"lib.op.overload"``, so
+    that the table needs no import of that library)."""
     found = RULES.get(target)
     if found is None and hasattr(target, "overloadpacket"):
         found = RULES.get(target.overloadpacket)
-    return found
+    return found or RULES.get(str(target))
 
 
 def spec_of(call: OpCall) -> DimSpec | None:

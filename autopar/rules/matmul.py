@@ -1,4 +1,4 @@
-"""Matrix products: mm, addmm, bmm, baddbmm, matmul, linear. All are anchors."""
+"""Matrix products: mm, addmm, bmm, baddbmm, matmul, linear, grouped (MoE experts). All are anchors."""
 
 from __future__ import annotations
 
@@ -91,3 +91,15 @@ def linear(call: OpCall) -> DimSpec:
         additive=frozenset({2}),
         flops=2 * math.prod(x_shape) * n,
     )
+
+
+@rule(aten._grouped_mm.default, "transformers.grouped_mm_fallback.default", anchor=True)
+def grouped_mm(call: OpCall) -> DimSpec | None:
+    # MoE experts: tokens sorted by expert (s, k), one (k, n) matrix per expert e, and the
+    # experts' token offsets. Each expert's output features split (n) and its input
+    # features are summed (k); tokens and experts stay whole, since the offsets are global.
+    if len(call.shapes) != 3 or len(call.shapes[0]) != 2 or len(call.shapes[1]) != 3:
+        return None  # batched forms and a bias: not seen in models yet
+    (s, k), (_, _, n) = call.shapes[0], call.shapes[1]
+    operands = ((None, "k"), (None, "k", "n"), (None,))
+    return DimSpec(operands, ((None, "n"),), summed=frozenset("k"), flops=2 * s * k * n)

@@ -299,3 +299,19 @@ def test_a_mean_loss_with_ignored_targets_is_captured_as_a_sum_over_a_count():
     ops = [str(n.target) for n in captured.graph.nodes if n.op == "call_function"]
     assert ops == ["aten.cross_entropy_loss.default", "aten.ne.Scalar", "aten.sum.default", "aten.div.Tensor"]
     torch.testing.assert_close(captured.program.module()(logits, labels), Loss()(logits, labels))
+
+
+def test_a_data_dependent_shape_is_a_clear_capture_error():
+    class Selected(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.proj(x)
+            return y[y > 0].sum()
+
+    with pytest.raises(
+        autopar.CaptureError, match=r"aten.index.Tensor in module '<root>' .*depends on the data"
+    ):
+        autopar.plan(Selected(), (torch.randn(4, 8),), {"dp": 2})

@@ -278,6 +278,7 @@ def capture(
             )
             what = f"{type(model).__name__}{where}: {type(exc).__name__}: {message}"
             raise CaptureError(f"could not capture {what}. Try: {hint}.") from exc
+    _refuse_data_dependent_shapes(program.graph, type(model).__name__)
     functionalize(program.graph_module)  # in-place ops on temporaries, as out-of-place ones where exact
     sig = program.graph_signature
     params = dict(sig.inputs_to_parameters)
@@ -304,6 +305,20 @@ def capture(
         dropped_outputs=dropped,
         number_outputs=tuple(numbers),
     )
+
+
+def _refuse_data_dependent_shapes(graph: torch.fx.Graph, model: str) -> None:
+    """A plan is for static shapes: a value whose size depends on the data (a boolean mask's
+    selection, ``nonzero``, ``unique``) cannot be split or priced, so capture stops there."""
+    for node in graph.nodes:
+        for v in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape):
+                where = module_path(node) or "<root>"
+                raise CaptureError(
+                    f"{model}: op {node.target} in module '{where}' makes a tensor whose size depends on "
+                    f"the data (shape {tuple(v.shape)}); autopar compiles static shapes. Try: keep the shape "
+                    "static, e.g. a masked sum torch.where(mask, x, 0).sum() instead of x[mask].sum()"
+                )
 
 
 def gradient_flow(captured: Captured) -> dict[torch.fx.Node, bool]:

@@ -134,3 +134,21 @@ def test_resnet_block_plans_its_in_place_ops_as_ordinary_ones(fake_process_group
     compiled = autopar.compile(model, mesh, (torch.randn(4, 3, 8, 8),), cluster="fast-links")
     warnings = "\n".join(compiled.plan.warnings)
     assert "aten.add_" not in warnings and "aten.relu_" not in warnings, warnings
+
+
+def test_a_write_through_a_view_whose_base_is_dead_is_rewritten():
+    """MobileNetV2's classifier: an in-place dropout of a flattened (viewed) pooled tensor."""
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            pooled = torch.nn.functional.adaptive_avg_pool2d(x, 1)
+            flat = torch.flatten(pooled, 1)
+            return self.proj(torch.nn.functional.dropout(flat, 0.0, True, inplace=True).relu_()).sum()
+
+    gm = torch.export.export(Head(), (torch.randn(2, 8, 3, 3),), strict=False).graph_module
+    rewritten = functionalize(gm)
+    assert {str(n.target) for n in rewritten} == {"aten.dropout.default", "aten.relu.default"}

@@ -9,11 +9,12 @@ rewrites ``y = x.op_(...)`` as ``y = op(x, ...)`` and points every later use of 
 * ``x`` is computed by the program itself: not a placeholder (a parameter, buffer or
   user input, whose update is a side effect the caller sees: BatchNorm's
   ``num_batches_tracked.add_(1)``) nor a constant;
-* ``x`` owns its memory: its op's schema says no output aliases an input (a view such
-  as ``select`` or ``split``'s pieces, or an op that may return its input, such as
-  ``to`` or ``contiguous``, would carry the write into another tensor);
-* no other view of ``x``'s memory made before the op is read at or after it (it would
-  see the update), nor is passed to the op (an overlapping read);
+* ``x``'s memory is the program's own: ``x``, or the tensor it is a view of (through
+  ``view``, ``flatten``, ``select``, ``split``'s pieces, ``to``, ...: ops whose schema
+  says an output may alias an input), is computed by an op whose outputs alias nothing;
+* no other view of that memory (the base itself included) made before the op is read
+  at or after it (it would see the update), nor is passed to the op (an overlapping
+  read): the write is then seen only through ``x``'s later uses, which read ``y``;
 * the op writes only its first argument and returns it (schema ``Tensor(a!) self ->
   Tensor(a!)``), an out-of-place overload of the same name without the ``_`` exists,
   takes the same arguments and aliases nothing, and on the traced values it gives the
@@ -51,7 +52,8 @@ def functionalize(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         if out_of_place is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
             continue
         written = node.args[0]
-        if not (_owns_memory(written) and _unobserved(written, node, order)):
+        base = _base(written)
+        if base is None or not _unobserved(base, written, node, order):
             continue
         if not _same_result(node, out_of_place):
             continue
@@ -86,8 +88,12 @@ def _out_of_place(target: object) -> torch._ops.OpOverload | None:
     theirs = twin._schema
     if any(a.alias_info is not None for a in (*theirs.arguments, *theirs.returns)):
         return None
-    signature = [(a.name, str(a.type), a.kwarg_only) for a in schema.arguments]
-    if signature != [(a.name, str(a.type), a.kwarg_only) for a in theirs.arguments]:
+    # the written tensor is passed first and by position, whatever its name (dropout_'s
+    # ``self`` is dropout's ``input``); the other arguments must match by name too
+    signature = [(a.name if i else "", str(a.type), a.kwarg_only) for i, a in enumerate(schema.arguments)]
+    if signature != [
+        (a.name if i else "", str(a.type), a.kwarg_only) for i, a in enumerate(theirs.arguments)
+    ]:
         return None
     return twin
 
@@ -107,26 +113,35 @@ def _aliases_inputs(node: torch.fx.Node) -> bool:
     return schema is None or any(r.alias_info is not None for r in schema.returns)
 
 
-def _owns_memory(value: torch.fx.Node) -> bool:
-    """A tensor the program computes into memory of its own (not an input, constant or view)."""
-    return isinstance(value.meta.get("val"), torch.Tensor) and not _aliases_inputs(value)
+def _base(value: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor whose memory ``value`` is (itself, or what it is a view of), if the program
+    computes it into memory of its own; None for an input, a constant or an unknown op."""
+    while _aliases_inputs(value):
+        source = value.args[0] if value.op == "call_function" and value.args else None
+        if not isinstance(source, torch.fx.Node):
+            return None
+        value = source
+    return value if isinstance(value.meta.get("val"), torch.Tensor) else None
 
 
-def _unobserved(written: torch.fx.Node, op: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
-    """No view of ``written`` made before ``op`` is read at or after it, and ``written`` is
-    no output of the program (later uses of ``written`` itself are redirected)."""
-    if any(u.op == "output" for u in written.users):
-        return False
-    views, seen = [written], {written}
-    while views:
-        value = views.pop()
+def _unobserved(
+    base: torch.fx.Node, written: torch.fx.Node, op: torch.fx.Node, order: dict[torch.fx.Node, int]
+) -> bool:
+    """No view of ``base``'s memory but ``written`` (``base`` included) made before ``op`` is
+    read at or after it, and none of them is an output of the program (later uses of
+    ``written`` itself are redirected)."""
+    family, seen = [base], {base}
+    while family:
+        value = family.pop()
+        if any(u.op == "output" for u in value.users):
+            return False
         for user in value.users:
+            if order[user] >= order[op] and value is not written:
+                return False  # read at (an overlapping operand) or after the write
             if user in seen or order[user] >= order[op] or not _aliases_inputs(user):
                 continue
-            if any(order[u] >= order[op] for u in user.users):
-                return False
             seen.add(user)
-            views.append(user)
+            family.append(user)
     return True
 
 

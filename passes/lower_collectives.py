@@ -1,11 +1,12 @@
-"""Lower each ``redistribute`` to one autograd-aware collective op per mesh axis.
+"""Lower each ``redistribute`` to autograd-aware collective ops, one per step on a mesh axis.
 
-The forward steps and their order come from the cost model (``CostModel.edge_steps``),
+The forward steps and their order come from the cost model (``CostModel.edge_plan``),
 so the bytes moved at run time are the bytes the plan predicted (``CostModel.backward``
 prices the backward as the adjoints of these steps in reverse order). Each op's backward
-is chosen from the gradient's transition on the same axis:
+is chosen from the gradient's transition on the same axis, the gradient ``g`` being laid
+out as the op's backward receives it (``EdgeStep.grad``):
 
-| forward (have -> need) | op | gradient (grad_need -> grad_have) | backward |
+| forward (before -> after) | op | gradient (g -> what backward leaves) | backward |
 | --- | --- | --- | --- |
 | R -> S(d) | ``shard`` | S(d) -> R | all-gather |
 | P -> S(d) | ``reduce_scatter`` | S(d) -> R | all-gather |
@@ -15,9 +16,15 @@ is chosen from the gradient's transition on the same axis:
 | R or S(d) -> P | ``to_partial`` | R -> R or R -> S(d) | identity or slice |
 | R -> R | ``grad_all_reduce`` | P -> R | all-reduce |
 
+A tensor dim split over several mesh axes is split outer axis first, so the steps never
+change the split of a dim while an inner axis splits it too: where no order avoids that,
+the cost model unwinds the inner split first (an extra ``all_gather``) and redoes it after
+(``shard``); see ``autopar.planning.steps``. Only an axis's last step can receive a
+partial-sum gradient: before it, the gradient is laid out like the value.
+
 Reads: ``autopar.redistribution``, ``autopar.stage``. Writes: collective nodes with
-``autopar.layouts`` (the layout before and after their axis step) and the
-``redistribute``'s ``autopar.stage``; removes the ``redistribute`` nodes.
+``autopar.layouts`` (the layout before and after their step) and the ``redistribute``'s
+``autopar.stage``; removes the ``redistribute`` nodes.
 """
 
 from __future__ import annotations
@@ -30,13 +37,15 @@ from autopar.ir.errors import CompileError
 from autopar.ir.meta import REDISTRIBUTION, STAGE, NodeLayouts, write_layouts
 from autopar.passes.context import PassContext
 from autopar.passes.insert_redistributions import redistribute
-from autopar.planning.cost import StepKind
+from autopar.planning.steps import EdgeStep, StepKind
 
 ops = torch.ops.autopar
 
 
-def _step(kind: StepKind, x: torch.fx.Node, axis: str, before, after, grad_need) -> tuple[object, tuple]:
-    """The op and its arguments for one axis step."""
+def _op(step: EdgeStep, x: torch.fx.Node, axis: str) -> tuple[object, tuple]:
+    """The op and its arguments for one step on the mesh axis named ``axis`` (its key)."""
+    kind, before, after = step.kind, step.before[step.axis], step.after[step.axis]
+    partial = isinstance(step.grad, Partial)
     if kind == StepKind.SLICE:
         return ops.shard.default, (x, after.dim, axis)
     if kind == StepKind.REDUCE_SCATTER:
@@ -44,36 +53,12 @@ def _step(kind: StepKind, x: torch.fx.Node, axis: str, before, after, grad_need)
     if kind == StepKind.ALL_TO_ALL:
         return ops.all_to_all.default, (x, before.dim, after.dim, axis)
     if kind == StepKind.ALL_REDUCE:
-        return ops.all_reduce.default, (
-            x,
-            axis,
-            "all_reduce" if isinstance(grad_need, Partial) else "identity",
-        )
+        return ops.all_reduce.default, (x, axis, "all_reduce" if partial else "identity")
     if kind == StepKind.ALL_GATHER:
-        return ops.all_gather.default, (
-            x,
-            before.dim,
-            axis,
-            "reduce_scatter" if isinstance(grad_need, Partial) else "slice",
-        )
+        return ops.all_gather.default, (x, before.dim, axis, "reduce_scatter" if partial else "slice")
     if kind == StepKind.TO_PARTIAL:
         return ops.to_partial.default, (x, axis, before.dim if isinstance(before, Shard) else -1)
-    raise CompileError(f"no collective for step {kind!r}")
-
-
-def _check_nesting(node: torch.fx.Node, ctx: PassContext, current: list, a: int, after: object) -> None:
-    """A dim split over several axes is split outer axis first: a later (inner) axis still
-    splitting the dim this step leaves or enters would scramble the pieces."""
-    dims = {p.dim for p in (current[a], after) if isinstance(p, Shard)}
-    inner = [
-        b for b in range(a + 1, len(current)) if isinstance(current[b], Shard) and current[b].dim in dims
-    ]
-    if inner:
-        raise CompileError(
-            f"{node.name}: changing the split of dim {sorted(dims)} over mesh axis {ctx.mesh.axis_names[a]} "
-            f"while inner axis {ctx.mesh.axis_names[inner[0]]} splits it too is not supported yet; "
-            "split each tensor dim over one mesh axis in annotations"
-        )
+    return ops.grad_all_reduce.default, (x, axis)  # the one kind left: only the gradient changes
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
@@ -82,31 +67,23 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         if node.target is not redistribute:
             continue
         have, need, grad_need, grad_have = node.meta[REDISTRIBUTION]
-        current = list(have)
-        x = node.args[0]
-        steps = ctx.cost.edge_steps(have, need, grad_need, grad_have)
-        for a, kind in steps:
+        steps = ctx.cost.edge_plan(have, need, grad_need, grad_have)
+        for step in steps:
+            a = step.axis
             g, gh = grad_need[a], grad_have[a]
-            if kind == StepKind.GRAD_ALL_REDUCE and not (
+            if step.kind == StepKind.GRAD_ALL_REDUCE and not (
                 isinstance(g, Partial) and isinstance(gh, Replicate)
             ):
                 raise CompileError(
                     f"{node.name}: no collective turns a {g} gradient into {gh} on mesh axis "
                     f"{ctx.mesh.axis_names[a]} while the value stays {have[a]}"
                 )
+        x = node.args[0]
         with graph.inserting_before(node):
-            for a, kind in steps:
-                axis = ctx.axis_keys[ctx.mesh.axis_names[a]]
-                before = tuple(current)
-                if kind == StepKind.GRAD_ALL_REDUCE:
-                    target, args = ops.grad_all_reduce.default, (x, axis)
-                else:
-                    _check_nesting(node, ctx, current, a, need[a])
-                    target, args = _step(kind, x, axis, current[a], need[a], grad_need[a])
-                    current[a] = need[a]
-                y = graph.call_function(target, args)
+            for step in steps:
+                y = graph.call_function(*_op(step, x, ctx.axis_keys[ctx.mesh.axis_names[step.axis]]))
                 y.meta["val"] = node.meta["val"]
-                write_layouts(y, NodeLayouts(operands=(before,), outputs=(tuple(current),)))
+                write_layouts(y, NodeLayouts(operands=(step.before,), outputs=(step.after,)))
                 if STAGE in node.meta:
                     y.meta[STAGE] = node.meta[STAGE]
                 x = y

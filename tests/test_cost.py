@@ -156,8 +156,8 @@ def test_redistribute_1d(src, dst, expected):
     [
         # all_reduce on the 1/4 shard before the gather regrows it
         ((P, S0), (R, R), [("all_reduce", "a", 128), ("all_gather", "b", 128)]),
-        # the slice on a runs first, so the gather on b moves 1/8 of the tensor
-        ((R, S0), (S0, R), [("all_gather", "b", 64)]),
+        # b leaves dim 0 before a enters it (a slice on a first would hand out the wrong rows)
+        ((R, S0), (S0, R), [("all_gather", "b", 128)]),
         # S -> P on a is applied last, so it does not inflate the gather on b
         ((S0, S0), (P, R), [("all_gather", "b", 64)]),
         ((S0, R), (P, S1), []),

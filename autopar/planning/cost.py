@@ -18,18 +18,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.plan import CollectiveKind
+from autopar.planning.steps import (
+    BACKWARD,
+    ISSUE_ORDER,
+    EdgeStep,
+    State,
+    StepKind,
+    axis_states,
+    plan_steps,
+    to_layout,
+    walk,
+)
 
 # Dtypes without an entry of their own in ``Cluster.peak_flops`` are priced as this one.
 FALLBACK_DTYPE = "float32"
@@ -185,69 +194,8 @@ class Collective:
             raise ValueError(f"collective bytes must be >= 0, got {self.bytes}")
 
 
-class StepKind(StrEnum):
-    """One op of a redistribution on one mesh axis (:meth:`CostModel.steps`, :meth:`CostModel.edge_steps`).
-
-    Declared in the order :meth:`CostModel.steps` issues them: slices shrink the data first,
-    then collectives from shrinking to growing, then moves into Partial, which are free but
-    (Shard -> Partial) regrow the local buffer, so they must not inflate any collective.
-    ``grad_all_reduce`` (identity forward, all-reduce backward) is never sorted: only
-    :meth:`CostModel.edge_steps` issues it, before all the others.
-    """
-
-    SLICE = "slice"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    TO_PARTIAL = "to_partial"
-    GRAD_ALL_REDUCE = "grad_all_reduce"
-
-    def __repr__(self) -> str:  # messages show the plain string
-        return repr(self.value)
-
-
-_ISSUE_ORDER = {kind: i for i, kind in enumerate(StepKind)}
-
 # The steps that are collectives in forward, and which collective each is.
 _COLLECTIVE_OF = {StepKind(kind.value): kind for kind in CollectiveKind}
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _axis_states(layout: Layout) -> tuple[int | str, ...]:
-    """Each placement as a plain value: the sharded dim, ``"R"`` or ``"P"`` (any reduce op).
-
-    Comparing DTensor placements of different types costs microseconds, plain values
-    nanoseconds, and the planner prices ~1e5 layout pairs.
-    """
-    states: list[int | str] = []
-    for p in layout:
-        if isinstance(p, Shard):
-            states.append(p.dim)
-        elif isinstance(p, Partial):
-            states.append("P")
-        elif isinstance(p, Replicate):
-            states.append("R")
-        else:
-            raise TypeError(f"unsupported placement {p!r}")
-    return tuple(states)
-
-
-def _step(src: int | str, dst: int | str) -> StepKind | None:
-    """Step kind turning one axis's state ``src`` into ``dst``, None if nothing to do.
-
-    Partial -> Partial with another reduce op moves no data, so it is free like any
-    unchanged axis.
-    """
-    if src == dst:
-        return None
-    if dst == "P":
-        return StepKind.TO_PARTIAL
-    if src == "P":
-        return StepKind.REDUCE_SCATTER if isinstance(dst, int) else StepKind.ALL_REDUCE
-    if src == "R":
-        return StepKind.SLICE
-    return StepKind.ALL_TO_ALL if isinstance(dst, int) else StepKind.ALL_GATHER
 
 
 class CostModel:
@@ -264,6 +212,7 @@ class CostModel:
         # for the same (src, dst, shape) pairs many times.
         self._redistribute = functools.lru_cache(maxsize=1 << 16)(self._plan_redistribute)
         self._backward = functools.lru_cache(maxsize=1 << 16)(self._plan_backward)
+        self._steps = functools.lru_cache(maxsize=1 << 16)(self._plan_steps)
 
     def _axis_link(self, axis: int) -> LinkSpec:
         inside = math.prod(self.mesh.axis_sizes[axis:]) <= self.cluster.devices_per_node
@@ -313,8 +262,9 @@ class CostModel:
         ``shape`` is the global shape (assumed divisible by the shardings), ``itemsize``
         bytes per element. Each mesh axis changes independently (see docs/cost_model.md
         for the table); steps run slices first, then reduce_scatters, all_to_alls,
-        all_reduces, all_gathers, so data shrinks before it grows. Each collective's bytes
-        is the per-rank local size at that moment. Cached; keep arguments hashable.
+        all_reduces, all_gathers, so data shrinks before it grows, as far as dims split over
+        several axes allow (:meth:`steps`). Each collective's bytes is the per-rank local
+        size at that moment. Cached; keep arguments hashable.
         """
         return self._redistribute(tuple(src), tuple(dst), tuple(shape), itemsize)
 
@@ -325,28 +275,22 @@ class CostModel:
             raise ValueError(
                 f"layouts need one placement per mesh axis ({self.mesh}), got {len(src)} and {len(dst)}"
             )
-        before, after = _axis_states(src), _axis_states(dst)
-        sizes = self.mesh.axis_sizes
-        local = math.prod(shape) * itemsize
-        for state, size in zip(before, sizes, strict=True):
-            if isinstance(state, int):
-                local //= size
+        before, after = axis_states(src), axis_states(dst)
         collectives, total = [], 0.0
-        for axis, kind in self.steps(src, dst):
-            n = sizes[axis]
-            if kind in _COLLECTIVE_OF:
-                c = Collective(
-                    kind=_COLLECTIVE_OF[kind], mesh_axes=(self.mesh.axis_names[axis],), bytes=local
-                )
+        # no gradient here: ``walk``'s gradient states are not read, any layout will do
+        for step in walk(before, after, after, self.steps(src, dst)):
+            if step.kind in _COLLECTIVE_OF:
+                axis = self.mesh.axis_names[step.axis]
+                local = self._local_bytes(step.before, shape, itemsize)
+                c = Collective(kind=_COLLECTIVE_OF[step.kind], mesh_axes=(axis,), bytes=local)
                 collectives.append(c)
                 total += self.collective_time(c)
-            # Track the local size: leaving a sharding grows it, entering one shrinks it.
-            was_shard, is_shard = isinstance(before[axis], int), isinstance(after[axis], int)
-            if was_shard and not is_shard:
-                local *= n
-            elif is_shard and not was_shard:
-                local //= n
         return tuple(collectives), total
+
+    def _local_bytes(self, states: tuple[State, ...], shape: tuple[int, ...], itemsize: int) -> int:
+        """Bytes one rank holds of a tensor of global ``shape`` split as ``states`` say."""
+        split = math.prod(n for s, n in zip(states, self.mesh.axis_sizes) if isinstance(s, int))
+        return math.prod(shape) * itemsize // split
 
     def edge_steps(
         self, have: Layout, need: Layout, grad_need: Layout, grad_have: Layout
@@ -360,6 +304,27 @@ class CostModel:
             if h == n and g != gh
         )
         return only_grad + self.steps(have, need)
+
+    def edge_plan(
+        self, have: Layout, need: Layout, grad_need: Layout, grad_have: Layout
+    ) -> tuple[EdgeStep, ...]:
+        """:meth:`edge_steps` with the layouts around each step, as the lowering issues them.
+
+        ``before``/``after`` is the value's layout around the step; ``grad`` the gradient's
+        placement on the step's axis where the step's backward receives it (Partial: the
+        backward must sum it). Run backward from a gradient laid out ``grad_need``, the
+        steps' backwards leave it laid out ``grad_have``.
+        """
+        walked = walk(
+            axis_states(have),
+            axis_states(need),
+            axis_states(grad_need),
+            self.edge_steps(have, need, grad_need, grad_have),
+        )
+        return tuple(
+            EdgeStep(w.axis, w.kind, to_layout(w.before), to_layout(w.after), to_layout(w.grad)[w.axis])
+            for w in walked
+        )
 
     def backward(
         self,
@@ -375,9 +340,9 @@ class CostModel:
         Backward runs the adjoints of the forward ops of :meth:`edge_steps` in reverse
         order, starting from a gradient laid out ``grad_need``; each op's backward on its
         axis depends on whether the gradient arrives there as a partial sum (see
-        ``passes/lower_collectives.py``). Bytes are the gradient's local size at each op.
-        Where the gradient keeps its layout (``grad_need == grad_have``, or no gradient
-        flows) nothing moves.
+        :meth:`edge_plan` and ``passes/lower_collectives.py``). Bytes are the gradient's
+        local size at each op. Where the gradient keeps its layout (``grad_need ==
+        grad_have``, or no gradient flows) nothing moves.
         """
         return self._backward(
             tuple(have), tuple(need), tuple(grad_need), tuple(grad_have), tuple(shape), itemsize
@@ -394,19 +359,16 @@ class CostModel:
     ) -> tuple[tuple[Collective, ...], float]:
         if grad_need == grad_have:
             return (), 0.0
-        local = math.prod(shape) * itemsize
-        for state, size in zip(_axis_states(grad_need), self.mesh.axis_sizes, strict=True):
-            if isinstance(state, int):
-                local //= size
+        steps = self.edge_steps(have, need, grad_need, grad_have)
+        walked = walk(axis_states(have), axis_states(need), axis_states(grad_need), steps)
         collectives, total = [], 0.0
-        for axis, kind in reversed(self.edge_steps(have, need, grad_need, grad_have)):
-            n, partial = self.mesh.axis_sizes[axis], isinstance(grad_need[axis], Partial)
-            collective, growth = _BACKWARD[kind](partial, isinstance(have[axis], Shard))
+        for step in reversed(walked):
+            collective = BACKWARD[step.kind][step.grad[step.axis] == "P"]
             if collective is not None:
-                c = Collective(kind=collective, mesh_axes=(self.mesh.axis_names[axis],), bytes=local)
+                local = self._local_bytes(step.grad, shape, itemsize)
+                c = Collective(kind=collective, mesh_axes=(self.mesh.axis_names[step.axis],), bytes=local)
                 collectives.append(c)
                 total += self.collective_time(c)
-            local = local * n if growth > 0 else (local // n if growth < 0 else local)
         return tuple(collectives), total
 
     def steps(self, src: Layout, dst: Layout) -> tuple[tuple[int, StepKind], ...]:
@@ -415,24 +377,15 @@ class CostModel:
         Each step is ``(mesh axis index, kind)``, kind any :class:`StepKind` but
         ``grad_all_reduce``. The lowering issues exactly these, so runtime bytes equal
         the prediction.
+
+        A dim split over several axes is split outer axis first (DTensor's order); the
+        order, and where no order works the unwinding of inner splits, is
+        :func:`autopar.planning.steps.plan_steps`'s.
         """
-        before, after = _axis_states(src), _axis_states(dst)
-        found = [(_step(p, q), axis) for axis, (p, q) in enumerate(zip(before, after, strict=True))]
-        ordered = sorted((s for s in found if s[0] is not None), key=self._step_order)
-        # One dim split over several axes is split outer axis first (DTensor's order), so
-        # entering such splits must go outer axis first and leaving them inner axis first,
-        # whatever the links say.
-        groups: dict[tuple[StepKind, int | str, bool], list[int]] = {}
-        for i, (kind, axis) in enumerate(ordered):
-            entering = kind in (StepKind.SLICE, StepKind.REDUCE_SCATTER)
-            dim = after[axis] if entering else before[axis]
-            if kind in (StepKind.SLICE, StepKind.REDUCE_SCATTER, StepKind.ALL_GATHER):
-                groups.setdefault((kind, dim, entering), []).append(i)
-        for (kind, _, entering), slots in groups.items():
-            axes = sorted((ordered[i][1] for i in slots), reverse=not entering)
-            for i, axis in zip(slots, axes):
-                ordered[i] = (kind, axis)
-        return tuple((axis, kind) for kind, axis in ordered)
+        return self._steps(axis_states(src), axis_states(dst))
+
+    def _plan_steps(self, src: tuple[State, ...], dst: tuple[State, ...]) -> tuple[tuple[int, StepKind], ...]:
+        return plan_steps(src, dst, self._step_order)
 
     def _step_order(self, step: tuple[StepKind, int]) -> tuple[int, float, int]:
         """Sort key: step kind first, then, within a kind, the cheapest axis order.
@@ -446,19 +399,5 @@ class CostModel:
         kind, axis = step
         bandwidth = self._links[axis].bandwidth_Bps
         if kind == StepKind.REDUCE_SCATTER:
-            return (_ISSUE_ORDER[kind], -bandwidth, -axis)
-        return (_ISSUE_ORDER[kind], bandwidth if kind == StepKind.ALL_GATHER else 0.0, axis)
-
-
-# Per forward step kind: (partial gradient on the axis, input sharded on the axis) ->
-# (the backward collective or None, how the gradient's local size changes: +1 grows by the
-# axis size, -1 shrinks by it, 0 stays). The autograd formulas of autopar.runtime.collectives.
-_BACKWARD: dict[StepKind, Callable[[bool, bool], tuple[CollectiveKind | None, int]]] = {
-    StepKind.SLICE: lambda partial, sharded: (CollectiveKind.ALL_GATHER, +1),
-    StepKind.REDUCE_SCATTER: lambda partial, sharded: (CollectiveKind.ALL_GATHER, +1),
-    StepKind.ALL_TO_ALL: lambda partial, sharded: (CollectiveKind.ALL_TO_ALL, 0),
-    StepKind.ALL_REDUCE: lambda partial, sharded: (CollectiveKind.ALL_REDUCE if partial else None, 0),
-    StepKind.ALL_GATHER: lambda partial, sharded: (CollectiveKind.REDUCE_SCATTER if partial else None, -1),
-    StepKind.TO_PARTIAL: lambda partial, sharded: (None, -1 if sharded else 0),
-    StepKind.GRAD_ALL_REDUCE: lambda partial, sharded: (CollectiveKind.ALL_REDUCE, 0),
-}
+            return (ISSUE_ORDER[kind], -bandwidth, -axis)
+        return (ISSUE_ORDER[kind], bandwidth if kind == StepKind.ALL_GATHER else 0.0, axis)

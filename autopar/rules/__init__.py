@@ -256,7 +256,11 @@ def _divisible(choices: Sequence[str | None], mesh: MeshSpec, sizes: dict[str, l
 def build(
     spec: DimSpec, choices: Sequence[str | None], mesh: MeshSpec, passthrough: int | None = None
 ) -> Strategy:
-    """The strategy that splits label ``choices[a]`` on mesh axis ``a``."""
+    """The strategy that splits label ``choices[a]`` on mesh axis ``a``.
+
+    A label chosen on several axes gives ``Shard(d)`` on each of them: its dims are split
+    over those axes, outer axis first, and the op's work ``split`` by the product.
+    """
     n_ops = len(spec.operands)
     operands: list[list] = [[] for _ in range(n_ops)]
     grads: list[list] = [[] for _ in range(n_ops)]
@@ -307,22 +311,18 @@ def build(
 def enumerate_strategies(
     spec: DimSpec, shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]], mesh: MeshSpec
 ) -> list[Strategy]:
-    """Every strategy of an anchor op: one shardable label (or none) per mesh axis, evenly divisible,
-    no label on two axes."""
+    """Every strategy of an anchor op: one shardable label (or none) per mesh axis, evenly divisible.
+
+    A label may go on several axes: its dims are then split over all of them (outer axis
+    first, as DTensor does), into the product of their sizes, which must divide them.
+    """
     sizes = _dims_of(spec, shapes, out_shapes)
     options = (None, *spec.shardable())
     return [
         build(spec, choices, mesh)
         for choices in itertools.product(options, repeat=mesh.ndim)
-        if _divisible(choices, mesh, sizes) and _one_axis_per_label(choices)
+        if _divisible(choices, mesh, sizes)
     ]
-
-
-def _one_axis_per_label(choices: Sequence[str | None]) -> bool:
-    # A dim split over several axes needs its redistributions ordered around the nesting;
-    # the lowering does not do that yet, so the solver does not propose such splits.
-    labels = [lab for lab in choices if lab]
-    return len(labels) == len(set(labels))
 
 
 def follow(

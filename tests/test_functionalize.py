@@ -152,3 +152,28 @@ def test_a_write_through_a_view_whose_base_is_dead_is_rewritten():
     gm = torch.export.export(Head(), (torch.randn(2, 8, 3, 3),), strict=False).graph_module
     rewritten = functionalize(gm)
     assert {str(n.target) for n in rewritten} == {"aten.dropout.default", "aten.relu.default"}
+
+
+def test_writes_into_slices_of_a_fresh_tensor_become_scatters():
+    """T5's and BART's _shift_right: labels shifted right into a new tensor, start token first."""
+
+    class Shift(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 4)
+
+        def forward(self, labels: torch.Tensor) -> torch.Tensor:
+            shifted = labels.new_zeros(labels.shape)
+            shifted[..., 1:] = labels[..., :-1].clone()
+            shifted[..., 0] = 3
+            shifted.masked_fill_(shifted == -100, 0)
+            return self.embed(shifted).sum()
+
+    model, labels = Shift(), torch.randint(0, 16, (2, 6))
+    ep = torch.export.export(model, (labels,), strict=False)
+    rewritten = functionalize(ep.graph_module)
+    targets = {str(n.target) for n in rewritten}
+    assert {"aten.slice_scatter.default", "aten.select_scatter.default", "aten.masked_fill.Scalar"} <= targets
+    assert not [n for n in ep.graph.nodes if str(n.target).endswith("_.default") or "fill_" in str(n.target)]
+    for batch in (labels, torch.randint(0, 16, (2, 6))):
+        torch.testing.assert_close(ep.module()(batch), model(batch))

@@ -198,6 +198,8 @@ CASES = [
     (aten.slice.Tensor, (r(4, 8), 1, 2, 6), {}),
     (aten.slice.Tensor, (r(4, 8), 1, 0, 100), {}),
     (aten.select.int, (r(4, 8), 1, 3), {}),
+    (aten.slice_scatter.default, (r(4, 8), r(4, 7), 1, 1), {}),
+    (aten.select_scatter.default, (r(4, 8), r(4), 1, 0), {}),
     (aten.split.Tensor, (r(4, 8), 4, 1), {}),
     (aten.cat.default, ([r(4, 2), r(4, 6)], 1), {}),
     (aten.stack.default, ([r(4, 2), r(4, 2)], 1), {}),

@@ -23,6 +23,9 @@ rewrites ``y = x.op_(...)`` as ``y = op(x, ...)`` and points every later use of 
 * ``x`` is not itself an output of the program (its output slot is named in the
   program's signature).
 
+A ``copy_``/``fill_`` into a ``slice``/``select`` of a temporary becomes a
+``slice_scatter``/``select_scatter`` of it (:func:`_scatter_view_writes`).
+
 Only the graph's own ops are rewritten: a region exported as a submodule (``torch.no_grad``,
 whose in-place op must stay invisible to autograd) keeps its ops. Everything else is left
 as it was: the planner replicates it and lists it.
@@ -40,20 +43,22 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
+aten = torch.ops.aten
+
 
 def functionalize(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Rewrite the in-place ops of ``gm`` that are provably safe as out-of-place ops (see
     the module docstring), in place, recompiling ``gm``; returns the nodes rewritten."""
     graph = gm.graph
+    rewritten = _scatter_view_writes(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    rewritten = []
     for node in list(graph.nodes):
         out_of_place = _out_of_place(node.target)
         if out_of_place is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
             continue
         written = node.args[0]
         base = _base(written)
-        if base is None or not _unobserved(base, written, node, order):
+        if base is None or not _unobserved(base, {written}, node, order):
             continue
         if not _same_result(node, out_of_place):
             continue
@@ -125,24 +130,88 @@ def _base(value: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _unobserved(
-    base: torch.fx.Node, written: torch.fx.Node, op: torch.fx.Node, order: dict[torch.fx.Node, int]
+    base: torch.fx.Node, redirected: set[torch.fx.Node], op: torch.fx.Node, order: dict[torch.fx.Node, int]
 ) -> bool:
-    """No view of ``base``'s memory but ``written`` (``base`` included) made before ``op`` is
-    read at or after it, and none of them is an output of the program (later uses of
-    ``written`` itself are redirected)."""
+    """No view of ``base``'s memory (``base`` included) made before ``op`` is read at or after
+    it but those in ``redirected`` (whose later uses will read the rewritten value), and
+    none of them is an output of the program."""
     family, seen = [base], {base}
     while family:
         value = family.pop()
         if any(u.op == "output" for u in value.users):
             return False
         for user in value.users:
-            if order[user] >= order[op] and value is not written:
+            if order[user] >= order[op] and value not in redirected:
                 return False  # read at (an overlapping operand) or after the write
             if user in seen or order[user] >= order[op] or not _aliases_inputs(user):
                 continue
             seen.add(user)
             family.append(user)
     return True
+
+
+_VIEW_WRITES = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor}
+_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
+
+
+def _scatter_view_writes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """``base[..., s:e].copy_(src)`` and ``base[..., i].fill_(v)`` on a temporary ``base``, as
+    ``base' = slice_scatter(base, src, ...)`` / ``select_scatter`` with every later use of
+    ``base`` reading ``base'`` (T5's and BART's ``_shift_right``). Only where the write is
+    the view's one use, the written values already have the view's shape and dtype, and no
+    other view of ``base`` is read after the write."""
+    rewritten = []
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        view = node.args[0] if node.target in _VIEW_WRITES and node.args else None
+        if view is None or view.target not in _SCATTERS or node.users or len(view.users) != 1:
+            continue
+        base = view.args[0]
+        if (
+            _base(base) is not base
+            or base.op != "call_function"
+            or not _unobserved(base, {base, view}, node, order)
+        ):
+            continue
+        with graph.inserting_before(node):
+            src = _values_like(graph, view, node)
+            if src is None:
+                continue
+            scattered = graph.call_function(
+                _SCATTERS[view.target], (base, src, *view.args[1:]), dict(view.kwargs)
+            )
+        scattered.meta = {
+            **node.meta,
+            "val": scattered.target(base.meta["val"], src.meta["val"], *view.args[1:]),
+        }
+        for user in [u for u in base.users if order.get(u, -1) > order[node]]:
+            user.replace_input_with(base, scattered)
+        graph.erase_node(node)
+        graph.erase_node(view)
+        rewritten.append(scattered)
+    return rewritten
+
+
+def _values_like(graph: torch.fx.Graph, view: torch.fx.Node, write: torch.fx.Node) -> torch.fx.Node | None:
+    """The values ``write`` puts into ``view``, as a tensor shaped like it; None where that
+    would need a cast or a broadcast the write does implicitly."""
+    target = view.meta["val"]
+    if write.target is aten.fill_.Scalar:
+        shape, kwargs = list(target.shape), {"dtype": target.dtype, "device": target.device}
+        full = graph.call_function(aten.full.default, (shape, write.args[1]), kwargs)
+        full.meta = {**write.meta, "val": torch.full_like(target, write.args[1])}
+        return full
+    value = write.args[1]
+    given = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+    if not isinstance(given, torch.Tensor) or given.dtype != target.dtype:
+        return None
+    if write.target is aten.copy_.default:
+        return value if given.shape == target.shape else None
+    if given.dim() != 0:
+        return None
+    expanded = graph.call_function(aten.expand.default, (value, list(target.shape)))
+    expanded.meta = {**write.meta, "val": given.expand(target.shape)}
+    return expanded
 
 
 def _storages(value: object) -> set[StorageWeakRef]:

@@ -149,6 +149,21 @@ def select(call: OpCall) -> DimSpec:
     return _keep_but(call, {call.arg("dim", 0) % len(call.shapes[0])}, drop=True)
 
 
+@rule(aten.slice_scatter.default, aten.select_scatter.default)
+def scatter_into_view(call: OpCall) -> DimSpec:
+    # base with src written into a slice (select) of dim d: d whole, the rest shared. Linear
+    # in base and src together (partial sums of both scatter into partial sums).
+    base = call.shapes[0]
+    dim = call.arg("dim", 0) % len(base)
+    labels = fresh(len(base))
+    keeps_dim = call.node.target is aten.slice_scatter.default  # select_scatter's src lacks it
+    src = tuple(lab for d, lab in enumerate(labels) if d != dim or keeps_dim)
+    both = frozenset({0, 1})
+    return DimSpec(
+        (tuple(labels), src), (tuple(labels),), whole=frozenset(labels[dim]), linear=both, additive=both
+    )
+
+
 @rule(
     aten.split.Tensor,
     aten.split_with_sizes.default,

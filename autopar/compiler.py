@@ -1,8 +1,9 @@
 """``autopar.compile``: from a model, a mesh and a plan to a module that trains on the mesh.
 
 Called on every rank (under ``torchrun`` or spawned processes) with a real, named
-``DeviceMesh``. The model is captured once; without a plan it is planned (the same
-plan on every rank: the solver is deterministic); then the passes in
+``DeviceMesh``. The model is captured once; without a plan it is planned once, on the
+mesh's first rank, and the plan sent to every other rank (see :func:`_plan_once`); then
+the passes in
 ``autopar.passes.PIPELINE`` turn the captured graph into the per-rank program, and
 :class:`~autopar.runtime.module.DistributedModule` runs it. Under a pipeline, layouts and
 collectives live on the mesh of this rank's stages (the mesh without the pipeline
@@ -15,10 +16,11 @@ The runtime never plans: a loss function given to ``dmodel.train_step`` is compi
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from autopar.capture.export import Captured, capture
 from autopar.ir.errors import CompileError, PlanError
@@ -98,22 +100,50 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     t0 = time.perf_counter()
     captured = capture_for(model, example_args, example_kwargs, spec, pipeline)
     if plan is None:
-        plan = plan_captured(
-            captured,
-            spec,
-            cluster=cluster,
-            time_limit=time_limit,
-            seed=seed,
-            capture_s=time.perf_counter() - t0,
-            pipeline=pipeline,
-            memory=memory,
-            memory_budget=memory_budget,
+        plan = _plan_once(
+            mesh,
+            lambda: plan_captured(
+                captured,
+                spec,
+                cluster=cluster,
+                time_limit=time_limit,
+                seed=seed,
+                capture_s=time.perf_counter() - t0,
+                pipeline=pipeline,
+                memory=memory,
+                memory_budget=memory_budget,
+            ),
         )
     if plan.device_mesh_spec != spec:
         raise PlanError(
             f"the plan is for mesh {plan.device_mesh_spec}, but the module is compiled for {spec}"
         )
     return build_module(model, mesh, stage_mesh, captured, plan, pipeline)
+
+
+def _plan_once(mesh: Any, make_plan: Callable[[], Plan]) -> Plan:
+    """The plan, solved once: on the mesh's first rank, sent to the others (as plain data)
+    when the mesh spans the job, so the other ranks spend no time in the solver. An error
+    planning there is raised on every rank. Otherwise (one rank, a mesh of part of the
+    job, a fake process group) every rank plans; the solver is deterministic, so they agree.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 or dist.get_backend() == "fake" or mesh.mesh.numel() != world:
+        return make_plan()
+    source = int(mesh.mesh.flatten()[0])
+    box: list[Any] = [None]
+    failure = None
+    if dist.get_rank() == source:
+        try:
+            box[0] = make_plan().to_dict()
+        except Exception as exc:  # noqa: BLE001 - re-raised here, and said on every other rank
+            failure, box[0] = exc, f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(box, src=source)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], str):
+        raise PlanError(f"planning failed on rank {source}, which plans for the mesh: {box[0]}")
+    return Plan.from_dict(box[0])
 
 
 def lower(captured: Captured, plan: Plan, stage_mesh: Any) -> tuple[torch.fx.GraphModule, PassContext]:

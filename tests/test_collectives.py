@@ -292,3 +292,12 @@ def test_registry_counters_and_fake_shapes(fake_process_group):
     assert C.collective_calls() == {("all_reduce", "dp"): 2}
     C.reset_comm_counts()
     assert C.comm_counts() == {} and C.collective_calls() == {}
+
+
+def test_a_gathered_concatenation_is_contiguous():
+    """Gathering a dim of local size 1 (Swin's windows) must give what a later view can take."""
+    pieces = torch.arange(2 * 3 * 1 * 4.0).view(2, 3, 1, 4)  # two ranks' (3, 1, 4) pieces
+    whole = C._concat_stacked(pieces, 1)
+    assert whole.is_contiguous()
+    torch.testing.assert_close(whole, torch.cat(list(pieces), dim=1))
+    assert whole.view(6, 4).shape == (6, 4)

@@ -158,8 +158,12 @@ def _stacked_chunks(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
 
 
 def _concat_stacked(stacked: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of :func:`_stacked_chunks`: concatenate the leading slices along ``dim``."""
-    return stacked.movedim(0, dim).flatten(dim, dim + 1)
+    """Inverse of :func:`_stacked_chunks`: concatenate the leading slices along ``dim``, contiguous.
+
+    Contiguous as the concatenation on one device would be: a later ``view`` of the
+    program (Swin's window partition after a gather of a size-1 dim) needs that.
+    """
+    return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
 
 
 def _flat_stack(stacked: torch.Tensor) -> torch.Tensor:

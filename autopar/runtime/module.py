@@ -144,7 +144,7 @@ class DistributedModule(torch.nn.Module):
         self._leaves: dict[int, torch.Tensor] = {}
         for t in named.values():
             if id(t) not in self._leaves:
-                leaf = t.detach().to_local()
+                leaf = t.detach().to_local().detach()  # a plain view: buffers take in-place updates
                 self._leaves[id(t)] = leaf.requires_grad_(t.requires_grad) if t.requires_grad else leaf
         exported = self._lowered.exported
         self._state: dict[str, Any] = {}  # placeholder -> the tensor this rank passes for it

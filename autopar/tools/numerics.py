@@ -5,7 +5,9 @@ rank's compiled program side by side on the same global batch, and compares ever
 value the two share by name: the compiled value must equal this rank's piece of the
 single-device value (Partial values are summed over their axes first, which is a
 collective: call it on every rank). It returns a description of the first value
-that differs, or None.
+that differs, or None. Values nothing reads (a tied weight's unused twin placeholder)
+and values still holding uninitialised memory (``empty_like`` being filled piece by
+piece) are not compared; what is computed from them is.
 """
 
 from __future__ import annotations
@@ -23,6 +25,24 @@ from autopar.ir.meta import LAYOUTS, MEAN_SPLIT
 from autopar.runtime import collectives
 from autopar.runtime.materialize import local_piece
 from autopar.runtime.module import DistributedModule
+
+aten = torch.ops.aten
+# ops whose values are whatever memory held, and ops writing into part of their first
+# operand: a value built by filling uninitialised memory piece by piece holds garbage until
+# its last piece, so it is not compared (the values computed from it are)
+_UNINITIALISED = {
+    aten.empty_like.default,
+    aten.empty.memory_format,
+    aten.new_empty.default,
+    aten.empty_strided.default,
+}
+_WRITES_INTO = {
+    aten.slice_scatter.default,
+    aten.select_scatter.default,
+    aten.index_put.default,
+    aten.scatter.src,
+    aten.scatter.value,
+}
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -63,12 +83,17 @@ def first_divergence(
     compiled = _Recorder(dmodel._program)
     with torch.no_grad():
         compiled.run(*dmodel.program_inputs(local_args, local_kwargs))
+    unset: set[torch.fx.Node] = set()
     for node in dmodel._program.graph.nodes:
+        if node.target in _UNINITIALISED or (node.target in _WRITES_INTO and node.args[0] in unset):
+            unset.add(node)
+            continue
         want, got = reference.values.get(node.name), compiled.values.get(node.name)
         if (
             not isinstance(want, torch.Tensor)
             or not isinstance(got, torch.Tensor)
             or LAYOUTS not in node.meta
+            or not node.users  # read by nothing: a tied weight's unused twin placeholder
         ):
             continue
         layout = node.meta[LAYOUTS][1][0]

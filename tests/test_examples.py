@@ -136,3 +136,14 @@ def test_gpt_rejects_bad_sizes(gpt: ModuleType):
     model, _ = gpt.build()
     with pytest.raises(ValueError, match="seq_len"):
         model(torch.zeros(1, model.config.seq_len + 1, dtype=torch.long))
+
+
+def test_cnn_script_plans_without_ranks(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """Without torchrun, examples/cnn.py prints its size and its plan for 4 ranks."""
+    cnn = importlib.import_module("examples.cnn")
+    monkeypatch.setattr("sys.argv", [cnn.__file__])
+    monkeypatch.delenv("RANK", raising=False)
+    runpy.run_path(cnn.__file__, run_name="__main__")
+    out = capsys.readouterr().out
+    assert "SmallResNet: 14,202 parameters" in out and "autopar plan on mesh dp=4" in out
+    assert "no sharding rule" not in out

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 BATCH, SEQ, VOCAB, IMAGE = 4, 8, 128, 32
 
@@ -42,43 +41,6 @@ _NO_DROPOUT = dict(
     seq_classif_dropout=0.0,
     qa_dropout=0.0,
 )
-
-
-class SmallResNet(nn.Module):
-    """A hand-written CNN: a stem, two residual blocks with batch norm, a pooled classifier;
-    returns its loss and, as a Python number, its accuracy."""
-
-    def __init__(self, classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
-        self.block1 = _Residual(16, 16, stride=1)
-        self.block2 = _Residual(16, 32, stride=2)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.head = nn.Linear(32, classes)
-
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
-        h = nn.functional.max_pool2d(self.stem(images), 2)
-        h = self.block2(self.block1(h))
-        logits = self.head(self.pool(h).flatten(1))
-        accuracy = (logits.argmax(-1) == labels).float().mean().item()  # a Python number
-        return {"loss": nn.functional.cross_entropy(logits, labels), "accuracy": accuracy}
-
-
-class _Residual(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, groups=2, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 else nn.Conv2d(cin, cout, 1, stride=stride)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        identity = x if self.down is None else self.down(x)
-        out += identity
-        return torch.relu(out)
 
 
 def _config(cls_name: str, **fields: Any) -> Any:
@@ -186,8 +148,10 @@ def _gpt2() -> tuple:
 
 
 def _small_resnet() -> tuple:
-    images, labels = torch.randn(BATCH * 2, 3, 16, 16), torch.randint(0, 10, (BATCH * 2,))
-    return SmallResNet(), (images, labels), {}
+    from examples import cnn
+
+    model, args = cnn.build(batch_size=BATCH * 2)
+    return model, args, {}
 
 
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)

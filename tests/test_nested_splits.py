@@ -22,7 +22,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import format_layout, grad_layout, local_shape
 from autopar.ir.mesh import MeshSpec
@@ -34,7 +33,17 @@ from autopar.planning.cost import CostModel, get_cluster
 from autopar.planning.steps import StepKind, axis_states, walk
 from autopar.rules import PASSTHROUGH, OpCall, follow, lookup, split_counts
 from autopar.tools.launch import spawn
-from tests.test_rules import CASES, MESHES, _strategies, join_value, make_node, r, run_strategy, split_value
+from tests.test_rules import (
+    CASES,
+    MESHES,
+    _strategies,
+    join_value,
+    make_node,
+    partial_integers,
+    r,
+    run_strategy,
+    split_value,
+)
 
 aten, ops = torch.ops.aten, torch.ops.autopar
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
@@ -283,12 +292,9 @@ def test_nested_strategies_match_single_device(mesh, op, args, kwargs):
     node = make_node(op, args, kwargs)
     call = OpCall.of(node)
     spec = lookup(op).fn(call)
-    floating = all(t.dtype.is_floating_point for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
     for strategy in _strategies(spec, call, mesh):
-        if not _nested(strategy.choices):
+        if not _nested(strategy.choices) or partial_integers(strategy, args, kwargs):
             continue
-        if not floating and any(isinstance(p, Partial) for lay in strategy.operands if lay for p in lay):
-            continue  # partial sums of integer/bool tensors never arise
         try:
             run_strategy(op, args, kwargs, node, spec, strategy, mesh)
         except AssertionError as e:

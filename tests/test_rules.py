@@ -80,6 +80,7 @@ def join_value(pieces: dict[tuple, torch.Tensor], layout, mesh: MeshSpec) -> tor
 
 
 def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
+    """The op on each rank's pieces; every output put back together as its layout says and compared."""
     gen = torch.Generator().manual_seed(0)
     call = OpCall.of(node)
     tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
@@ -87,13 +88,12 @@ def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
         split_value(t, layout, mesh, gen) if layout is not None else None
         for t, layout in zip(tensors, strategy.operands)
     ]
-    out_layout = strategy.outputs[0]
-    local_out = local_shape(call.out_shapes[0], out_layout, mesh)
+    local_out = local_shape(call.out_shapes[0], strategy.outputs[0], mesh)
     scale = 1.0
     for lab, n in zip(strategy.choices, mesh.axis_sizes):
         if lab in spec.mean_over:
             scale /= n
-    outs = {}
+    outs: dict[tuple, list[torch.Tensor]] = {}
     for coord in itertools.product(*(range(n) for n in mesh.axis_sizes)):
         pieces = iter([s[coord] if s is not None else t for s, t in zip(split, tensors)])
         local_args, local_kwargs = pytree.tree_map(
@@ -102,12 +102,23 @@ def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
         local_args = localize_sizes(op, local_args, call.out_shapes[0], local_out)
         local_args = localize_counts(op, local_args, spec, strategy, mesh)
         out = op(*local_args, **local_kwargs)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        outs[coord] = out * scale if scale != 1.0 else out
+        outs[coord] = [
+            o * scale if scale != 1.0 else o for o in (out if isinstance(out, (tuple, list)) else [out])
+        ]
     expected = node.meta["val"]
-    expected = expected[0] if isinstance(expected, (tuple, list)) else expected
-    got = join_value(outs, out_layout, mesh)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, check_dtype=False)
+    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    for i, (want, layout) in enumerate(zip(expected, strategy.outputs, strict=True)):
+        got = join_value({c: o[i] for c, o in outs.items()}, layout, mesh)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, check_dtype=False, msg=f"output {i}")
+
+
+def partial_integers(strategy, args, kwargs) -> bool:
+    """Whether ``strategy`` makes an integer or bool operand Partial (partial sums of indices never arise)."""
+    tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    return any(
+        lay is not None and any(isinstance(p, Partial) for p in lay) and not t.dtype.is_floating_point
+        for t, lay in zip(tensors, strategy.operands)
+    )
 
 
 def localize_sizes(op, args, global_shape, local) -> tuple:
@@ -235,10 +246,8 @@ def test_rule_matches_single_device(op, args, kwargs, mesh):
     strategies = list(_strategies(spec, call, mesh))
     assert strategies
     for strategy in strategies:
-        if any(isinstance(p, Partial) for lay in strategy.operands if lay for p in lay) and not all(
-            t.dtype.is_floating_point for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)
-        ):
-            continue  # partial sums of integer/bool tensors never arise
+        if partial_integers(strategy, args, kwargs):
+            continue
         try:
             run_strategy(op, args, kwargs, node, spec, strategy, mesh)
         except AssertionError as e:

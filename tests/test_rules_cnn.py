@@ -9,7 +9,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.rules import OpCall, enumerate_strategies, lookup
-from tests.test_rules import MESHES, make_node, r, test_rule_matches_single_device
+from tests import test_rules as harness  # the module, so pytest does not collect its tests twice
+from tests.test_rules import MESHES, make_node, r
 
 aten = torch.ops.aten
 
@@ -46,7 +47,7 @@ CASES = [
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 @pytest.mark.parametrize("op,args,kwargs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_cnn_rule_matches_single_device(op, args, kwargs, mesh):
-    test_rule_matches_single_device(op, args, kwargs, mesh)
+    harness.test_rule_matches_single_device(op, args, kwargs, mesh)
 
 
 def _input_layouts(op, args) -> set:

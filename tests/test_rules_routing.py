@@ -1,27 +1,20 @@
 """The routing rules (``autopar/rules/routing.py``) and the ops added to views and reductions,
-checked against single-device results with the harness of ``tests/test_rules.py``.
-
-Unlike that harness's ``run_strategy`` every output is compared (``topk`` and ``sort``
-give values and indices), and a strategy is skipped only where it would make an
-integer operand Partial (a partial sum of indices never arises), so the accumulating
-writes are checked with their float operands split into addends beside an integer index.
+checked against single-device results with the harness of ``tests/test_rules.py`` (every
+output compared: ``topk`` and ``sort`` give values and indices; accumulating writes with
+their float operands split into addends beside an integer index).
 """
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Partial
-from torch.utils import _pytree as pytree
 
 import autopar
-from autopar.ir.layout import local_shape
 from autopar.rules import OpCall, enumerate_strategies, lookup, spec_of
-from tests.test_rules import MESHES, _strategies, join_value, localize_sizes, make_node, r, split_value
+from tests import test_rules as harness  # the module, so pytest does not collect its tests twice
+from tests.test_rules import MESHES, make_node, r
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -88,55 +81,10 @@ CASES = [
 ]
 
 
-def run_every_output(op, args, kwargs, node, strategy, mesh) -> None:
-    """The op on each rank's pieces, every output put back together and compared."""
-    gen = torch.Generator().manual_seed(0)
-    call = OpCall.of(node)
-    tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-    split = [
-        split_value(t, layout, mesh, gen) if layout is not None else None
-        for t, layout in zip(tensors, strategy.operands)
-    ]
-    local_out = local_shape(call.out_shapes[0], strategy.outputs[0], mesh)
-    outs: dict[tuple, list[torch.Tensor]] = {}
-    for coord in itertools.product(*(range(n) for n in mesh.axis_sizes)):
-        pieces = iter([s[coord] if s is not None else t for s, t in zip(split, tensors)])
-        local_args, local_kwargs = pytree.tree_map(
-            lambda v, pieces=pieces: next(pieces) if isinstance(v, torch.Tensor) else v, (args, kwargs)
-        )
-        local_args = localize_sizes(op, local_args, call.out_shapes[0], local_out)
-        out = op(*local_args, **local_kwargs)
-        outs[coord] = list(out) if isinstance(out, (tuple, list)) else [out]
-    expected = node.meta["val"]
-    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
-    for i, (want, layout) in enumerate(zip(expected, strategy.outputs, strict=True)):
-        got = join_value({c: o[i] for c, o in outs.items()}, layout, mesh)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, check_dtype=False, msg=f"output {i}")
-
-
-def _partial_ints(strategy, args, kwargs) -> bool:
-    tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-    return any(
-        lay is not None and any(isinstance(p, Partial) for p in lay) and not t.dtype.is_floating_point
-        for t, lay in zip(tensors, strategy.operands)
-    )
-
-
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 @pytest.mark.parametrize("op,args,kwargs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_rule_matches_single_device(op, args, kwargs, mesh):
-    node = make_node(op, args, kwargs)
-    found = lookup(op)
-    assert found is not None, f"no rule for {op}"
-    call = OpCall.of(node)
-    spec = found.fn(call)
-    strategies = [s for s in _strategies(spec, call, mesh) if not _partial_ints(s, args, kwargs)]
-    assert strategies
-    for strategy in strategies:
-        try:
-            run_every_output(op, args, kwargs, node, strategy, mesh)
-        except AssertionError as e:
-            raise AssertionError(f"{op} strategy {strategy.choices}: {e}") from None
+def test_routing_rule_matches_single_device(op, args, kwargs, mesh):
+    harness.test_rule_matches_single_device(op, args, kwargs, mesh)
 
 
 def _split_labels(op, args, kwargs=None) -> set:

@@ -10,6 +10,7 @@ from autopar.passes import (
     apply_recompute,
     drop_layout_constraints,
     insert_redistributions,
+    localize_lookups,
     localize_shapes,
     lower_collectives,
     mark_recompute,
@@ -25,6 +26,7 @@ PIPELINE = (
     lower_collectives,  # each redistribute -> one autograd-aware collective per mesh axis
     drop_layout_constraints,  # pinned layouts are in place: the constraints are identities now
     localize_shapes,  # size arguments -> local sizes; split means rescaled
+    localize_lookups,  # lookups into a split dim: this rank's block, the rest masked
     verify_layouts,  # every edge: producer layout == consumer expectation
     mark_recompute,  # the ops recomputed in backward: recompute modules, ZeRO-3 gathers
     apply_recompute,  # each recompute region -> one checkpointed submodule

@@ -12,6 +12,7 @@ out as the op's backward receives it (``EdgeStep.grad``):
 | P -> S(d) | ``reduce_scatter`` | S(d) -> R | all-gather |
 | S(d) -> S(e) | ``all_to_all`` | S(e) -> S(d) | all-to-all |
 | P -> R | ``all_reduce`` | R -> R or P -> R | identity or all-reduce |
+| P(max) -> R | ``all_reduce_max`` | none: the value needs no gradient | |
 | S(d) -> R | ``all_gather`` | P -> S(d) or R -> S(d) | reduce-scatter or slice |
 | R or S(d) -> P | ``to_partial`` | R -> R or R -> S(d) | identity or slice |
 | R -> R | ``grad_all_reduce`` | P -> R | all-reduce |
@@ -52,6 +53,8 @@ def _op(step: EdgeStep, x: torch.fx.Node, axis: str) -> tuple[object, tuple]:
         return ops.reduce_scatter.default, (x, after.dim, axis)
     if kind == StepKind.ALL_TO_ALL:
         return ops.all_to_all.default, (x, before.dim, after.dim, axis)
+    if kind == StepKind.ALL_REDUCE and before == Partial("max"):
+        return ops.all_reduce_max.default, (x, axis)
     if kind == StepKind.ALL_REDUCE:
         return ops.all_reduce.default, (x, axis, "all_reduce" if partial else "identity")
     if kind == StepKind.ALL_GATHER:

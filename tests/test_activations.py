@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import autopar
 import examples.gpt as gpt
+from autopar.capture.exact_means import ExactMeans
 from autopar.planning.saved_tensors import SavedSpec, saved_by
 from autopar.tools.activation_meter import ActivationMeter
 
@@ -210,8 +211,13 @@ def predicted(model: nn.Module, args: tuple) -> int:
 
 
 def measured(model: nn.Module, args: tuple) -> tuple[ActivationMeter, torch.Tensor]:
-    """One training step under the meter, marked after the forward and after the backward; and the output."""
-    with ActivationMeter() as meter:
+    """One training step under the meter, marked after the forward and after the backward; and the output.
+
+    The model runs its losses as captured (``ExactMeans``: cross entropy as its formula, which
+    saves the logits and their exponentials where the fused op saves the log-softmax): the
+    prediction is of the captured program's saves.
+    """
+    with ActivationMeter() as meter, ExactMeans():
         out = model(*args)
         meter.mark("after_forward")
         out.sum().backward()

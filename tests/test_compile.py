@@ -64,6 +64,7 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
         "lower_collectives",
         "drop_layout_constraints",
         "localize_shapes",
+        "localize_lookups",
         "verify_layouts",
         "mark_recompute",
         "apply_recompute",

@@ -292,12 +292,27 @@ def test_a_mean_loss_with_ignored_targets_is_captured_as_a_sum_over_a_count():
 
     class Loss(torch.nn.Module):
         def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-1, label_smoothing=0.1)
+            return torch.nn.functional.nll_loss(logits.log_softmax(-1), labels, ignore_index=-1)
 
     logits, labels = torch.randn(6, 5), torch.tensor([0, -1, 3, -1, 4, 2])
     captured = capture(Loss(), (logits, labels), None, MeshSpec.of({"dp": 2}))
     ops = [str(n.target) for n in captured.graph.nodes if n.op == "call_function"]
-    assert ops == ["aten.cross_entropy_loss.default", "aten.ne.Scalar", "aten.sum.default", "aten.div.Tensor"]
+    assert ops[1:] == ["aten.nll_loss_nd.default", "aten.ne.Scalar", "aten.sum.default", "aten.div.Tensor"]
+    torch.testing.assert_close(captured.program.module()(logits, labels), Loss()(logits, labels))
+
+
+def test_cross_entropy_is_captured_as_its_formula_whose_classes_split():
+    """A detached maximum, sums and a lookup of the target's logit: every op splits the classes."""
+
+    class Loss(torch.nn.Module):
+        def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-1, label_smoothing=0.1)
+
+    logits, labels = torch.randn(6, 8), torch.tensor([0, -1, 3, -1, 4, 2])
+    captured = capture(Loss(), (logits, labels), None, MeshSpec.of({"tp": 2}))
+    ops = {str(n.target) for n in captured.graph.nodes if n.op == "call_function"}
+    assert {"aten.detach.default", "aten.amax.default", "aten.gather.default"} <= ops
+    assert "aten.cross_entropy_loss.default" not in ops
     torch.testing.assert_close(captured.program.module()(logits, labels), Loss()(logits, labels))
 
 

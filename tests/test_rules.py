@@ -3,8 +3,10 @@
 For each op call below and every strategy the rule allows on a 1-D mesh (2) and a
 2-D mesh (2, 2), the operands are cut into per-rank pieces as the strategy's
 layouts say (a Partial operand is split into random addends), the op runs on each
-rank's pieces with its size arguments localized, and the pieces are put back
-together as the output layout says. The result must equal the op on whole tensors.
+rank's pieces with its size arguments localized (and, where it looks up a split
+dimension, with indices shifted into the rank's block and the others masked), and the
+pieces are put back together as the output layout says (partial sums added, partial
+maxima maxed). The result must equal the op on whole tensors.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def join_value(pieces: dict[tuple, torch.Tensor], layout, mesh: MeshSpec) -> tor
             grouped.setdefault(coord[:axis], []).append(pieces[coord])
         if isinstance(p, Shard):
             pieces = {c: torch.cat(v, dim=p.dim) for c, v in grouped.items()}
+        elif isinstance(p, Partial) and p.reduce_op == "max":
+            pieces = {c: torch.stack(v).amax(0) for c, v in grouped.items()}
         elif isinstance(p, Partial):
             pieces = {c: sum(v[1:], v[0]) for c, v in grouped.items()}
         else:
@@ -101,7 +105,10 @@ def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
         )
         local_args = localize_sizes(op, local_args, call.out_shapes[0], local_out)
         local_args = localize_counts(op, local_args, spec, strategy, mesh)
+        local_args, masks = shift_indices(local_args, call, spec, strategy, mesh, coord)
         out = op(*local_args, **local_kwargs)
+        for mask in masks:
+            out = torch.where(mask, out, 0.0)
         outs[coord] = [
             o * scale if scale != 1.0 else o for o in (out if isinstance(out, (tuple, list)) else [out])
         ]
@@ -110,6 +117,32 @@ def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
     for i, (want, layout) in enumerate(zip(expected, strategy.outputs, strict=True)):
         got = join_value({c: o[i] for c, o in outs.items()}, layout, mesh)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, check_dtype=False, msg=f"output {i}")
+
+
+def shift_indices(args, call, spec, strategy, mesh, coord) -> tuple[tuple, list[torch.Tensor]]:
+    """For each split indexed label: the index operand shifted into this rank's block (outside
+    indices to 0), and the mask of the indices inside it, shaped to broadcast over the output."""
+    tensors = [v for v in pytree.tree_leaves(args) if isinstance(v, torch.Tensor)]
+    masks, replaced = [], {}
+    for label, slot in spec.indexed:
+        axes = [a for a, lab in enumerate(strategy.choices) if lab == label]
+        if not axes:
+            continue
+        table = next(i for i, labels in enumerate(spec.operands) if labels and label in labels)
+        size = call.shapes[table][spec.operands[table].index(label)]
+        count, block_number = 1, 0
+        for a in axes:
+            count *= mesh.axis_sizes[a]
+            block_number = block_number * mesh.axis_sizes[a] + coord[a]
+        block = size // count
+        shifted = tensors[slot] - block_number * block
+        inside = (shifted >= 0) & (shifted < block)
+        replaced[id(tensors[slot])] = torch.where(inside, shifted, 0)
+        out_labels, index_labels = spec.outputs[0], spec.operands[slot]
+        lead = out_labels.index(index_labels[0])
+        masks.append(inside.view((1,) * lead + inside.shape + (1,) * (len(out_labels) - lead - inside.dim())))
+    args = pytree.tree_map(lambda v: replaced.get(id(v), v) if isinstance(v, torch.Tensor) else v, args)
+    return args, masks
 
 
 def partial_integers(strategy, args, kwargs) -> bool:
@@ -168,9 +201,12 @@ CASES = [
         {},
     ),
     (aten.embedding.default, (r(8, 4), torch.randint(0, 8, (2, 4))), {}),
+    (aten.embedding.default, (r(8, 4), torch.randint(0, 8, (2, 4)), 3), {}),
     (aten.index.Tensor, (r(4, 8), [torch.arange(4).view(4, 1), torch.randint(0, 8, (1, 6))]), {}),
     (aten.gather.default, (r(4, 8), 1, torch.randint(0, 8, (4, 2))), {}),
     (aten.index_select.default, (r(4, 8), 1, torch.randint(0, 8, (4,))), {}),
+    (aten.index_select.default, (r(8, 4, 2), 0, torch.randint(0, 8, (6,))), {}),
+    (aten.gather.default, (r(2, 8, 3), 1, torch.randint(0, 8, (2, 1, 3))), {}),
     (aten.layer_norm.default, (r(2, 4, 8), [8], r(8), r(8)), {}),
     (aten.rms_norm.default, (r(2, 4, 8), [8], r(8)), {}),
     (aten._softmax.default, (r(2, 4, 8), -1, False), {}),
@@ -252,6 +288,29 @@ def test_rule_matches_single_device(op, args, kwargs, mesh):
             run_strategy(op, args, kwargs, node, spec, strategy, mesh)
         except AssertionError as e:
             raise AssertionError(f"{op} strategy {strategy.choices}: {e}") from None
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+def test_a_maximum_of_a_detached_value_splits_into_partial_maxima(mesh):
+    x = r(4, 8)
+    graph = torch.fx.Graph()
+    source = graph.placeholder("x")
+    source.meta["val"] = x
+    detached = graph.call_function(aten.detach.default, (source,))
+    detached.meta["val"] = x
+    node = graph.call_function(aten.amax.default, (detached, [1], True))
+    node.meta["val"] = x.amax(1, keepdim=True)
+    call = OpCall.of(node)
+    spec = lookup(aten.amax.default).fn(call)
+    strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, mesh)
+    assert any(Partial("max") in s.outputs[0] for s in strategies)
+    for strategy in strategies:
+        run_strategy(aten.amax.default, (x, [1], True), {}, node, spec, strategy, mesh)
+    plain = make_node(aten.amax.default, (x, [1], True), {})  # needs a gradient: dim 1 whole
+    call = OpCall.of(plain)
+    spec = lookup(aten.amax.default).fn(call)
+    strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, mesh)
+    assert all(s.operands[0][0] != Shard(1) for s in strategies)
 
 
 def test_split_strategies_exist_for_matmul():

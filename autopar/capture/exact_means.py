@@ -14,6 +14,8 @@ are whole, so value and gradient are the single-device mean's under every plan.
 
 Left as they are: class weights (the mean then divides by a sum of weights), the legacy
 ``size_average``/``reduce`` arguments, and class-probability targets (no item is ignored).
+``cross_entropy`` is written out whole where it can be (:mod:`autopar.capture.class_losses`:
+its mean, weighted or not, is a sum over a count there too), so that its classes may split.
 
 Batch normalisation in training is a mean too: its statistics are over the whole batch
 (and space), and ``batch_norm`` also updates the running statistics in place. Split over
@@ -40,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from autopar.capture import class_losses
+
 _CLASS_LOSSES = {
     F.cross_entropy: inspect.signature(F.cross_entropy),
     F.nll_loss: inspect.signature(F.nll_loss),
@@ -50,13 +54,15 @@ _BATCH_NORM = inspect.signature(F.batch_norm)
 
 
 class ExactMeans(TorchFunctionMode):
-    """Records mean class losses as a sum over a count and training batch norms as their
-    formula (see the module docstring)."""
+    """Records cross entropy as its formula, other mean class losses as a sum over a count and
+    training batch norms as their formula (see the module docstring)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.batch_norm:
             return _batch_norm(func, args, kwargs)
+        if func is F.cross_entropy and (formula := class_losses.written_out(args, kwargs)) is not None:
+            return formula
         signature = _CLASS_LOSSES.get(func)
         if signature is None:
             return func(*args, **kwargs)

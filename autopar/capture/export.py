@@ -322,7 +322,8 @@ def _refuse_data_dependent_shapes(graph: torch.fx.Graph, model: str) -> None:
 
 
 def gradient_flow(captured: Captured) -> dict[torch.fx.Node, bool]:
-    """Which nodes carry a gradient: floating values computed from a parameter or input that needs one."""
+    """Which nodes carry a gradient: floating values computed from a parameter or input that needs
+    one, other than through a ``detach``."""
     flows: dict[torch.fx.Node, bool] = {}
     for node in captured.graph.nodes:
         vals = [
@@ -333,5 +334,6 @@ def gradient_flow(captured: Captured) -> dict[torch.fx.Node, bool]:
             flows[node] = captured.requires_grad.get(node.name, False) and floating
         elif node.op in ("call_function", "call_module"):  # call_module: a recompute region
             no_grad = bool(node.args) and node.args[0] is False and "set_grad_enabled" in str(node.target)
+            no_grad = no_grad or node.target is torch.ops.aten.detach.default
             flows[node] = floating and not no_grad and any(flows.get(a, False) for a in node.all_input_nodes)
     return flows

@@ -1,12 +1,14 @@
 """Layouts: one DTensor placement per mesh axis.
 
 A ``Layout`` is a tuple with one ``Shard(d)``, ``Replicate()`` or ``Partial()`` per
-mesh axis, exactly DTensor's placements, so a layout can be handed to
+mesh axis (``Partial("max")`` too: each rank holds a value whose maximum over the axis is
+the whole one), exactly DTensor's placements, so a layout can be handed to
 ``distribute_tensor`` unchanged. Several axes may shard the same tensor dimension;
 as in DTensor, the earlier mesh axis takes the outer split.
 
 Layouts print in DTensor's short form, one entry per axis: ``S(0)R`` on a 2-axis
-mesh means "dimension 0 split over axis 0, replicated over axis 1";
+mesh means "dimension 0 split over axis 0, replicated over axis 1"; a partial maximum prints
+``P(max)``;
 :func:`parse_layout` reads that form back (plans are saved with it).
 """
 
@@ -25,8 +27,9 @@ Layout = tuple[Placement, ...]
 
 REPLICATE = Replicate()
 PARTIAL = Partial()
+PARTIAL_MAX = Partial("max")
 
-_TOKEN = re.compile(r"S\((\d+)\)|R|P")
+_TOKEN = re.compile(r"S\((\d+)\)|R|P\(max\)|P")
 
 
 def replicated(mesh: MeshSpec) -> Layout:
@@ -40,7 +43,9 @@ def format_layout(layout: Layout) -> str:
     for p in layout:
         if isinstance(p, Shard):
             out.append(f"S({p.dim})")
-        elif isinstance(p, Partial):
+        elif p == PARTIAL_MAX:
+            out.append("P(max)")
+        elif p == PARTIAL:
             out.append("P")
         elif isinstance(p, Replicate):
             out.append("R")
@@ -57,7 +62,8 @@ def parse_layout(text: str) -> Layout:
         if m is None:
             raise ValueError(f"cannot read layout {text!r} at position {pos}: expected S(d), R or P")
         tok = m.group(0)
-        out.append(Shard(int(m.group(1))) if tok.startswith("S") else (PARTIAL if tok == "P" else REPLICATE))
+        named = {"R": REPLICATE, "P": PARTIAL, "P(max)": PARTIAL_MAX}
+        out.append(Shard(int(m.group(1))) if tok.startswith("S") else named[tok])
         pos = m.end()
     return tuple(out)
 

@@ -9,8 +9,10 @@ inner split (an extra ``all_gather``, then a ``slice`` to redo it) where no orde
 :func:`walk` replays the steps: the layout around each and the gradient's as each
 backward receives it, which both the cost model and the lowering read.
 
-Layouts here are *states*, one per axis (:func:`axis_states`): the sharded dim, ``"R"`` or
-``"P"``; plain values compare in nanoseconds, and the planner prices ~1e5 layout pairs.
+Layouts here are *states*, one per axis (:func:`axis_states`): the sharded dim, ``"R"``,
+``"P"`` (partial sums) or ``"M"`` (partial maxima); plain values compare in nanoseconds, and
+the planner prices ~1e5 layout pairs. Partial maxima come only from a maximum over a split
+dim and only go out by an ``all_reduce`` (of the maximum): nothing consumes them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar.ir.layout import Layout
 from autopar.ir.plan import CollectiveKind
 
-State = int | str  # one axis's placement: the sharded dim, "R" or "P"
+State = int | str  # one axis's placement: the sharded dim, "R", "P" or "M"
 States = tuple[State, ...]
 Step = tuple[int, "StepKind"]  # (mesh axis index, kind)
 
@@ -72,13 +74,13 @@ BACKWARD: dict[StepKind, tuple[CollectiveKind | None, CollectiveKind | None]] = 
 
 @functools.lru_cache(maxsize=1 << 12)
 def axis_states(layout: Layout) -> States:
-    """Each placement as a plain value: the sharded dim, ``"R"`` or ``"P"`` (any reduce op)."""
+    """Each placement as a plain value: the sharded dim, ``"R"``, ``"P"`` (a sum) or ``"M"`` (a max)."""
     states: list[State] = []
     for p in layout:
         if isinstance(p, Shard):
             states.append(p.dim)
         elif isinstance(p, Partial):
-            states.append("P")
+            states.append("M" if p.reduce_op == "max" else "P")
         elif isinstance(p, Replicate):
             states.append("R")
         else:
@@ -87,18 +89,23 @@ def axis_states(layout: Layout) -> States:
 
 
 def to_layout(states: States) -> Layout:
-    """Inverse of :func:`axis_states` (a Partial sums)."""
-    return tuple(Replicate() if s == "R" else Partial() if s == "P" else Shard(s) for s in states)
+    """Inverse of :func:`axis_states`."""
+    named = {"R": Replicate(), "P": Partial(), "M": Partial("max")}
+    return tuple(named[s] if isinstance(s, str) else Shard(s) for s in states)
 
 
 def step_kind(src: State, dst: State) -> StepKind | None:
     """Step kind turning one axis's state ``src`` into ``dst``, None if nothing to do.
 
-    Partial -> Partial with another reduce op moves no data, so it is free like any
-    unchanged axis.
+    A partial maximum is only ever reduced (``all_reduce``); :func:`plan_steps` reduces it
+    first where it is to become anything else.
     """
     if src == dst:
         return None
+    if dst == "M":
+        raise ValueError("no step makes a partial maximum: nothing consumes one")
+    if src == "M":
+        return StepKind.ALL_REDUCE
     if dst == "P":
         return StepKind.TO_PARTIAL
     if src == "P":
@@ -126,8 +133,9 @@ def plan_steps(src: States, dst: States, order: Callable[[tuple[StepKind, int]],
     to its target like any other (a ``slice`` redoes the split). Every step is one of
     :func:`step_kind`'s; all but unwinding all_gathers take their axis to its target.
     """
-    current = list(src)
-    pending = {a: k for a, (p, q) in enumerate(zip(src, dst)) if (k := step_kind(p, q)) is not None}
+    out: list[Step] = [(a, StepKind.ALL_REDUCE) for a, (p, q) in enumerate(zip(src, dst)) if p == "M" != q]
+    current = ["R" if p == "M" else p for p in src]  # partial maxima reduced first, wherever they go
+    pending = {a: k for a, (p, q) in enumerate(zip(current, dst)) if (k := step_kind(p, q)) is not None}
 
     def in_the_way(a: int) -> list[int]:  # inner axes splitting a dim the step on a changes
         dims = _touched(current[a], dst[a])
@@ -136,7 +144,6 @@ def plan_steps(src: States, dst: States, order: Callable[[tuple[StepKind, int]],
     def waits_for_outer(b: int) -> bool:  # b enters a dim that an outer axis has yet to change
         return any(a < b and dst[b] in _touched(current[a], dst[a]) for a in pending)
 
-    out: list[Step] = []
     while pending:
         ready = [a for a in pending if not in_the_way(a) and not waits_for_outer(a)]
         if ready:
@@ -168,7 +175,8 @@ def walk(have: States, need: States, grad_need: States, steps: tuple[Step, ...])
     """Each of ``steps`` (from ``have`` to ``need``) with the states around it.
 
     A step takes its axis to ``need``'s state, except an all_gather, which may unwind a
-    split on the way (Replicate), and a ``grad_all_reduce``, which keeps it. Backward runs
+    split on the way, and an all_reduce, which may reduce a partial maximum on the way
+    (both leave Replicate), and a ``grad_all_reduce``, which keeps it. Backward runs
     the steps' adjoints in reverse from a gradient laid out ``grad_need``; on an axis that a
     later step changes, the gradient reaching a step is laid out as that later step's
     backward leaves it: like the value between the two (Partial read as Replicate, the
@@ -178,7 +186,7 @@ def walk(have: States, need: States, grad_need: States, steps: tuple[Step, ...])
     for axis, kind in steps:
         after = list(current)
         if kind != StepKind.GRAD_ALL_REDUCE:
-            after[axis] = "R" if kind == StepKind.ALL_GATHER else need[axis]
+            after[axis] = "R" if kind in (StepKind.ALL_GATHER, StepKind.ALL_REDUCE) else need[axis]
         walked.append((axis, kind, current, tuple(after)))
         current = tuple(after)
     last = {axis: i for i, (axis, _) in enumerate(steps)}

@@ -10,6 +10,11 @@ Everything else follows from the labels:
   output is ``Partial`` and *additive* operands lacking the label (a bias) must be
   ``Partial`` too;
 * *whole* labels (a softmax dimension, a reshaped-away dimension) are never split;
+* a summed label in ``max_over`` leaves each rank a partial *maximum* (``Partial("max")``);
+* an *indexed* label is a dimension looked up by the values of an index operand (the
+  vocabulary of an embedding, the classes a loss gathers): split, each rank looks up the
+  indices that fall in its block (shifted, the others masked to zero), so the output is a
+  partial sum (``passes/localize_lookups.py`` writes the shift and the mask);
 * an op that is *linear* in an operand passes a ``Partial`` operand straight through.
 
 The gradient an operand receives has its own layout: ``Shard`` where the operand
@@ -68,6 +73,8 @@ class DimSpec:
     flops: float = 0.0
     extents: tuple[tuple[str, int], ...] = ()
     counts: tuple[tuple[str, str], ...] = ()
+    max_over: frozenset[str] = frozenset()
+    indexed: tuple[tuple[str, int], ...] = ()
 
     def shardable(self) -> tuple[str, ...]:
         """Labels a mesh axis may split, in order of first appearance."""
@@ -293,11 +300,12 @@ def build(
                 operands[i].append(Replicate())
                 grads[i].append(Partial())
         for o, labels in zip(outputs, spec.outputs):
-            o.append(
-                Shard(labels.index(lab))
-                if lab in labels
-                else (Partial() if lab in spec.summed else Replicate())
-            )
+            if lab in labels:
+                o.append(Shard(labels.index(lab)))
+            elif lab in spec.summed:
+                o.append(Partial("max") if lab in spec.max_over else Partial())
+            else:
+                o.append(Replicate())
     free = [labels is None for labels in spec.operands]
     return Strategy(
         operands=tuple(None if f else tuple(o) for f, o in zip(free, operands)),
@@ -336,7 +344,8 @@ def follow(
     """The strategy of a cheap op that keeps operand ``operand``'s ``layout`` where it can.
 
     Axes where the operand's split cannot carry through (a whole dimension, a Partial
-    into a non-linear op, an uneven split) fall back to not splitting there.
+    into a non-linear op or a partial maximum into any op, an uneven split) fall back to
+    not splitting there.
     """
     shardable = set(spec.shardable())
     labels = spec.operands[operand] or (None,) * len(shapes[operand])
@@ -344,7 +353,7 @@ def follow(
     for p in layout:
         if isinstance(p, Shard) and labels[p.dim] in shardable:
             choices.append(labels[p.dim])
-        elif isinstance(p, Partial) and operand in spec.linear:
+        elif isinstance(p, Partial) and p.reduce_op == "sum" and operand in spec.linear:
             choices.append(PASSTHROUGH)
         else:
             choices.append(None)

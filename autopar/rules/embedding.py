@@ -1,6 +1,14 @@
-"""Lookups: embedding (an anchor), index, gather, index_select."""
+"""Lookups: embedding (an anchor), index, gather, index_select.
+
+The looked-up dimension of embedding, gather and index_select (an embedding's vocabulary,
+the classes a loss picks its target's logit from) is *indexed* by the index operand: split,
+each rank looks up the indices in its own block and the output is a partial sum, as in
+Megatron's vocab-parallel embedding (see :class:`autopar.rules.DimSpec`).
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -11,11 +19,14 @@ aten = torch.ops.aten
 
 @rule(aten.embedding.default, anchor=True)
 def embedding(call: OpCall) -> DimSpec:
-    # vd, ... -> ...d. The vocabulary v stays whole: a vocabulary split needs a masked
-    # lookup with rank offsets, which the lowering does not generate yet.
+    # vd, ... -> ...d; the vocabulary v is indexed. A gradient scaled by the frequency of
+    # each index (or a sparse one) counts over the whole batch of lookups: v stays whole.
     (v, d), idx = call.shapes
     labels = fresh(len(idx), "vd")
-    return DimSpec((("v", "d"), tuple(labels)), ((*labels, "d"),), whole=frozenset("v"))
+    operands, outputs = (("v", "d"), tuple(labels)), ((*labels, "d"),)
+    if call.arg("scale_grad_by_freq", False) or call.arg("sparse", False):
+        return DimSpec(operands, outputs, whole=frozenset("v"))
+    return DimSpec(operands, outputs, summed=frozenset("v"), indexed=(("v", 1),), flops=math.prod(idx) * d)
 
 
 @rule(aten.index.Tensor)
@@ -43,8 +54,8 @@ def index(call: OpCall) -> DimSpec:
 
 @rule(aten.gather.default)
 def gather(call: OpCall) -> DimSpec:
-    # out[i][j] = self[index[i][j]][j] along dim: self's dim stays whole, the index's
-    # (= output's) dim may split; other dims are shared when sizes match.
+    # out[i][j] = self[index[i][j]][j] along dim: self's dim is indexed, the index's (=
+    # output's) dim may split; other dims are shared when sizes match, else whole.
     self_shape, idx_shape = call.shapes[:2]
     dim = call.arg("dim") % len(self_shape)
     idx = fresh(len(idx_shape))
@@ -52,8 +63,11 @@ def gather(call: OpCall) -> DimSpec:
         idx[d] if d != dim and self_shape[d] == idx_shape[d] else f"{idx[d]}".upper()
         for d in range(len(self_shape))
     )
+    whole = frozenset(own[d] for d in range(len(own)) if own[d].isupper() and d != dim)
+    if call.arg("sparse_grad", False):
+        return DimSpec((own, tuple(idx)), (tuple(idx),), whole=whole | {own[dim]})
     return DimSpec(
-        (own, tuple(idx)), (tuple(idx),), whole=frozenset(own[d] for d in range(len(own)) if own[d].isupper())
+        (own, tuple(idx)), (tuple(idx),), whole=whole, summed=frozenset({own[dim]}), indexed=((own[dim], 1),)
     )
 
 
@@ -63,4 +77,4 @@ def index_select(call: OpCall) -> DimSpec:
     dim = call.arg("dim") % len(self_shape)
     own = fresh(len(self_shape), "Z")
     out = tuple("Z" if d == dim else own[d] for d in range(len(self_shape)))
-    return DimSpec((tuple(own), ("Z",)), (out,), whole=frozenset(own[dim]))
+    return DimSpec((tuple(own), ("Z",)), (out,), summed=frozenset(own[dim]), indexed=((own[dim], 1),))

@@ -1,5 +1,12 @@
 """Reductions: sum/mean (split dims give Partial), max-like, order statistics (median, kthvalue,
-mode) and other statistics (dims whole)."""
+mode) and other statistics (dims whole).
+
+A maximum of a detached value (``x.detach().amax(dim)``, the shift of a stable softmax or
+log-sum-exp) may split its reduced dims: each rank holds a partial maximum, reduced by an
+all-reduce of the maximum. A maximum that needs a gradient keeps them whole: its gradient
+goes to the positions equal to the maximum, shared among ties, which ranks cannot count
+without another collective.
+"""
 
 from __future__ import annotations
 
@@ -47,8 +54,15 @@ def mean(call: OpCall) -> DimSpec:
     return _reduce(call, summable=True, mean=True)
 
 
+@rule(aten.amax.default)
+def amax(call: OpCall) -> DimSpec:
+    spec = _reduce(call, summable=False)
+    if call.operands[0].target is not aten.detach.default:
+        return spec
+    return DimSpec(spec.operands, spec.outputs, summed=spec.whole, max_over=spec.whole)
+
+
 @rule(
-    aten.amax.default,
     aten.amin.default,
     aten.max.dim,
     aten.min.dim,

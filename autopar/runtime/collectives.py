@@ -276,6 +276,27 @@ def _all_reduce_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None
     return all_reduce(g, ctx.axis, "all_reduce"), None, None
 
 
+@torch.library.custom_op("autopar::all_reduce_max", mutates_args=())
+def all_reduce_max(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Partial("max") -> Replicate over ``axis``: the maximum over the axis.
+
+    No backward: the planner makes a partial maximum only of a value that needs no gradient
+    (a max taken from a detached tensor, as a stable softmax's shift is), so a gradient
+    reaching this op is an error autograd reports, never a silently wrong number.
+    """
+    group = axis_info(axis).group
+    count_collective("all_reduce", axis, _nbytes(x))
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
+
+
+@all_reduce_max.register_fake
+def _(x: torch.Tensor, axis: str) -> torch.Tensor:
+    axis_info(axis)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # --------------------------------------------------------------------------- all_to_all
 
 

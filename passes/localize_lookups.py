@@ -1,0 +1,140 @@
+"""Lookups into a split dimension look up this rank's block only (vocab-parallel lookups).
+
+An op whose rule marks a label *indexed* (an embedding's vocabulary, the classes a gather
+picks from; :class:`autopar.rules.DimSpec`) and whose plan splits that label holds only a
+block of the looked-up rows on each rank, while its indices are global. The op then reads
+
+    index' = autopar.block_index(index, axes, block)     # shifted into the block, else row 0
+    out    = where(autopar.in_block(index, ...), op(..., index'), 0)
+
+so each rank contributes the rows it holds and zeros elsewhere: the partial sum the plan's
+layout (``Partial`` on those axes) promises. The gradient follows: masked rows receive
+zero. An embedding's ``padding_idx`` (a row that gets no gradient) is global too; it is
+dropped from the op and the padded positions' results are detached instead.
+
+Reads: ``autopar.layouts``, ``val``, ``autopar.stage``, ``nn_module_stack``. Writes: the index
+argument of those ops; new ``block_index``, ``in_block``, ``where`` (and for a padding index
+``eq``, ``unsqueeze``, ``detach``) nodes with ``autopar.layouts`` and the op's stage and module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import Shard
+
+import autopar.runtime.lookups  # noqa: F401  (registers torch.ops.autopar.block_index, in_block)
+from autopar.ir.layout import Layout
+from autopar.ir.meta import STAGE, GraphLayouts, NodeLayouts, write_layouts
+from autopar.passes.context import PassContext
+from autopar.rules import OpCall, spec_of
+
+aten = torch.ops.aten
+ops = torch.ops.autopar
+_COPIED_META = (STAGE, "nn_module_stack")
+
+
+def _shifted(layout: Layout, by: int) -> Layout:
+    return tuple(Shard(p.dim + by) if isinstance(p, Shard) else p for p in layout)
+
+
+class _Inserter:
+    """Adds nodes next to ``op`` that share its stage and module."""
+
+    def __init__(self, op: torch.fx.Node) -> None:
+        self.op = op
+
+    def add(self, target: object, args: tuple, val: torch.Tensor, operands: tuple, output: Layout):
+        node = self.op.graph.call_function(target, args)
+        node.meta["val"] = val
+        for key in _COPIED_META:
+            if key in self.op.meta:
+                node.meta[key] = self.op.meta[key]
+        write_layouts(node, NodeLayouts(operands=operands, outputs=(output,)))
+        return node
+
+
+def _localize(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> None:
+    call = OpCall.of(node)
+    spec = spec_of(call)
+    if spec is None:
+        return
+    for label, index_slot in spec.indexed:
+        table = next(i for i, labels in enumerate(spec.operands) if labels and label in labels)
+        dim = spec.operands[table].index(label)
+        table_layout = layouts.operands[table]
+        axes = [a for a, p in enumerate(table_layout) if isinstance(p, Shard) and p.dim == dim]
+        if not axes:
+            continue
+        block = call.shapes[table][dim] // math.prod(ctx.mesh.axis_sizes[a] for a in axes)
+        keys = ",".join(ctx.axis_keys[ctx.mesh.axis_names[a]] for a in axes)
+        labels = (spec.outputs[0], spec.operands[index_slot])
+        _mask_lookup(node, call, labels, index_slot, layouts, keys, block)
+
+
+def _mask_lookup(
+    node: torch.fx.Node,
+    call: OpCall,
+    labels: tuple[tuple, tuple],
+    index_slot: int,
+    layouts: NodeLayouts,
+    keys: str,
+    block: int,
+) -> None:
+    """Shift ``node``'s index operand into the block and mask its result (module docstring)."""
+    out_labels, index_labels = labels
+    index = call.operands[index_slot]
+    index_layout, out_layout = layouts.operands[index_slot], layouts.output
+    index_val, out_val = index.meta["val"], node.meta["val"]
+    leading = out_labels.index(index_labels[0])
+    trailing = len(out_labels) - leading - len(index_labels)
+    mask_val = index_val.new_empty(
+        (1,) * leading + tuple(index_val.shape) + (1,) * trailing, dtype=torch.bool
+    )
+    mask_layout = _shifted(index_layout, leading)
+    at = _Inserter(node)
+    with node.graph.inserting_before(node):
+        local = at.add(
+            ops.block_index.default, (index, keys, block), index_val, (index_layout,), index_layout
+        )
+        in_block = (index, keys, block, leading, trailing)
+        mask = at.add(ops.in_block.default, in_block, mask_val, (index_layout,), mask_layout)
+    node.replace_input_with(index, local)
+    with node.graph.inserting_after(node):
+        masked = at.add(
+            aten.where.ScalarOther, (mask, node, 0.0), out_val, (mask_layout, out_layout), out_layout
+        )
+    node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
+    padding = call.arg("padding_idx", -1) if node.target is aten.embedding.default else -1
+    if padding is not None and padding >= 0:
+        node.args = (*node.args[:2], -1, *node.args[3:])
+        _detach_padding(masked, index, padding, at, (index_layout, out_layout))
+
+
+def _detach_padding(
+    masked: torch.fx.Node, index: torch.fx.Node, padding: int, at: _Inserter, layouts: tuple[Layout, Layout]
+) -> None:
+    """An embedding's padded positions keep their (looked-up) value but pass no gradient."""
+    index_layout, out_layout = layouts
+    out_val, index_val = masked.meta["val"], index.meta["val"]
+    with masked.graph.inserting_after(masked):
+        is_pad = at.add(aten.eq.Scalar, (index, padding), index_val.bool(), (index_layout,), index_layout)
+    with masked.graph.inserting_after(is_pad):
+        pad = at.add(
+            aten.unsqueeze.default, (is_pad, -1), index_val.bool()[..., None], (index_layout,), index_layout
+        )
+    with masked.graph.inserting_after(pad):
+        frozen = at.add(aten.detach.default, (masked,), out_val, (out_layout,), out_layout)
+    with masked.graph.inserting_after(frozen):
+        where = (pad, frozen, masked)
+        out = at.add(aten.where.self, where, out_val, (index_layout, out_layout, out_layout), out_layout)
+    masked.replace_all_uses_with(out, delete_user_cb=lambda user: user not in (frozen, out))
+
+
+def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    layouts = GraphLayouts(gm.graph)  # the nodes before this pass: the ones it may rewrite
+    for node in list(layouts):
+        if node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor):
+            _localize(node, layouts[node], ctx)
+    return gm

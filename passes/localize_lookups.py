@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import Shard
 
 import autopar.runtime.lookups  # noqa: F401  (registers torch.ops.autopar.block_index, in_block)
+from autopar.ir.errors import CompileError
 from autopar.ir.layout import Layout
 from autopar.ir.meta import STAGE, GraphLayouts, NodeLayouts, write_layouts
+from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes.context import PassContext
 from autopar.rules import OpCall, spec_of
 
@@ -36,7 +37,7 @@ _COPIED_META = (STAGE, "nn_module_stack")
 
 
 def _shifted(layout: Layout, by: int) -> Layout:
-    return tuple(Shard(p.dim + by) if isinstance(p, Shard) else p for p in layout)
+    return tuple(strided(p.dim + by, parts_of(p)) if is_split(p) else p for p in layout)
 
 
 class _Inserter:
@@ -64,7 +65,9 @@ def _localize(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> No
         table = next(i for i, labels in enumerate(spec.operands) if labels and label in labels)
         dim = spec.operands[table].index(label)
         table_layout = layouts.operands[table]
-        axes = [a for a, p in enumerate(table_layout) if isinstance(p, Shard) and p.dim == dim]
+        axes = [a for a, p in enumerate(table_layout) if is_split(p) and p.dim == dim]
+        if any(parts_of(table_layout[a]) > 1 for a in axes):
+            raise CompileError(f"{node.name}: a lookup into a strided dimension is not planned")
         if not axes:
             continue
         block = call.shapes[table][dim] // math.prod(ctx.mesh.axis_sizes[a] for a in axes)

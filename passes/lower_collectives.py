@@ -17,6 +17,8 @@ out as the op's backward receives it (``EdgeStep.grad``):
 | R or S(d) -> P | ``to_partial`` | R -> R or R -> S(d) | identity or slice |
 | R -> R | ``grad_all_reduce`` | P -> R | all-reduce |
 
+A strided shard (``S(d)xk``, :mod:`autopar.ir.strided`) moves with the same ops, given its
+``parts``; to or from any other split it passes through Replicate (``autopar.planning.steps``).
 A tensor dim split over several mesh axes is split outer axis first, so the steps never
 change the split of a dim while an inner axis splits it too: where no order avoids that,
 the cost model unwinds the inner split first (an extra ``all_gather``) and redoes it after
@@ -36,6 +38,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar)
 from autopar.ir.errors import CompileError
 from autopar.ir.meta import REDISTRIBUTION, STAGE, NodeLayouts, write_layouts
+from autopar.ir.strided import parts_of
 from autopar.passes.context import PassContext
 from autopar.passes.insert_redistributions import redistribute
 from autopar.planning.steps import EdgeStep, StepKind
@@ -48,9 +51,9 @@ def _op(step: EdgeStep, x: torch.fx.Node, axis: str) -> tuple[object, tuple]:
     kind, before, after = step.kind, step.before[step.axis], step.after[step.axis]
     partial = isinstance(step.grad, Partial)
     if kind == StepKind.SLICE:
-        return ops.shard.default, (x, after.dim, axis)
+        return ops.shard.default, (x, after.dim, axis, parts_of(after))
     if kind == StepKind.REDUCE_SCATTER:
-        return ops.reduce_scatter.default, (x, after.dim, axis)
+        return ops.reduce_scatter.default, (x, after.dim, axis, parts_of(after))
     if kind == StepKind.ALL_TO_ALL:
         return ops.all_to_all.default, (x, before.dim, after.dim, axis)
     if kind == StepKind.ALL_REDUCE and before == Partial("max"):
@@ -58,7 +61,8 @@ def _op(step: EdgeStep, x: torch.fx.Node, axis: str) -> tuple[object, tuple]:
     if kind == StepKind.ALL_REDUCE:
         return ops.all_reduce.default, (x, axis, "all_reduce" if partial else "identity")
     if kind == StepKind.ALL_GATHER:
-        return ops.all_gather.default, (x, before.dim, axis, "reduce_scatter" if partial else "slice")
+        grad = "reduce_scatter" if partial else "slice"
+        return ops.all_gather.default, (x, before.dim, axis, grad, parts_of(before))
     if kind == StepKind.TO_PARTIAL:
         return ops.to_partial.default, (x, axis, before.dim if isinstance(before, Shard) else -1)
     return ops.grad_all_reduce.default, (x, axis)  # the one kind left: only the gradient changes

@@ -58,6 +58,7 @@ class Case:
     grad: torch.Tensor
     forward_bytes: dict[str, int] = field(default_factory=dict)
     backward_bytes: dict[str, int] = field(default_factory=dict)
+    differentiable: bool = True
 
 
 def _cases(axis: str, g: torch.Tensor, h: torch.Tensor) -> list[Case]:
@@ -171,8 +172,75 @@ def _cases(axis: str, g: torch.Tensor, h: torch.Tensor) -> list[Case]:
             {},
             {"all_reduce": _nbytes(h)},
         ),
+        *_strided_cases(axis, g, h),
+        Case(
+            "all_reduce_max",
+            C.all_reduce_max,
+            (axis,),
+            g + c,
+            h,
+            g + n - 1,
+            h,
+            {"all_reduce": _nbytes(g)},
+            differentiable=False,
+        ),
         Case("to_partial from Replicate", C.to_partial, (axis, -1), g, h, g if c == 0 else 0 * g, h),
         Case("to_partial from Shard(1)", C.to_partial, (axis, 1), part(g, 1), h, spread, part(h, 1)),
+    ]
+
+
+def _strided_cases(axis: str, g: torch.Tensor, h: torch.Tensor) -> list[Case]:
+    """The ops moving a strided shard of dim 1 in 2 parts: this rank's piece of each part."""
+    _, n, c = C.axis_info(axis)
+
+    def pieces(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_chunk(part, 1, n, c) for part in t.chunk(2, 1)], 1)
+
+    gathered = {"all_gather": _nbytes(pieces(g))}
+    return [
+        Case(
+            "strided shard",
+            C.shard,
+            (1, axis, 2),
+            g,
+            pieces(h),
+            pieces(g),
+            h,
+            {},
+            {"all_gather": _nbytes(pieces(h))},
+        ),
+        Case(
+            "strided all_gather grad slice",
+            C.all_gather,
+            (1, axis, "slice", 2),
+            pieces(g),
+            h,
+            g,
+            pieces(h),
+            gathered,
+        ),
+        Case(
+            "strided all_gather grad reduce_scatter",
+            C.all_gather,
+            (1, axis, "reduce_scatter", 2),
+            pieces(g),
+            _share(h, c),
+            g,
+            pieces(_total(h, n)),
+            gathered,
+            {"reduce_scatter": _nbytes(h)},
+        ),
+        Case(
+            "strided reduce_scatter",
+            C.reduce_scatter,
+            (1, axis, 2),
+            _share(g, c),
+            pieces(h),
+            pieces(_total(g, n)),
+            h,
+            {"reduce_scatter": _nbytes(g)},
+            {"all_gather": _nbytes(pieces(h))},
+        ),
     ]
 
 
@@ -192,10 +260,12 @@ def _run(case: Case, axis: str) -> list[str]:
             failures.append(f"{case.name} on {axis!r}: {what} {problem}")
 
     C.reset_comm_counts()
-    x = case.x.clone().requires_grad_()
+    x = case.x.clone().requires_grad_(case.differentiable)
     out = case.op(x, *case.args)
     check("output", out.detach(), case.out)
     check("forward bytes", C.comm_counts(), {(k, axis): b for k, b in case.forward_bytes.items()})
+    if not case.differentiable:
+        return failures
     C.reset_comm_counts()
     out.backward(case.upstream)
     check("gradient", x.grad, case.grad)
@@ -275,6 +345,12 @@ def test_registry_counters_and_fake_shapes(fake_process_group):
             C.all_to_all(x, 1, 1, "dp")
         with pytest.raises(ValueError, match="'pp' is not registered"):
             C.grad_all_reduce(x, "pp")
+        assert C.shard(x, 1, "tp", 3).shape == (4, 3, 8)  # a strided shard: a piece of each of 3 parts
+        assert C.all_gather(x, 1, "tp", "slice", 3).shape == (4, 12, 8)
+
+    # a partial maximum is planned only where no gradient flows: one reaching it is an error
+    with pytest.raises(RuntimeError, match="autograd"):
+        C.all_reduce_max(torch.randn(4, 6, requires_grad=True), "dp").sum().backward()
 
     # a second mesh naming an axis "dp" too gets its own key; the same mesh again, the same keys
     assert C.register_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))) == {"dp": "dp.1"}

@@ -26,6 +26,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.ir.layout import format_layout, grad_layout, local_shape
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, output_layout
+from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes import lower_collectives
 from autopar.passes.context import PassContext
 from autopar.passes.insert_redistributions import redistribute
@@ -75,12 +76,19 @@ _KIND_OF_OP = {
 }
 
 
-def edges(mesh: MeshSpec) -> Iterator[Edge]:
+def _nests_a_strided_split(layout: tuple) -> bool:
+    return any(parts_of(p) > 1 and sum(is_split(q) and q.dim == p.dim for q in layout) > 1 for p in layout)
+
+
+def edges(mesh: MeshSpec, placements: tuple = (R, P, S0, S1)) -> Iterator[Edge]:
     """Every (have, need) pair with every gradient a consumer may hand back: Shard where it
-    needs Shard, whole where it needs Partial, whole or partial sums where it needs Replicate."""
-    layouts = list(itertools.product((R, P, S0, S1), repeat=mesh.ndim))
+    needs Shard, whole where it needs Partial, whole or partial sums where it needs Replicate.
+    A strided shard is never nested with another split of its dim."""
+    layouts = [
+        lay for lay in itertools.product(placements, repeat=mesh.ndim) if not _nests_a_strided_split(lay)
+    ]
     for have, need in itertools.product(layouts, layouts):
-        options = [(p,) if isinstance(p, Shard) else (R,) if isinstance(p, Partial) else (R, P) for p in need]
+        options = [(p,) if is_split(p) else (R,) if isinstance(p, Partial) else (R, P) for p in need]
         for grad_need in itertools.product(*options):
             if have != need or grad_need != grad_layout(have):
                 yield have, need, grad_need, grad_layout(have)
@@ -122,13 +130,18 @@ class Ranks:
             groups.setdefault(c[:a] + c[a + 1 :], []).append(c)
         return groups
 
-    def chunk(self, x: Pieces, dim: int, a: int) -> Pieces:
+    def chunk(self, x: Pieces, dim: int, a: int, parts: int = 1) -> Pieces:
+        """Each rank's chunk (its chunk of every part, for a strided shard)."""
         n = self.mesh.axis_sizes[a]
-        return {c: t.chunk(n, dim)[c[a]] for c, t in x.items()}
+        return {c: torch.cat([p.chunk(n, dim)[c[a]] for p in t.chunk(parts, dim)], dim) for c, t in x.items()}
 
-    def gather(self, x: Pieces, dim: int, a: int) -> Pieces:
+    def gather(self, x: Pieces, dim: int, a: int, parts: int = 1) -> Pieces:
+        """The chunks put together (part ``j`` of a strided shard: every rank's piece ``j``)."""
         self._count("all_gather", x, a)
-        whole = {k: torch.cat([x[c] for c in cs], dim) for k, cs in self._groups(x, a).items()}
+        whole = {
+            k: torch.cat([torch.cat([x[c].chunk(parts, dim)[j] for c in cs], dim) for j in range(parts)], dim)
+            for k, cs in self._groups(x, a).items()
+        }
         return {c: whole[c[:a] + c[a + 1 :]] for c in x}
 
     def sum(self, x: Pieces, a: int, kind: str = "all_reduce") -> Pieces:
@@ -136,8 +149,8 @@ class Ranks:
         total = {k: sum(x[c] for c in cs) for k, cs in self._groups(x, a).items()}
         return {c: total[c[:a] + c[a + 1 :]] for c in x}
 
-    def reduce_scatter(self, x: Pieces, dim: int, a: int) -> Pieces:
-        return self.chunk(self.sum(x, a, "reduce_scatter"), dim, a)
+    def reduce_scatter(self, x: Pieces, dim: int, a: int, parts: int = 1) -> Pieces:
+        return self.chunk(self.sum(x, a, "reduce_scatter"), dim, a, parts)
 
     def all_to_all(self, x: Pieces, src: int, dst: int, a: int) -> Pieces:
         self._count("all_to_all", x, a)
@@ -161,11 +174,11 @@ class Ranks:
         """The op of ``node`` (a lowered collective) on every rank."""
         a, args, op = self.axis_of(node), node.args[1:], node.target
         if op is ops.shard.default:
-            return self.chunk(x, args[0], a)
+            return self.chunk(x, args[0], a, args[2])
         if op is ops.reduce_scatter.default:
-            return self.reduce_scatter(x, args[0], a)
+            return self.reduce_scatter(x, args[0], a, args[2])
         if op is ops.all_gather.default:
-            return self.gather(x, args[0], a)
+            return self.gather(x, args[0], a, args[3])
         if op is ops.all_to_all.default:
             return self.all_to_all(x, args[0], args[1], a)
         if op is ops.all_reduce.default:
@@ -179,12 +192,12 @@ class Ranks:
         """The autograd formula of ``node``'s op (see ``autopar.runtime.collectives``) on every rank."""
         a, args, op = self.axis_of(node), node.args[1:], node.target
         if op in (ops.shard.default, ops.reduce_scatter.default):
-            return self.gather(g, args[0], a)
+            return self.gather(g, args[0], a, args[2])
         if op is ops.all_gather.default:
             return (
-                self.reduce_scatter(g, args[0], a)
+                self.reduce_scatter(g, args[0], a, args[3])
                 if args[2] == "reduce_scatter"
-                else self.chunk(g, args[0], a)
+                else self.chunk(g, args[0], a, args[3])
             )
         if op is ops.all_to_all.default:
             return self.all_to_all(g, args[1], args[0], a)
@@ -239,6 +252,15 @@ def test_every_redistribution_is_lowered_to_the_pieces_dtensor_holds(mesh, model
     cost, gen = model(mesh, FAST_LINKS), torch.Generator().manual_seed(0)
     for edge in edges(mesh):
         check_edge(edge, mesh, cost, gen)
+
+
+@pytest.mark.parametrize("mesh", [MeshSpec(("tp",), (2,)), MESH_2D], ids=str)
+def test_strided_shards_are_lowered_to_the_pieces_dtensor_holds(mesh):
+    """Fused projections' layouts (q, k and v each split): to and from every other layout."""
+    cost, gen = CostModel(mesh, FAST_LINKS), torch.Generator().manual_seed(0)
+    for edge in edges(mesh, (R, P, S0, S1, strided(0, 2), strided(1, 2))):
+        if any(parts_of(p) > 1 for lay in edge[:2] for p in lay):
+            check_edge(edge, mesh, cost, gen)
 
 
 def test_nested_splits_are_unwound_only_where_no_order_works():

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import local_shape
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.strided import is_split, parts_of
 from autopar.rules import PASSTHROUGH, OpCall, build, enumerate_strategies, lookup, split_counts
 
 aten = torch.ops.aten
@@ -51,8 +52,9 @@ def split_value(t: torch.Tensor, layout, mesh: MeshSpec, gen: torch.Generator) -
         n = mesh.axis_sizes[axis]
         nxt = {}
         for coord, v in pieces.items():
-            if isinstance(p, Shard):
-                parts = [c.clone() for c in torch.chunk(v, n, dim=p.dim)]  # a rank owns its piece
+            if is_split(p):  # a rank owns its piece (of every part, for a strided shard)
+                pieces_of = [part.chunk(n, dim=p.dim) for part in v.chunk(parts_of(p), dim=p.dim)]
+                parts = [torch.cat([each[r] for each in pieces_of], dim=p.dim) for r in range(n)]
             elif isinstance(p, Partial):
                 rand = [torch.randn(v.shape, generator=gen, dtype=v.dtype) for _ in range(n - 1)]
                 parts = [*rand, v - sum(rand)]
@@ -69,8 +71,12 @@ def join_value(pieces: dict[tuple, torch.Tensor], layout, mesh: MeshSpec) -> tor
         grouped: dict[tuple, list] = {}
         for coord in sorted(pieces):
             grouped.setdefault(coord[:axis], []).append(pieces[coord])
-        if isinstance(p, Shard):
-            pieces = {c: torch.cat(v, dim=p.dim) for c, v in grouped.items()}
+        if is_split(p):  # a strided shard: part j is every rank's piece j, in rank order
+            k = parts_of(p)
+            pieces = {
+                c: torch.cat([torch.cat([t.chunk(k, p.dim)[j] for t in v], p.dim) for j in range(k)], p.dim)
+                for c, v in grouped.items()
+            }
         elif isinstance(p, Partial) and p.reduce_op == "max":
             pieces = {c: torch.stack(v).amax(0) for c, v in grouped.items()}
         elif isinstance(p, Partial):

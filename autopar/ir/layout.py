@@ -8,7 +8,8 @@ as in DTensor, the earlier mesh axis takes the outer split.
 
 Layouts print in DTensor's short form, one entry per axis: ``S(0)R`` on a 2-axis
 mesh means "dimension 0 split over axis 0, replicated over axis 1"; a partial maximum prints
-``P(max)``;
+``P(max)``, and a strided shard of dimension 1 made of 3 equal parts (q, k and v; see
+:mod:`autopar.ir.strided`) ``S(1)x3``;
 :func:`parse_layout` reads that form back (plans are saved with it).
 """
 
@@ -18,10 +19,11 @@ import math
 import re
 from collections.abc import Sequence
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.strided import is_split, parts_of, strided
 
 Layout = tuple[Placement, ...]
 
@@ -29,7 +31,7 @@ REPLICATE = Replicate()
 PARTIAL = Partial()
 PARTIAL_MAX = Partial("max")
 
-_TOKEN = re.compile(r"S\((\d+)\)|R|P\(max\)|P")
+_TOKEN = re.compile(r"S\((\d+)\)(?:x(\d+))?|R|P\(max\)|P")
 
 
 def replicated(mesh: MeshSpec) -> Layout:
@@ -41,8 +43,9 @@ def format_layout(layout: Layout) -> str:
     """Short form, e.g. ``S(0)R`` (see module docstring)."""
     out = []
     for p in layout:
-        if isinstance(p, Shard):
-            out.append(f"S({p.dim})")
+        if is_split(p):
+            parts = parts_of(p)
+            out.append(f"S({p.dim})" + (f"x{parts}" if parts > 1 else ""))
         elif p == PARTIAL_MAX:
             out.append("P(max)")
         elif p == PARTIAL:
@@ -63,7 +66,7 @@ def parse_layout(text: str) -> Layout:
             raise ValueError(f"cannot read layout {text!r} at position {pos}: expected S(d), R or P")
         tok = m.group(0)
         named = {"R": REPLICATE, "P": PARTIAL, "P(max)": PARTIAL_MAX}
-        out.append(Shard(int(m.group(1))) if tok.startswith("S") else named[tok])
+        out.append(strided(int(m.group(1)), int(m.group(2) or 1)) if tok.startswith("S") else named[tok])
         pos = m.end()
     return tuple(out)
 
@@ -72,7 +75,7 @@ def shard_counts(layout: Layout, mesh: MeshSpec, ndim: int) -> list[int]:
     """How many pieces each tensor dimension is cut into under ``layout``."""
     counts = [1] * ndim
     for p, size in zip(layout, mesh.axis_sizes):
-        if isinstance(p, Shard):
+        if is_split(p):
             counts[p.dim] *= size
     return counts
 
@@ -85,17 +88,20 @@ def local_shape(shape: Sequence[int], layout: Layout, mesh: MeshSpec) -> tuple[i
 
 def local_fraction(layout: Layout, mesh: MeshSpec) -> float:
     """Fraction of the global tensor that each rank holds."""
-    return 1.0 / math.prod(size for p, size in zip(layout, mesh.axis_sizes) if isinstance(p, Shard))
+    return 1.0 / math.prod(size for p, size in zip(layout, mesh.axis_sizes) if is_split(p))
 
 
 def is_valid_for(layout: Layout, shape: Sequence[int], mesh: MeshSpec) -> bool:
-    """True if every sharded dimension exists and divides evenly."""
+    """True if every sharded dimension exists and divides evenly (each part of a strided one)."""
     if len(layout) != mesh.ndim:
         return False
     for p in layout:
-        if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
+        if is_split(p) and not 0 <= p.dim < len(shape):
             return False
     counts = shard_counts(layout, mesh, len(shape))
+    for p in layout:
+        if is_split(p):
+            counts[p.dim] *= parts_of(p)
     return all(s % c == 0 for s, c in zip(shape, counts))
 
 

@@ -36,6 +36,7 @@ from autopar.planning.steps import (
     StepKind,
     axis_states,
     plan_steps,
+    split_dim,
     to_layout,
     walk,
 )
@@ -289,7 +290,7 @@ class CostModel:
 
     def _local_bytes(self, states: tuple[State, ...], shape: tuple[int, ...], itemsize: int) -> int:
         """Bytes one rank holds of a tensor of global ``shape`` split as ``states`` say."""
-        split = math.prod(n for s, n in zip(states, self.mesh.axis_sizes) if isinstance(s, int))
+        split = math.prod(n for s, n in zip(states, self.mesh.axis_sizes) if split_dim(s) is not None)
         return math.prod(shape) * itemsize // split
 
     def edge_steps(

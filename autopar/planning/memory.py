@@ -39,6 +39,7 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
 from autopar.ir.options import SELECTIVE, Memory
+from autopar.ir.strided import is_split
 from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.recompute import Region
 from autopar.planning.saved_tensors import saved_by, storage_ref
@@ -72,7 +73,7 @@ def zero_split(
     local = local_shape(shape, layout, mesh)
     if math.prod(local) * itemsize < max(threshold, 1):
         return None
-    used = {p.dim for p in layout if isinstance(p, Shard)}
+    used = {p.dim for p in layout if is_split(p)}
     for a in sorted(summed_axes):
         n = mesh.axis_sizes[a]
         if n == 1 or not isinstance(layout[a], Replicate):

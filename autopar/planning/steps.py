@@ -9,10 +9,14 @@ inner split (an extra ``all_gather``, then a ``slice`` to redo it) where no orde
 :func:`walk` replays the steps: the layout around each and the gradient's as each
 backward receives it, which both the cost model and the lowering read.
 
-Layouts here are *states*, one per axis (:func:`axis_states`): the sharded dim, ``"R"``,
-``"P"`` (partial sums) or ``"M"`` (partial maxima); plain values compare in nanoseconds, and
-the planner prices ~1e5 layout pairs. Partial maxima come only from a maximum over a split
-dim and only go out by an ``all_reduce`` (of the maximum): nothing consumes them.
+Layouts here are *states*, one per axis (:func:`axis_states`): the sharded dim, ``"dxk"`` (dim
+``d`` strided in ``k`` parts), ``"R"``, ``"P"`` (partial sums) or ``"M"`` (partial maxima);
+plain values compare in nanoseconds, and the planner prices ~1e5 layout pairs. Partial
+maxima come only from a maximum over a split dim and only go out by an ``all_reduce`` (of
+the maximum): nothing consumes them. A strided shard comes from whole data (``slice``) or
+partial sums (``reduce_scatter``) and goes to whole data (``all_gather``), each reordering
+its parts; to or from any other split it passes through whole data. Strided shards are
+never nested with another split of their dim.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.ir.layout import Layout
 from autopar.ir.plan import CollectiveKind
+from autopar.ir.strided import is_split, parts_of, strided
 
-State = int | str  # one axis's placement: the sharded dim, "R", "P" or "M"
+State = int | str  # one axis's placement: the sharded dim, "dxk" (strided), "R", "P" or "M"
 States = tuple[State, ...]
 Step = tuple[int, "StepKind"]  # (mesh axis index, kind)
 
@@ -74,11 +79,12 @@ BACKWARD: dict[StepKind, tuple[CollectiveKind | None, CollectiveKind | None]] = 
 
 @functools.lru_cache(maxsize=1 << 12)
 def axis_states(layout: Layout) -> States:
-    """Each placement as a plain value: the sharded dim, ``"R"``, ``"P"`` (a sum) or ``"M"`` (a max)."""
+    """Each placement as a plain value: the sharded dim, ``"dxk"`` (strided), ``"R"``, ``"P"`` (a
+    sum) or ``"M"`` (a max)."""
     states: list[State] = []
     for p in layout:
-        if isinstance(p, Shard):
-            states.append(p.dim)
+        if is_split(p):
+            states.append(p.dim if parts_of(p) == 1 else f"{p.dim}x{parts_of(p)}")
         elif isinstance(p, Partial):
             states.append("M" if p.reduce_op == "max" else "P")
         elif isinstance(p, Replicate):
@@ -91,7 +97,20 @@ def axis_states(layout: Layout) -> States:
 def to_layout(states: States) -> Layout:
     """Inverse of :func:`axis_states`."""
     named = {"R": Replicate(), "P": Partial(), "M": Partial("max")}
-    return tuple(named[s] if isinstance(s, str) else Shard(s) for s in states)
+    return tuple(
+        named.get(s) or strided(*map(int, s.split("x"))) if isinstance(s, str) else Shard(s) for s in states
+    )
+
+
+def split_dim(state: State) -> int | None:
+    """The tensor dim a state splits (plain or strided), None if it splits none."""
+    if isinstance(state, int):
+        return state
+    return int(state.split("x")[0]) if "x" in state else None
+
+
+def _strided(state: State) -> bool:
+    return isinstance(state, str) and "x" in state
 
 
 def step_kind(src: State, dst: State) -> StepKind | None:
@@ -109,15 +128,27 @@ def step_kind(src: State, dst: State) -> StepKind | None:
     if dst == "P":
         return StepKind.TO_PARTIAL
     if src == "P":
-        return StepKind.REDUCE_SCATTER if isinstance(dst, int) else StepKind.ALL_REDUCE
+        return StepKind.REDUCE_SCATTER if split_dim(dst) is not None else StepKind.ALL_REDUCE
     if src == "R":
         return StepKind.SLICE
-    return StepKind.ALL_TO_ALL if isinstance(dst, int) else StepKind.ALL_GATHER
+    return StepKind.ALL_TO_ALL if split_dim(dst) is not None else StepKind.ALL_GATHER
+
+
+def _through_whole(src: State, dst: State) -> StepKind | None:
+    """The step that first makes ``src`` whole on its way to ``dst``, where no one step goes
+    (a partial maximum to anything but whole; a strided shard to or from another split)."""
+    if src == dst:
+        return None
+    if src == "M" and dst != "R":
+        return StepKind.ALL_REDUCE
+    if _strided(src) and dst != "R" or _strided(dst) and split_dim(src) is not None:
+        return StepKind.ALL_GATHER
+    return None
 
 
 def _touched(src: State, dst: State) -> set[int]:
     """The tensor dims whose split a step from ``src`` to ``dst`` changes on its axis."""
-    return {s for s in (src, dst) if isinstance(s, int)}
+    return {d for s in (src, dst) if (d := split_dim(s)) is not None}
 
 
 def plan_steps(src: States, dst: States, order: Callable[[tuple[StepKind, int]], object]) -> tuple[Step, ...]:
@@ -133,17 +164,21 @@ def plan_steps(src: States, dst: States, order: Callable[[tuple[StepKind, int]],
     to its target like any other (a ``slice`` redoes the split). Every step is one of
     :func:`step_kind`'s; all but unwinding all_gathers take their axis to its target.
     """
-    out: list[Step] = [(a, StepKind.ALL_REDUCE) for a, (p, q) in enumerate(zip(src, dst)) if p == "M" != q]
-    current = ["R" if p == "M" else p for p in src]  # partial maxima reduced first, wherever they go
-    pending = {a: k for a, (p, q) in enumerate(zip(current, dst)) if (k := step_kind(p, q)) is not None}
+    current = list(src)
+    pending = {
+        a: k
+        for a, (p, q) in enumerate(zip(src, dst))
+        if (k := _through_whole(p, q) or step_kind(p, q)) is not None
+    }
 
     def in_the_way(a: int) -> list[int]:  # inner axes splitting a dim the step on a changes
         dims = _touched(current[a], dst[a])
-        return [b for b in range(a + 1, len(current)) if current[b] in dims]
+        return [b for b in range(a + 1, len(current)) if split_dim(current[b]) in dims]
 
     def waits_for_outer(b: int) -> bool:  # b enters a dim that an outer axis has yet to change
-        return any(a < b and dst[b] in _touched(current[a], dst[a]) for a in pending)
+        return any(a < b and split_dim(dst[b]) in _touched(current[a], dst[a]) for a in pending)
 
+    out: list[Step] = []
     while pending:
         ready = [a for a in pending if not in_the_way(a) and not waits_for_outer(a)]
         if ready:
@@ -157,7 +192,12 @@ def plan_steps(src: States, dst: States, order: Callable[[tuple[StepKind, int]],
                 if (kind := step_kind("R", dst[b])) is not None:
                     pending[b] = kind
         out.append((a, pending.pop(a)))
-        current[a] = dst[a]
+        if _through_whole(current[a], dst[a]):  # whole now, then on like an unwound axis
+            current[a] = "R"
+            if (kind := step_kind("R", dst[a])) is not None:
+                pending[a] = kind
+        else:
+            current[a] = dst[a]
     return tuple(out)
 
 

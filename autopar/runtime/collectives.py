@@ -174,19 +174,36 @@ def _flat_stack(stacked: torch.Tensor) -> torch.Tensor:
     return stacked.flatten(0, 1)
 
 
-def _chunk(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-    """This rank's chunk of ``x`` along ``dim`` (a view)."""
+def _chunk(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (a view; with ``parts``, its piece of each part)."""
     _, n, c = axis_info(axis)
+    x = _rank_major(x, dim, parts, n)
     size = x.shape[dim] // n
     return x.narrow(dim, c * size, size)
+
+
+def _rank_major(x: torch.Tensor, dim: int, parts: int, n: int) -> torch.Tensor:
+    """``dim`` of ``parts`` equal parts reordered so that chunk ``r`` of ``n`` holds piece ``r`` of
+    every part (a strided shard's pieces, see ``autopar.ir.strided``); ``parts == 1``: ``x``."""
+    if parts == 1:
+        return x
+    return x.unflatten(dim, (parts, n, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def _part_major(x: torch.Tensor, dim: int, parts: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`_rank_major`: the ranks' chunks back into their parts, contiguous."""
+    if parts == 1:
+        return x
+    return x.unflatten(dim, (n, parts, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
 
 
 # --------------------------------------------------------------------------- all_gather
 
 
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, dim: int, axis: str, grad: str) -> torch.Tensor:
-    """Shard(dim) -> Replicate over ``axis``: the shards concatenated along ``dim`` in coordinate order.
+def all_gather(x: torch.Tensor, dim: int, axis: str, grad: str, parts: int = 1) -> torch.Tensor:
+    """Shard(dim) -> Replicate over ``axis``: the shards concatenated along ``dim`` in coordinate order
+    (with ``parts``, from a strided shard: each rank's piece of every part put back in its part).
 
     Backward, per ``grad``: ``"reduce_scatter"`` when the gradient arrives as partial sums,
     ``"slice"`` when it is already the same on every rank (no communication).
@@ -198,11 +215,11 @@ def all_gather(x: torch.Tensor, dim: int, axis: str, grad: str) -> torch.Tensor:
     out = x.new_empty((n, *x.shape))
     count_collective("all_gather", axis, _nbytes(x))
     dist.all_gather_single(_flat_stack(out), x, group=group)
-    return _concat_stacked(out, dim)
+    return _part_major(_concat_stacked(out, dim), dim, parts, n)
 
 
 @all_gather.register_fake
-def _(x: torch.Tensor, dim: int, axis: str, grad: str) -> torch.Tensor:
+def _(x: torch.Tensor, dim: int, axis: str, grad: str, parts: int = 1) -> torch.Tensor:
     _check_dim("all_gather", x, dim, axis, split=False)
     _check_choice("all_gather", "grad", grad, ("reduce_scatter", "slice"))
     return x.new_empty(_resized(x, dim, times=axis_info(axis).size))
@@ -210,24 +227,25 @@ def _(x: torch.Tensor, dim: int, axis: str, grad: str) -> torch.Tensor:
 
 def _all_gather_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     if ctx.grad == "reduce_scatter":
-        return reduce_scatter(g, ctx.dim, ctx.axis), None, None, None
+        return reduce_scatter(g, ctx.dim, ctx.axis, ctx.parts), None, None, None, None
     # aten's narrow, not autopar::shard: its own backward (zero padding) is the exact adjoint.
-    return _chunk(g, ctx.dim, ctx.axis), None, None, None
+    return _chunk(g, ctx.dim, ctx.axis, ctx.parts), None, None, None, None
 
 
 # --------------------------------------------------------------------------- reduce_scatter
 
 
 @torch.library.custom_op("autopar::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-    """Partial -> Shard(dim) over ``axis``: the sum over the axis, chunk ``coordinate`` along ``dim``.
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
+    """Partial -> Shard(dim) over ``axis``: the sum over the axis, chunk ``coordinate`` along ``dim``
+    (with ``parts``, a strided shard: this rank's piece of every part).
 
     Backward: ``all_gather(g, dim, axis, "reduce_scatter")``.
     """
     _check_dim("reduce_scatter", x, dim, axis, split=True)
     group, n, _ = axis_info(axis)
     count_collective("reduce_scatter", axis, _nbytes(x))
-    chunks = _stacked_chunks(x, dim, n)
+    chunks = _stacked_chunks(_rank_major(x, dim, parts, n), dim, n)
     # Chunk r of a C-contiguous (n, ...) stack is C-contiguous, so the result needs no reordering.
     out = x.new_empty(chunks.shape[1:])
     dist.reduce_scatter_single(out, _flat_stack(chunks), group=group)
@@ -235,13 +253,13 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
 
 
 @reduce_scatter.register_fake
-def _(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+def _(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
     _check_dim("reduce_scatter", x, dim, axis, split=True)
     return x.new_empty(_resized(x, dim, over=axis_info(axis).size))
 
 
 def _reduce_scatter_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter"), None, None
+    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter", ctx.parts), None, None, None
 
 
 # --------------------------------------------------------------------------- all_reduce
@@ -342,17 +360,18 @@ def _all_to_all_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None
 
 
 @torch.library.custom_op("autopar::shard", mutates_args=())
-def shard(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-    """Replicate -> Shard(dim) over ``axis``, locally: chunk ``coordinate`` along ``dim``, contiguous.
+def shard(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
+    """Replicate -> Shard(dim) over ``axis``, locally: chunk ``coordinate`` along ``dim``, contiguous
+    (with ``parts``, a strided shard: piece ``coordinate`` of every part).
 
     Backward: ``all_gather(g, dim, axis, "reduce_scatter")``.
     """
     _check_dim("shard", x, dim, axis, split=True)
-    return _chunk(x, dim, axis).clone(memory_format=torch.contiguous_format)
+    return _chunk(x, dim, axis, parts).clone(memory_format=torch.contiguous_format)
 
 
 @shard.register_fake
-def _(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+def _(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
     _check_dim("shard", x, dim, axis, split=True)
     return x.new_empty(_resized(x, dim, over=axis_info(axis).size))
 
@@ -363,7 +382,7 @@ def _shard_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...
     # an all_gather. That all_gather's own backward only matters when differentiating
     # twice, which the planner does not plan; reduce_scatter is its exact adjoint, right
     # without knowing how those cotangents are spread over the ranks.
-    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter"), None, None
+    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter", ctx.parts), None, None, None
 
 
 @torch.library.custom_op("autopar::grad_all_reduce", mutates_args=())
@@ -430,10 +449,10 @@ def _save_args(*names: str) -> Callable[[Any, tuple[Any, ...], torch.Tensor], No
     return setup_context
 
 
-all_gather.register_autograd(_all_gather_backward, setup_context=_save_args("dim", "axis", "grad"))
-reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_args("dim", "axis"))
+all_gather.register_autograd(_all_gather_backward, setup_context=_save_args("dim", "axis", "grad", "parts"))
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_args("dim", "axis", "parts"))
 all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_args("axis", "grad"))
 all_to_all.register_autograd(_all_to_all_backward, setup_context=_save_args("src_dim", "dst_dim", "axis"))
-shard.register_autograd(_shard_backward, setup_context=_save_args("dim", "axis"))
+shard.register_autograd(_shard_backward, setup_context=_save_args("dim", "axis", "parts"))
 grad_all_reduce.register_autograd(_grad_all_reduce_backward, setup_context=_save_args("axis"))
 to_partial.register_autograd(_to_partial_backward, setup_context=_save_args("axis", "dim"))

@@ -10,9 +10,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from autopar.ir.layout import Layout
+from autopar.ir.strided import is_split, parts_of
 from autopar.runtime.initialize import has_meta, initialize
 
 
@@ -42,9 +43,10 @@ def local_piece(t: torch.Tensor, layout: Layout, mesh: Any) -> torch.Tensor:
     """
     piece = t
     for axis, p in enumerate(layout):
-        if isinstance(p, Shard):
-            n = mesh.size(axis)
-            piece = piece.chunk(n, dim=p.dim)[mesh.get_local_rank(axis)]
+        if is_split(p):  # a strided shard: this rank's piece of each part
+            n, rank = mesh.size(axis), mesh.get_local_rank(axis)
+            parts = piece.chunk(parts_of(p), dim=p.dim)
+            piece = torch.cat([part.chunk(n, dim=p.dim)[rank] for part in parts], dim=p.dim)
     return piece.contiguous() if piece is t else piece.clone(memory_format=torch.contiguous_format)
 
 

@@ -1,5 +1,11 @@
 """Megatron's layouts found by the solver, at real sizes (plan only, on ``meta``).
 
+* ``gpt2``, ``phi-3-mini``, ``gpt-neox`` (transformers GPT-2 small, Phi-3-mini and a
+  Pythia-1.4B-shaped GPT-NeoX, fused projections as their authors wrote them), 8 sequences
+  with labels, on ``tp=8`` and ``dp=2 x tp=4`` (``h100``): the solver's own plan (how it lays
+  out the first block's projections, predicted step and memory) next to Megatron's plan
+  given as annotations (q/k/v and gate/up split by heads as strided shards, the output and
+  down projections by rows), planned the same way.
 * ``llama-3-8b``: transformers ``LlamaForCausalLM`` at Llama-3-8B's shape (vocabulary 128256),
   16 sequences of 8192 tokens with labels, fp32, on ``dp=8 x tp=8`` under the ``h100`` model:
   planning time, predicted memory per device, how the embedding and the loss's lookup of
@@ -7,7 +13,7 @@
   activation whole onto a rank (Megatron-LM and torchtitan's ``loss_parallel`` have none).
 
 Run: ``python bench/megatron_layouts.py [names...] [--mesh dp=8,tp=8]``; one JSON line per
-model. Results in ``docs/benchmarks.md``.
+model and mesh. Results in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,64 @@ def llama_3_8b() -> tuple:
     return transformers.LlamaForCausalLM(config), batch, config.vocab_size
 
 
+def _lm_batch(batch: int, seq: int) -> dict:
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def gpt2() -> tuple:
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    qkv = autopar.Parts("tp", 3)
+    megatron = {  # Conv1D weights are (in, out)
+        "attn": {"c_attn.weight": (None, qkv), "c_attn.bias": (qkv,), "c_proj.weight": ("tp", None)},
+        "mlp": {"c_fc.weight": (None, "tp"), "c_fc.bias": ("tp",), "c_proj.weight": ("tp", None)},
+    }
+    return model, _lm_batch(8, 1024), model.transformer.h, megatron
+
+
+def phi_3_mini() -> tuple:
+    config = transformers.Phi3Config(
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+    )
+    model = transformers.Phi3ForCausalLM(config)
+    megatron = {
+        "self_attn": {"qkv_proj.weight": (autopar.Parts("tp", 3), None), "o_proj.weight": (None, "tp")},
+        "mlp": {"gate_up_proj.weight": (autopar.Parts("tp", 2), None), "down_proj.weight": (None, "tp")},
+    }
+    return model, _lm_batch(8, 4096), model.model.layers, megatron
+
+
+def gpt_neox() -> tuple:
+    config = transformers.GPTNeoXConfig(  # Pythia-1.4B's shape
+        vocab_size=50304,
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=8192,
+    )
+    model = transformers.GPTNeoXForCausalLM(config)
+    megatron = {
+        "attention": {
+            "query_key_value.weight": ("tp", None),
+            "query_key_value.bias": ("tp",),
+            "dense.weight": (None, "tp"),
+        },
+        "mlp": {
+            "dense_h_to_4h.weight": ("tp", None),
+            "dense_h_to_4h.bias": ("tp",),
+            "dense_4h_to_h.weight": (None, "tp"),
+        },
+    }
+    return model, _lm_batch(8, 2048), model.gpt_neox.layers, megatron
+
+
+HEADS: dict[str, Callable[[], tuple]] = {"gpt2": gpt2, "phi-3-mini": phi_3_mini, "gpt-neox": gpt_neox}
 MODELS: dict[str, Callable[[], tuple]] = {"llama-3-8b": llama_3_8b}
 
 
@@ -81,15 +145,47 @@ def plan_one(name: str, mesh: dict[str, int], cluster: str) -> dict:
     }
 
 
+def _summary(plan: autopar.Plan, wall: float) -> dict:
+    first = {
+        k: v for k, v in plan.parameters.items() if ".0." in k and k.endswith("weight") and "norm" not in k
+    }
+    return {
+        "plan_wall_s": round(wall, 1),
+        "predicted_step_s": round(plan.prediction.step_time_s, 4),
+        "memory_GiB": round(plan.prediction.memory_bytes / 2**30, 2),
+        "first_block": first,
+    }
+
+
+def plan_heads(name: str, mesh: dict[str, int], cluster: str) -> dict:
+    """The solver's plan and Megatron's (annotated) plan of one model with fused projections."""
+    out = {"model": name, "mesh": mesh}
+    for variant in ("solver", "megatron"):
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model, kwargs, blocks, megatron = HEADS[name]()
+        if variant == "megatron":
+            for block in blocks:
+                for child, plan in megatron.items():
+                    autopar.shard(getattr(block, child), parameter_plan=plan)
+        plan = autopar.plan(model, (), mesh, example_kwargs=kwargs, cluster=cluster)
+        out[variant] = _summary(plan, time.perf_counter() - t0)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", default=list(MODELS))
-    parser.add_argument("--mesh", default="dp=8,tp=8")
+    parser.add_argument("names", nargs="*", default=[*HEADS, *MODELS])
+    parser.add_argument("--mesh", default=None, help="default: tp=8 and dp=2,tp=4 (dp=8,tp=8 for llama)")
     parser.add_argument("--cluster", default="h100")
     a = parser.parse_args()
-    mesh = {k: int(v) for k, v in (item.split("=") for item in a.mesh.split(","))}
+    given = a.mesh and {k: int(v) for k, v in (item.split("=") for item in a.mesh.split(","))}
     for name in a.names:
-        print(json.dumps(plan_one(name, mesh, a.cluster)), flush=True)
+        if name in HEADS:
+            for mesh in [given] if given else [{"tp": 8}, {"dp": 2, "tp": 4}]:
+                print(json.dumps(plan_heads(name, mesh, a.cluster)), flush=True)
+        else:
+            print(json.dumps(plan_one(name, given or {"dp": 8, "tp": 8}, a.cluster)), flush=True)
 
 
 if __name__ == "__main__":

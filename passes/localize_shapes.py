@@ -47,7 +47,12 @@ def _localize_counts(node: torch.fx.Node, spec: DimSpec, split: dict[str, int]) 
     for name, label in spec.counts:
         if split.get(label, 1) == 1:
             continue
-        share = int(OpCall.of(node).arg(name)) // split[label]
+        given = OpCall.of(node).arg(name)
+        share = (
+            [int(v) // split[label] for v in given]
+            if isinstance(given, list | tuple)
+            else int(given) // split[label]
+        )
         index = next(i for i, a in enumerate(arguments) if a.name == name)
         if name in node.kwargs or arguments[index].kwarg_only:
             node.kwargs = {**node.kwargs, name: share}

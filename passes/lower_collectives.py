@@ -50,10 +50,12 @@ def _op(step: EdgeStep, x: torch.fx.Node, axis: str) -> tuple[object, tuple]:
     """The op and its arguments for one step on the mesh axis named ``axis`` (its key)."""
     kind, before, after = step.kind, step.before[step.axis], step.after[step.axis]
     partial = isinstance(step.grad, Partial)
+    # a strided shard's parts, given only where there are some: printed programs stay short
+    parts = tuple(k for k in (parts_of(before), parts_of(after)) if k > 1)
     if kind == StepKind.SLICE:
-        return ops.shard.default, (x, after.dim, axis, parts_of(after))
+        return ops.shard.default, (x, after.dim, axis, *parts)
     if kind == StepKind.REDUCE_SCATTER:
-        return ops.reduce_scatter.default, (x, after.dim, axis, parts_of(after))
+        return ops.reduce_scatter.default, (x, after.dim, axis, *parts)
     if kind == StepKind.ALL_TO_ALL:
         return ops.all_to_all.default, (x, before.dim, after.dim, axis)
     if kind == StepKind.ALL_REDUCE and before == Partial("max"):
@@ -62,7 +64,7 @@ def _op(step: EdgeStep, x: torch.fx.Node, axis: str) -> tuple[object, tuple]:
         return ops.all_reduce.default, (x, axis, "all_reduce" if partial else "identity")
     if kind == StepKind.ALL_GATHER:
         grad = "reduce_scatter" if partial else "slice"
-        return ops.all_gather.default, (x, before.dim, axis, grad, parts_of(before))
+        return ops.all_gather.default, (x, before.dim, axis, grad, *parts)
     if kind == StepKind.TO_PARTIAL:
         return ops.to_partial.default, (x, axis, before.dim if isinstance(before, Shard) else -1)
     return ops.grad_all_reduce.default, (x, axis)  # the one kind left: only the gradient changes

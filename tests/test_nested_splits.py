@@ -172,7 +172,7 @@ class Ranks:
 
     def forward(self, node: torch.fx.Node, x: Pieces) -> Pieces:
         """The op of ``node`` (a lowered collective) on every rank."""
-        a, args, op = self.axis_of(node), node.args[1:], node.target
+        a, args, op = self.axis_of(node), (*node.args[1:], 1, 1), node.target  # parts default to 1
         if op is ops.shard.default:
             return self.chunk(x, args[0], a, args[2])
         if op is ops.reduce_scatter.default:
@@ -190,7 +190,7 @@ class Ranks:
 
     def backward(self, node: torch.fx.Node, g: Pieces) -> Pieces:
         """The autograd formula of ``node``'s op (see ``autopar.runtime.collectives``) on every rank."""
-        a, args, op = self.axis_of(node), node.args[1:], node.target
+        a, args, op = self.axis_of(node), (*node.args[1:], 1, 1), node.target  # parts default to 1
         if op in (ops.shard.default, ops.reduce_scatter.default):
             return self.gather(g, args[0], a, args[2])
         if op is ops.all_gather.default:

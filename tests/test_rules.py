@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from autopar.ir.layout import local_shape
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.strided import is_split, parts_of
-from autopar.rules import PASSTHROUGH, OpCall, build, enumerate_strategies, lookup, split_counts
+from autopar.rules import PASSTHROUGH, OpCall, build, enumerate_strategies, follow, lookup, split_counts
 
 aten = torch.ops.aten
 MESHES = [MeshSpec(("x",), (2,)), MeshSpec(("x", "y"), (2, 2))]
@@ -177,7 +177,9 @@ def localize_counts(op, args, spec, strategy, mesh) -> tuple:
     names = [a.name for a in op._schema.arguments]
     for name, label in spec.counts:
         if split.get(label, 1) > 1:
-            out[names.index(name)] //= split[label]
+            given = out[names.index(name)]
+            n = split[label]
+            out[names.index(name)] = [v // n for v in given] if isinstance(given, list) else given // n
     return tuple(out)
 
 
@@ -254,6 +256,11 @@ CASES = [
     (aten.slice_scatter.default, (r(4, 8), r(4, 7), 1, 1), {}),
     (aten.select_scatter.default, (r(4, 8), r(4), 1, 0), {}),
     (aten.split.Tensor, (r(4, 8), 4, 1), {}),
+    (aten.split.Tensor, (r(4, 12), 4, 1), {}),
+    (aten.split_with_sizes.default, (r(4, 8), [4, 4], 1), {}),
+    (aten.chunk.default, (r(2, 4, 8), 2, -1), {}),
+    (aten.slice.Tensor, (r(4, 12), 1, 4, 8), {}),
+    (aten.slice.Tensor, (r(4, 12), 1, 8, 100), {}),
     (aten.cat.default, ([r(4, 2), r(4, 6)], 1), {}),
     (aten.stack.default, ([r(4, 2), r(4, 2)], 1), {}),
     (aten.pad.default, (r(4, 8), [0, 1]), {}),
@@ -317,6 +324,32 @@ def test_a_maximum_of_a_detached_value_splits_into_partial_maxima(mesh):
     spec = lookup(aten.amax.default).fn(call)
     strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, mesh)
     assert all(s.operands[0][0] != Shard(1) for s in strategies)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize(
+    "op,args",
+    [
+        (aten.linear.default, (r(2, 4, 8), r(12, 8), r(12))),
+        (aten.addmm.default, (r(12), r(4, 8), r(8, 12))),
+        (aten.view.default, (r(8, 12), [2, 4, 12])),
+    ],
+    ids=["linear", "addmm", "view"],
+)
+def test_a_fused_projection_splits_strided_as_on_one_device(op, args, mesh):
+    """Output features made of 3 parts (q, k, v): each rank computes its piece of every part."""
+    node = make_node(op, args, {})
+    call = OpCall.of(node)
+    spec = lookup(op).fn(call)
+    strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, mesh, parts={(12, 3)})
+    strided_ones = [s for s in strategies if any(parts_of(p) == 3 for p in s.outputs[0])]
+    assert strided_ones
+    for strategy in strided_ones:
+        run_strategy(op, args, {}, node, spec, strategy, mesh)
+    first = strided_ones[0]
+    slot = next(i for i, lay in enumerate(first.operands) if lay and any(parts_of(p) == 3 for p in lay))
+    follower = follow(spec, slot, first.operands[slot], call.shapes, call.out_shapes, mesh)
+    assert any(parts_of(p) == 3 for p in follower.outputs[0])
 
 
 def test_split_strategies_exist_for_matmul():

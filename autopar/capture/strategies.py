@@ -13,15 +13,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-
-from torch.distributed.tensor import Shard
+from dataclasses import dataclass
 
 from autopar.ir.errors import AnnotationError
 from autopar.ir.layout import REPLICATE, Layout
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.strided import strided
 
-AxisNames = str | tuple[str, ...] | None
-"""One item of a named strategy: an axis, several axes (outer first), or None (not split)."""
+
+@dataclass(frozen=True)
+class Parts:
+    """A named strategy item: the dim is made of ``parts`` equal parts (a fused projection's q, k
+    and v), each split over mesh axis ``axis``; a rank holds its piece of every part (a strided
+    shard, ``S(d)xk``). ``parameter_plan={"c_attn.weight": (None, Parts("tp", 3))}`` splits
+    GPT-2's fused attention projection by heads."""
+
+    axis: str
+    parts: int
+
+
+AxisNames = str | tuple[str, ...] | Parts | None
+"""One item of a named strategy: an axis, several axes (outer first), an axis splitting equal
+parts (:class:`Parts`), or None (not split)."""
 
 Strategy = tuple[int, ...] | tuple[AxisNames, ...]
 """One item per tensor dimension: all slice counts, or all :data:`AxisNames`."""
@@ -40,6 +53,8 @@ def is_plain_int(item: object) -> bool:
 def _item_axes(item: AxisNames) -> tuple[str, ...]:
     if item is None:
         return ()
+    if isinstance(item, Parts):
+        return (item.axis,)
     return (item,) if isinstance(item, str) else item
 
 
@@ -66,10 +81,15 @@ def check_strategy_form(strategy: object, *, where: str) -> bool:
                     f"{where}: dim {d}: a tuple of mesh axis names must be non-empty and hold only "
                     f"names, got {item!r}"
                 )
+        elif isinstance(item, Parts):
+            if not isinstance(item.axis, str) or not is_plain_int(item.parts) or item.parts < 2:
+                raise AnnotationError(
+                    f"{where}: dim {d}: {item!r} needs a mesh axis name and at least 2 parts"
+                )
         elif item is not None and not isinstance(item, str):
             raise AnnotationError(
                 f"{where}: dim {d}: {item!r} is none of: a slice count (int >= 1), a mesh axis "
-                f"name (str), a tuple of names, None"
+                f"name (str), a tuple of names, Parts(axis, parts), None"
             )
     counts = [is_plain_int(item) for item in strategy]
     if any(counts) and not all(counts):
@@ -222,13 +242,15 @@ def lower_strategy(strategy: Strategy, shape: Sequence[int], mesh: MeshSpec, *, 
     """
     layout = [REPLICATE] * mesh.ndim
     for d, axes in enumerate(strategy_axes(strategy, mesh, where=where, shape=shape)):
-        parts = math.prod(mesh.axis_sizes[a] for a in axes)
+        k = strategy[d].parts if isinstance(strategy[d], Parts) else 1
+        parts = math.prod(mesh.axis_sizes[a] for a in axes) * k
         # A SymInt test would add a guard to the exported graph; leave those to run time.
         if isinstance(shape[d], int) and shape[d] % parts:
+            what = f"{k} equal parts each split over" if k > 1 else "equal parts over"
             raise AnnotationError(
                 f"{where}: dim {d} has size {shape[d]}, which cannot be split into {parts} equal "
-                f"parts (mesh axes {_axes_str(mesh, axes)})"
+                f"parts ({what} mesh axes {_axes_str(mesh, axes)})"
             )
         for a in axes:
-            layout[a] = Shard(d)
+            layout[a] = strided(d, k)
     return tuple(layout)

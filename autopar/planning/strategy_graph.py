@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +40,7 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
 from autopar.ir.plan import ChoiceKind
+from autopar.ir.strided import is_split, strided
 from autopar.planning.cost import CostModel
 from autopar.planning.tying import tie_blocks
 from autopar.rules import (
@@ -127,16 +128,34 @@ def _numel(node: torch.fx.Node) -> int:
     return math.prod(shape_of(node))
 
 
-def all_layouts(shape: tuple[int, ...], mesh: MeshSpec) -> list[Layout]:
+def all_layouts(
+    shape: tuple[int, ...], mesh: MeshSpec, parts: Collection[tuple[int, int]] = ()
+) -> list[Layout]:
     """Every even layout of a tensor: each mesh axis replicates or splits one dimension,
-    no dimension split over two axes (see ``rules.enumerate_strategies``)."""
+    no dimension split over two axes (see ``rules.enumerate_strategies``); a dimension of a
+    size in ``parts`` (``(size, k)`` pairs) may also split as a strided shard of ``k`` parts."""
     options = [Replicate(), *(Shard(d) for d in range(len(shape)))]
+    options += [strided(d, k) for d, n in enumerate(shape) for size, k in parts if n == size]
     out = []
     for combo in _product(options, mesh.ndim):
-        dims = [p.dim for p in combo if isinstance(p, Shard)]
+        dims = [p.dim for p in combo if is_split(p)]
         if is_valid_for(combo, shape, mesh) and len(dims) == len(set(dims)):
             out.append(combo)
     return out
+
+
+def _cut_into_parts(graph: torch.fx.Graph) -> frozenset[tuple[int, int]]:
+    """``(size, k)`` for every dim of that size some op cuts into ``k`` equal parts (``split``,
+    ``chunk``, slices: ``DimSpec.parts``): the dims a producer may split strided for it."""
+    found = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        call = OpCall.of(node)
+        spec = spec_of(call) if call.operands else None
+        for label, k in spec.parts if spec else ():
+            found.add((call.shapes[0][spec.operands[0].index(label)], k))
+    return frozenset(found)
 
 
 def _product(options: list, n: int) -> Iterable[tuple]:
@@ -188,6 +207,7 @@ class _Builder:
         self.requires_grad = gradient_flow(captured)
         self.canon, self.tied_blocks = tie_blocks(captured)
         self.written = {written_operand(n) for n in self.graph.nodes} - {None}
+        self.parts = _cut_into_parts(self.graph)
         # values every op must read in one layout: parameters annotated with a compute
         # layout, and views or casts of them (filled in graph order by _compute_pinned)
         self.pinned: dict[torch.fx.Node, Layout] = {}
@@ -264,7 +284,7 @@ class _Builder:
                 return self.choices[twin]
         # stored in any even layout; its consumers redistribute what they need (a weight
         # stored split and gathered for use is ZeRO-3/FSDP; stored as used, Megatron)
-        layouts = all_layouts(shape_of(node), self.mesh)
+        layouts = all_layouts(shape_of(node), self.mesh, self.parts)
         return Choice(
             root=node.name, strategies=[fixed_strategy(lay) for lay in layouts], kind=ChoiceKind.PARAM
         )
@@ -295,12 +315,12 @@ class _Builder:
             return self._priced(call, spec, None, strategies, ChoiceKind.FALLBACK)
         if any(op in self.pinned for op in call.operands):
             strategies = self._compute_pinned(
-                call, enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh)
+                call, enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh, self.parts)
             )
             return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)
         primary = self._primary(call, spec)
         if (lookup(node.target).anchor or primary is None) and spec.shardable():
-            strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh)
+            strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh, self.parts)
             if len(strategies) > 1:
                 return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)
         if primary is None:

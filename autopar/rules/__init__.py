@@ -11,6 +11,12 @@ Everything else follows from the labels:
   ``Partial`` too;
 * *whole* labels (a softmax dimension, a reshaped-away dimension) are never split;
 * a summed label in ``max_over`` leaves each rank a partial *maximum* (``Partial("max")``);
+* a label in ``parts`` is a dimension made of equal parts that the op's outputs take one
+  each (``split``, ``chunk``, a slice of one part): it splits only as a *strided* shard,
+  each rank holding its piece of every part (:mod:`autopar.ir.strided`), and each output
+  part is then split plainly. Any other label may split strided too where a strategy asks
+  (fused projections whose output is so split; ``enumerate_strategies``'s ``parts``), except
+  indexed and counted labels;
 * an *indexed* label is a dimension looked up by the values of an index operand (the
   vocabulary of an embedding, the classes a loss gathers): split, each rank looks up the
   indices that fall in its block (shifted, the others masked to zero), so the output is a
@@ -31,15 +37,17 @@ and register with :func:`rule`. An op with no rule is replicated by
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.strided import is_split, parts_of, strided
 
 Labels = tuple[str | None, ...]
 
@@ -75,6 +83,11 @@ class DimSpec:
     counts: tuple[tuple[str, str], ...] = ()
     max_over: frozenset[str] = frozenset()
     indexed: tuple[tuple[str, int], ...] = ()
+    parts: tuple[tuple[str, int], ...] = ()
+
+    def stridable(self, label: str) -> bool:
+        """Whether ``label`` may split as a strided shard (not a looked-up or counted one)."""
+        return all(label != lab for lab, _ in (*self.indexed, *self.counts))
 
     def shardable(self) -> tuple[str, ...]:
         """Labels a mesh axis may split, in order of first appearance."""
@@ -85,6 +98,21 @@ class DimSpec:
                 if lab and lab not in self.whole and (lab in out_labels or lab in self.summed):
                     seen.setdefault(lab, None)
         return tuple(seen)
+
+
+class Strided(NamedTuple):
+    """A strategy's choice of ``label`` split as a strided shard of ``parts`` parts."""
+
+    label: str
+    parts: int
+
+
+Choice = str | Strided | None
+
+
+def label_of(choice: Choice) -> str | None:
+    """The label a choice splits (:data:`PASSTHROUGH` for a Partial passing through)."""
+    return choice.label if isinstance(choice, Strided) else choice
 
 
 @dataclass(frozen=True)
@@ -99,7 +127,7 @@ class Strategy:
     operands: tuple[Layout | None, ...]
     outputs: tuple[Layout, ...]
     grads: tuple[Layout | None, ...]
-    choices: tuple[str | None, ...]
+    choices: tuple[Choice, ...]
     split: int
 
 
@@ -202,7 +230,7 @@ def split_counts(
     for a, size in enumerate(mesh_sizes):
         for labels, layout in zip(spec.operands, operand_layouts):
             p = None if labels is None or layout is None else layout[a]
-            if isinstance(p, Shard) and labels[p.dim]:
+            if is_split(p) and labels[p.dim]:
                 counts[labels[p.dim]] = counts.get(labels[p.dim], 1) * size
                 break
     return counts
@@ -252,11 +280,19 @@ def _dims_of(spec: DimSpec, shapes: Sequence[tuple[int, ...]], out_shapes: Seque
     return sizes
 
 
-def _divisible(choices: Sequence[str | None], mesh: MeshSpec, sizes: dict[str, list[int]]) -> bool:
+def _divisible(choices: Sequence[Choice], mesh: MeshSpec, sizes: dict[str, list[int]]) -> bool:
+    """Every split dim divides evenly (each part of a strided one), and no strided label is
+    split over a second axis."""
     counts: dict[str, int] = {}
-    for lab, n in zip(choices, mesh.axis_sizes):
+    for choice, n in zip(choices, mesh.axis_sizes):
+        lab = label_of(choice)
         if lab and lab != PASSTHROUGH:
             counts[lab] = counts.get(lab, 1) * n
+    for choice in choices:
+        if isinstance(choice, Strided):
+            if sum(label_of(c) == choice.label for c in choices) > 1:
+                return False
+            counts[choice.label] *= choice.parts
     return all(s % c == 0 for lab, c in counts.items() for s in sizes[lab])
 
 
@@ -273,7 +309,9 @@ def build(
     grads: list[list] = [[] for _ in range(n_ops)]
     outputs: list[list] = [[] for _ in spec.outputs]
     split = 1
-    for lab, size in zip(choices, mesh.axis_sizes):
+    whole_parts = dict(spec.parts)
+    for choice, size in zip(choices, mesh.axis_sizes):
+        lab, k = (choice.label, choice.parts) if isinstance(choice, Strided) else (choice, 1)
         if lab is None:
             for lst in (*operands, *grads, *outputs):
                 lst.append(Replicate())
@@ -291,8 +329,8 @@ def build(
         split *= size
         for i, labels in enumerate(spec.operands):
             if labels and lab in labels:
-                operands[i].append(Shard(labels.index(lab)))
-                grads[i].append(Shard(labels.index(lab)))
+                operands[i].append(strided(labels.index(lab), k))
+                grads[i].append(strided(labels.index(lab), k))
             elif lab in spec.summed and i in spec.additive:
                 operands[i].append(Partial())
                 grads[i].append(Replicate())
@@ -300,8 +338,8 @@ def build(
                 operands[i].append(Replicate())
                 grads[i].append(Partial())
         for o, labels in zip(outputs, spec.outputs):
-            if lab in labels:
-                o.append(Shard(labels.index(lab)))
+            if lab in labels:  # an output part of a dim made of parts is split plainly
+                o.append(strided(labels.index(lab), 1 if lab in whole_parts else k))
             elif lab in spec.summed:
                 o.append(Partial("max") if lab in spec.max_over else Partial())
             else:
@@ -317,20 +355,43 @@ def build(
 
 
 def enumerate_strategies(
-    spec: DimSpec, shapes: Sequence[tuple[int, ...]], out_shapes: Sequence[tuple[int, ...]], mesh: MeshSpec
+    spec: DimSpec,
+    shapes: Sequence[tuple[int, ...]],
+    out_shapes: Sequence[tuple[int, ...]],
+    mesh: MeshSpec,
+    parts: Collection[tuple[int, int]] = (),
 ) -> list[Strategy]:
     """Every strategy of an anchor op: one shardable label (or none) per mesh axis, evenly divisible.
 
     A label may go on several axes: its dims are then split over all of them (outer axis
     first, as DTensor does), into the product of their sizes, which must divide them.
+    ``parts`` are ``(size, k)`` pairs: a label whose dims have that size may also split as a
+    strided shard of ``k`` parts (on one axis), as a fused projection whose output some op
+    cuts into ``k`` parts must.
     """
     sizes = _dims_of(spec, shapes, out_shapes)
-    options = (None, *spec.shardable())
+    whole_parts = dict(spec.parts)
+    options: list[Choice] = [None]
+    for lab in spec.shardable():
+        if lab in whole_parts:
+            options.append(Strided(lab, whole_parts[lab]))
+            continue
+        options.append(lab)
+        if spec.stridable(lab):
+            options += [Strided(lab, k) for size, k in parts if set(sizes[lab]) == {size}]
     return [
         build(spec, choices, mesh)
         for choices in itertools.product(options, repeat=mesh.ndim)
         if _divisible(choices, mesh, sizes)
     ]
+
+
+def _follow_split(spec: DimSpec, label: str, parts: int) -> Choice:
+    """The choice carrying a split of ``label`` in ``parts`` parts through ``spec``'s op, if any."""
+    required = dict(spec.parts).get(label, 1)
+    if parts == required:
+        return label if parts == 1 else Strided(label, parts)
+    return Strided(label, parts) if required == 1 and spec.stridable(label) else None
 
 
 def follow(
@@ -349,10 +410,10 @@ def follow(
     """
     shardable = set(spec.shardable())
     labels = spec.operands[operand] or (None,) * len(shapes[operand])
-    choices: list[str | None] = []
+    choices: list[Choice] = []
     for p in layout:
-        if isinstance(p, Shard) and labels[p.dim] in shardable:
-            choices.append(labels[p.dim])
+        if is_split(p) and labels[p.dim] in shardable:
+            choices.append(_follow_split(spec, labels[p.dim], parts_of(p)))
         elif isinstance(p, Partial) and p.reduce_op == "sum" and operand in spec.linear:
             choices.append(PASSTHROUGH)
         else:

@@ -137,11 +137,41 @@ def _keep_but(call: OpCall, dims: set[int], drop: bool = False) -> DimSpec:
     return DimSpec((tuple(labels), *(None for _ in call.shapes[1:])), outs, whole=whole, linear=LINEAR)
 
 
+def _in_parts(call: OpCall, dim: int, counted: tuple[str, ...]) -> DimSpec:
+    """Dim ``dim`` made of equal parts, one per output (see ``DimSpec.parts``): it splits as a
+    strided shard, each output part plainly; the ``counted`` arguments (sizes and offsets
+    along the dim) become this rank's share."""
+    labels = fresh(len(call.shapes[0]))
+    k = call.shapes[0][dim] // call.out_shapes[0][dim]
+    return DimSpec(
+        (tuple(labels), *(None for _ in call.shapes[1:])),
+        tuple(tuple(labels) for _ in call.out_shapes),
+        linear=LINEAR,
+        parts=((labels[dim], k),),
+        counts=tuple((name, labels[dim]) for name in counted),
+    )
+
+
 @rule(aten.slice.Tensor, aten.narrow.default)
 def slice_(call: OpCall) -> DimSpec:
+    # One of k equal parts (Phi-3's q, k and v out of its fused projection) is a part of a
+    # strided dim; any other slice keeps its dim whole.
     src, dst = call.shapes[0], call.out_shapes[0]
     dim = call.arg("dim", 0) % len(src)
-    return _keep_but(call, set() if src[dim] == dst[dim] else {dim})
+    if src[dim] == dst[dim]:
+        return _keep_but(call, set())
+    start = call.arg("start", 0) or 0
+    if (
+        call.node.target is aten.slice.Tensor
+        and call.arg("step", 1) == 1
+        and isinstance(start, int)
+        and 0 < dst[dim] < src[dim]
+        and src[dim] % dst[dim] == 0
+        and start % dst[dim] == 0
+        and 0 <= start < src[dim]
+    ):
+        return _in_parts(call, dim, tuple(name for name in ("start", "end") if call.arg(name) is not None))
+    return _keep_but(call, {dim})
 
 
 @rule(aten.select.int, aten.unbind.int)
@@ -164,10 +194,19 @@ def scatter_into_view(call: OpCall) -> DimSpec:
     )
 
 
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+def split(call: OpCall) -> DimSpec:
+    # equal parts (q, k and v of GPT-2's fused projection; gate and up) split strided
+    ndim = len(call.shapes[0])
+    dim = call.arg("dim", 0) % ndim
+    pieces = [shape[dim] for shape in call.out_shapes]
+    if len(pieces) < 2 or len(set(pieces)) != 1 or pieces[0] * len(pieces) != call.shapes[0][dim]:
+        return _keep_but(call, {dim})
+    counted = {aten.split.Tensor: ("split_size",), aten.split_with_sizes.default: ("split_sizes",)}
+    return _in_parts(call, dim, counted.get(call.node.target, ()))
+
+
 @rule(
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.chunk.default,
     aten.flip.default,
     aten.cumsum.default,
     aten.roll.default,

@@ -1,10 +1,12 @@
-"""Vocab-parallel embedding and cross entropy: the vocabulary split, the logits never whole.
+"""Megatron's layouts: vocab-parallel embedding and cross entropy, fused projections split by heads.
 
 Fast tests check the pieces: cross entropy's captured formula against torch for every
 argument combination, partial maxima in the layout and step machinery. One world of 4
-gloo ranks trains models whose vocabulary the plan splits (GPT-2 with tied embeddings,
-Llama with a padding index, a head whose loss is split by sequence and vocabulary at once)
-next to one device: loss and every gradient equal.
+gloo ranks trains models next to one device (loss and every gradient equal): whose
+vocabulary the plan splits (GPT-2 with tied embeddings, Llama with a padding index, a head
+whose loss is split by sequence and vocabulary at once), and whose fused projections are
+split by heads (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj`` as strided
+shards, GPT-NeoX's per-head interleaved ``query_key_value`` plainly), unchanged.
 """
 
 from __future__ import annotations
@@ -121,7 +123,60 @@ def _head_split_by_sequence_and_vocabulary() -> tuple:
     return model, (torch.randn(2, 8, 32), labels), {}
 
 
+def _tiny(config_cls: str, model_cls: str, **fields: object) -> nn.Module:
+    import transformers
+
+    config = getattr(transformers, config_cls)(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        **fields,
+    )
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    return getattr(transformers, model_cls)(config)
+
+
+def _batch() -> dict:
+    ids = torch.randint(0, 96, (2, 8))
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def _gpt2_by_heads() -> tuple:
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=1, n_head=4, n_positions=64)
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        setattr(config, key, 0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    qkv = autopar.Parts("tp", 3)
+    for block in model.transformer.h:  # Conv1D weights are (in, out): q, k and v side by side
+        autopar.shard(block.attn, parameter_plan={"c_attn.weight": (None, qkv), "c_attn.bias": (qkv,)})
+    return model, (), _batch()
+
+
+def _phi3_by_heads() -> tuple:
+    model = _tiny("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=4, pad_token_id=0)
+    for layer in model.model.layers:
+        autopar.shard(layer.self_attn, parameter_plan={"qkv_proj.weight": (autopar.Parts("tp", 3), None)})
+        autopar.shard(layer.mlp, parameter_plan={"gate_up_proj.weight": (autopar.Parts("tp", 2), None)})
+    return model, (), _batch()
+
+
+def _neox_by_heads() -> tuple:
+    model = _tiny("GPTNeoXConfig", "GPTNeoXForCausalLM")
+    for layer in model.gpt_neox.layers:  # q, k and v interleaved per head: a plain split
+        autopar.shard(layer.attention, parameter_plan={"query_key_value.weight": ("tp", None)})
+    return model, (), _batch()
+
+
 CASES = {
+    "gpt2-by-heads": ((4,), _gpt2_by_heads),
+    "phi3-by-heads": ((2, 2), _phi3_by_heads),
+    "neox-by-heads": ((4,), _neox_by_heads),
     "gpt2": ((4,), _gpt2),
     "llama": ((2, 2), _llama),
     "head": ((2, 2), _head_split_by_sequence_and_vocabulary),
@@ -152,6 +207,8 @@ def _run(name: str) -> dict:
     return {
         "gather": [n.operands[0] for n in gathered],
         "embedding": [n.operands[0] for n in plan.nodes if n.op == "aten.embedding.default"],
+        "parameters": dict(plan.parameters),
+        "local": {name: tuple(p.to_local().shape) for name, p in dmodel.named_parameters()},
     }
 
 
@@ -174,6 +231,17 @@ def test_vocab_parallel_models_train_on_4_gloo_ranks_as_on_one_device():
     errors = {name: r["error"] for name, r in results.items() if "error" in r}
     assert not errors, errors
     # the loss picks its target's logit from logits split by vocabulary: never gathered whole
+    by_heads = {name: results.pop(name) for name in list(results) if name.endswith("by-heads")}
+    gpt2 = by_heads["gpt2-by-heads"]
+    assert gpt2["parameters"]["transformer.h.0.attn.c_attn.weight"] == "S(1)x3"
+    assert gpt2["local"]["transformer.h.0.attn.c_attn.weight"] == (64, 48)  # a head of each of q, k, v
+    phi3 = by_heads["phi3-by-heads"]["parameters"]
+    assert phi3["model.layers.0.self_attn.qkv_proj.weight"].endswith("S(0)x3")
+    assert phi3["model.layers.0.mlp.gate_up_proj.weight"].endswith("S(0)x2")
+    assert (
+        by_heads["neox-by-heads"]["parameters"]["gpt_neox.layers.0.attention.query_key_value.weight"]
+        == "S(0)"
+    )
     for name, result in results.items():
         (gather,) = result["gather"]
         assert parse_layout(gather)[-1] == Shard(1), (name, gather)  # over tp: the classes

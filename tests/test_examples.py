@@ -147,3 +147,15 @@ def test_cnn_script_plans_without_ranks(capsys: pytest.CaptureFixture[str], monk
     out = capsys.readouterr().out
     assert "SmallResNet: 14,202 parameters" in out and "autopar plan on mesh dp=4" in out
     assert "no sharding rule" not in out
+
+
+def test_megatron_gpt2_script_plans_heads_and_vocabulary(capsys: pytest.CaptureFixture[str], monkeypatch):
+    """Without torchrun, examples/megatron_gpt2.py prints its plan: c_attn by heads, loss by vocabulary."""
+    script = importlib.import_module("examples.megatron_gpt2")
+    monkeypatch.setattr("sys.argv", [script.__file__])
+    monkeypatch.delenv("RANK", raising=False)
+    runpy.run_path(script.__file__, run_name="__main__")
+    out = capsys.readouterr().out
+    assert "autopar plan on mesh dp=2×tp=2" in out and "no sharding rule" not in out
+    assert "transformer.h.0.attn.c_attn.weight │ RS(1)x3" in out
+    assert "S(0)P(max)->S(0)R" in out  # the loss's row maximum: all-reduced over the split vocabulary

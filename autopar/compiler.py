@@ -158,6 +158,7 @@ def lower(captured: Captured, plan: Plan, stage_mesh: Any) -> tuple[torch.fx.Gra
         cost=CostModel(MeshSpec.of(stage_mesh), Cluster.from_dict(plan.cluster)),
         captured=captured,
         axis_keys=collectives.register_mesh(stage_mesh),
+        coordinates=tuple(stage_mesh.get_local_rank(a) for a in range(stage_mesh.ndim)),
     )
     gm = captured.program.graph_module
     for p in PIPELINE:

@@ -24,6 +24,9 @@ class PassContext:
     cost: CostModel
     captured: Captured
     axis_keys: dict[str, str] = field(default_factory=dict)  # mesh axis -> the collectives' name for it
+    # this rank's coordinate on each mesh axis: the pieces of dims split unevenly differ per rank
+    # (None: the largest piece, as the planner prices)
+    coordinates: tuple[int, ...] | None = None
     grad_reductions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param placeholder -> axes
     snapshots: dict[str, str] = field(default_factory=dict)  # pass name -> graph printed after it
     stages: list[StageProgram] | None = None  # under a pipeline: one per stage (split_stages)

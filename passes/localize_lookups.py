@@ -25,7 +25,7 @@ import torch
 
 import autopar.runtime.lookups  # noqa: F401  (registers torch.ops.autopar.block_index, in_block)
 from autopar.ir.errors import CompileError
-from autopar.ir.layout import Layout
+from autopar.ir.layout import Layout, is_uneven, piece_size
 from autopar.ir.meta import STAGE, GraphLayouts, NodeLayouts, write_layouts
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes.context import PassContext
@@ -70,10 +70,11 @@ def _localize(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> No
             raise CompileError(f"{node.name}: a lookup into a strided dimension is not planned")
         if not axes:
             continue
-        block = call.shapes[table][dim] // math.prod(ctx.mesh.axis_sizes[a] for a in axes)
+        size, n = call.shapes[table][dim], math.prod(ctx.mesh.axis_sizes[a] for a in axes)
+        block, rows = (piece_size(size, n), size) if is_uneven(size, n) else (size // n, 0)
         keys = ",".join(ctx.axis_keys[ctx.mesh.axis_names[a]] for a in axes)
         labels = (spec.outputs[0], spec.operands[index_slot])
-        _mask_lookup(node, call, labels, index_slot, layouts, keys, block)
+        _mask_lookup(node, call, labels, index_slot, layouts, keys, (block, rows))
 
 
 def _mask_lookup(
@@ -83,7 +84,7 @@ def _mask_lookup(
     index_slot: int,
     layouts: NodeLayouts,
     keys: str,
-    block: int,
+    blocks: tuple[int, int],
 ) -> None:
     """Shift ``node``'s index operand into the block and mask its result (module docstring)."""
     out_labels, index_labels = labels
@@ -98,10 +99,11 @@ def _mask_lookup(
     mask_layout = _shifted(index_layout, leading)
     at = _Inserter(node)
     with node.graph.inserting_before(node):
-        local = at.add(
-            ops.block_index.default, (index, keys, block), index_val, (index_layout,), index_layout
-        )
-        in_block = (index, keys, block, leading, trailing)
+        block, rows = blocks
+        extra = (rows,) if rows else ()
+        shift = (index, keys, block, *extra)
+        local = at.add(ops.block_index.default, shift, index_val, (index_layout,), index_layout)
+        in_block = (index, keys, block, leading, trailing, *extra)
         mask = at.add(ops.in_block.default, in_block, mask_val, (index_layout,), mask_layout)
     node.replace_input_with(index, local)
     with node.graph.inserting_after(node):

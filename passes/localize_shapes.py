@@ -1,7 +1,8 @@
 """Make shapes per rank: size arguments become local sizes, split means are rescaled.
 
 * An op's ``size``/``shape`` argument (view, reshape, expand, new_ones, ...) describes
-  the global output; it becomes the local output shape under the node's layout.
+  the global output; it becomes the local output shape under the node's layout, this
+  rank's piece where a dim splits unevenly (``ctx.coordinates``).
 * An argument counting items of a split dimension (a grouped convolution's ``groups``,
   the rule's ``counts``) becomes this rank's share.
 * A mean over a dimension split across ranks (``mean``, a mean-reduced loss; the
@@ -30,7 +31,7 @@ def _localize_size(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) 
     if schema is None:
         return
     out = node.meta["val"]
-    local = list(local_shape(tuple(out.shape), layouts.output, ctx.mesh))
+    local = list(local_shape(tuple(out.shape), layouts.output, ctx.mesh, ctx.coordinates))
     args = list(node.args)
     for i, a in enumerate(schema.arguments[: len(args)]):
         if a.name in _SIZE_ARGS and isinstance(args[i], (list, tuple)):

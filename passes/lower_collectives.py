@@ -37,8 +37,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar)
 from autopar.ir.errors import CompileError
+from autopar.ir.layout import is_uneven
 from autopar.ir.meta import REDISTRIBUTION, STAGE, NodeLayouts, write_layouts
-from autopar.ir.strided import parts_of
+from autopar.ir.strided import is_split, parts_of
 from autopar.passes.context import PassContext
 from autopar.passes.insert_redistributions import redistribute
 from autopar.planning.steps import EdgeStep, StepKind
@@ -46,27 +47,37 @@ from autopar.planning.steps import EdgeStep, StepKind
 ops = torch.ops.autopar
 
 
-def _op(step: EdgeStep, x: torch.fx.Node, axis: str) -> tuple[object, tuple]:
-    """The op and its arguments for one step on the mesh axis named ``axis`` (its key)."""
+def _op(step: EdgeStep, x: torch.fx.Node, axis: str, n: int) -> tuple[object, tuple]:
+    """The op and its arguments for one step on the mesh axis named ``axis`` (its key, of ``n`` ranks)."""
     kind, before, after = step.kind, step.before[step.axis], step.after[step.axis]
     partial = isinstance(step.grad, Partial)
-    # a strided shard's parts, given only where there are some: printed programs stay short
-    parts = tuple(k for k in (parts_of(before), parts_of(after)) if k > 1)
+    shape = x.meta["val"].shape
+
+    def rows(p: object) -> int:  # the rows of a dim this axis splits unevenly, else 0
+        return int(shape[p.dim]) if is_split(p) and is_uneven(int(shape[p.dim]), n) else 0
+
+    # optional arguments (a strided shard's parts, an uneven split's rows) only where needed:
+    # printed programs stay short
+    parts = max(parts_of(before), parts_of(after))
+    size = rows(after) or rows(before) if kind != StepKind.ALL_TO_ALL else 0
+    extra = (parts, size) if size else (parts,) if parts > 1 else ()
     if kind == StepKind.SLICE:
-        return ops.shard.default, (x, after.dim, axis, *parts)
+        return ops.shard.default, (x, after.dim, axis, *extra)
     if kind == StepKind.REDUCE_SCATTER:
-        return ops.reduce_scatter.default, (x, after.dim, axis, *parts)
+        return ops.reduce_scatter.default, (x, after.dim, axis, *extra)
     if kind == StepKind.ALL_TO_ALL:
-        return ops.all_to_all.default, (x, before.dim, after.dim, axis)
+        sizes = (rows(before), rows(after)) if rows(before) or rows(after) else ()
+        return ops.all_to_all.default, (x, before.dim, after.dim, axis, *sizes)
     if kind == StepKind.ALL_REDUCE and before == Partial("max"):
         return ops.all_reduce_max.default, (x, axis)
     if kind == StepKind.ALL_REDUCE:
         return ops.all_reduce.default, (x, axis, "all_reduce" if partial else "identity")
     if kind == StepKind.ALL_GATHER:
         grad = "reduce_scatter" if partial else "slice"
-        return ops.all_gather.default, (x, before.dim, axis, grad, *parts)
+        return ops.all_gather.default, (x, before.dim, axis, grad, *extra)
     if kind == StepKind.TO_PARTIAL:
-        return ops.to_partial.default, (x, axis, before.dim if isinstance(before, Shard) else -1)
+        dim = before.dim if isinstance(before, Shard) else -1
+        return ops.to_partial.default, (x, axis, dim, *((size,) if size else ()))
     return ops.grad_all_reduce.default, (x, axis)  # the one kind left: only the gradient changes
 
 
@@ -90,7 +101,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         x = node.args[0]
         with graph.inserting_before(node):
             for step in steps:
-                y = graph.call_function(*_op(step, x, ctx.axis_keys[ctx.mesh.axis_names[step.axis]]))
+                key = ctx.axis_keys[ctx.mesh.axis_names[step.axis]]
+                y = graph.call_function(*_op(step, x, key, ctx.mesh.axis_sizes[step.axis]))
                 y.meta["val"] = node.meta["val"]
                 write_layouts(y, NodeLayouts(operands=(step.before,), outputs=(step.after,)))
                 if STAGE in node.meta:

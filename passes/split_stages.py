@@ -64,7 +64,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             raise CompileError(
                 f"{node.name} ({type(val).__name__}) crosses a pipeline stage boundary; only tensors can"
             )
-        shape = local_shape(tuple(val.shape), output_layout(node), ctx.mesh)
+        shape = local_shape(tuple(val.shape), output_layout(node), ctx.mesh, ctx.coordinates)
         return Boundary(name=node.name, shape=shape, dtype=val.dtype, requires_grad=flows.get(node, False))
 
     values = [node for node in graph.nodes if node in inputs or (node.op in _OPS and node.users)]

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.runtime import collectives as C
+from autopar.runtime import pieces
 from autopar.tools.launch import free_port
 
 SHAPE = (4, 8, 12)  # every dimension divides by 2 and by 4
@@ -173,6 +174,7 @@ def _cases(axis: str, g: torch.Tensor, h: torch.Tensor) -> list[Case]:
             {"all_reduce": _nbytes(h)},
         ),
         *_strided_cases(axis, g, h),
+        *_uneven_cases(axis, g[:, :7], h[:, :7]),
         Case(
             "all_reduce_max",
             C.all_reduce_max,
@@ -241,6 +243,56 @@ def _strided_cases(axis: str, g: torch.Tensor, h: torch.Tensor) -> list[Case]:
             {"reduce_scatter": _nbytes(g)},
             {"all_gather": _nbytes(pieces(h))},
         ),
+    ]
+
+
+def _uneven_cases(axis: str, g: torch.Tensor, h: torch.Tensor) -> list[Case]:
+    """The ops moving dim 1 of 7 rows split unevenly (DTensor's pieces: 4 and 3 over 2 ranks)."""
+    _, n, c = C.axis_info(axis)
+
+    def piece(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(n, 1)[c]
+
+    spread = torch.zeros_like(g)
+    spread.narrow(1, c * -(-7 // n), piece(g).shape[1]).copy_(piece(g))
+    whole, cut = {"all_gather": pieces.nbytes(piece(g))}, {"all_gather": pieces.nbytes(piece(h))}
+    return [
+        Case("uneven shard", C.shard, (1, axis, 1, 7), g, piece(h), piece(g), h, {}, cut),
+        Case("uneven all_gather", C.all_gather, (1, axis, "slice", 1, 7), piece(g), h, g, piece(h), whole),
+        Case(
+            "uneven reduce_scatter",
+            C.reduce_scatter,
+            (1, axis, 1, 7),
+            _share(g, c),
+            piece(h),
+            piece(_total(g, n)),
+            h,
+            {"reduce_scatter": pieces.nbytes(g)},
+            cut,
+        ),
+        Case(
+            "uneven all_to_all 1 -> 2",
+            C.all_to_all,
+            (1, 2, axis, 7, 0),
+            piece(g),
+            _chunk(h, 2, n, c),
+            _chunk(g, 2, n, c),
+            piece(h),
+            {"all_to_all": pieces.nbytes(piece(g))},
+            {"all_to_all": pieces.nbytes(_chunk(h, 2, n, c))},
+        ),
+        Case(
+            "uneven all_to_all 2 -> 1",
+            C.all_to_all,
+            (2, 1, axis, 0, 7),
+            _chunk(g, 2, n, c),
+            piece(h),
+            piece(g),
+            _chunk(h, 2, n, c),
+            {"all_to_all": pieces.nbytes(_chunk(g, 2, n, c))},
+            {"all_to_all": pieces.nbytes(piece(h))},
+        ),
+        Case("uneven to_partial", C.to_partial, (axis, 1, 7), piece(g), h, spread, piece(h)),
     ]
 
 
@@ -372,8 +424,8 @@ def test_registry_counters_and_fake_shapes(fake_process_group):
 
 def test_a_gathered_concatenation_is_contiguous():
     """Gathering a dim of local size 1 (Swin's windows) must give what a later view can take."""
-    pieces = torch.arange(2 * 3 * 1 * 4.0).view(2, 3, 1, 4)  # two ranks' (3, 1, 4) pieces
-    whole = C._concat_stacked(pieces, 1)
+    stacked = torch.arange(2 * 3 * 1 * 4.0).view(2, 3, 1, 4)  # two ranks' (3, 1, 4) pieces
+    whole = pieces.concat_stacked(stacked, 1)
     assert whole.is_contiguous()
-    torch.testing.assert_close(whole, torch.cat(list(pieces), dim=1))
+    torch.testing.assert_close(whole, torch.cat(list(stacked), dim=1))
     assert whole.view(6, 4).shape == (6, 4)

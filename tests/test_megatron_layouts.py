@@ -3,8 +3,9 @@
 Fast tests check the pieces: cross entropy's captured formula against torch for every
 argument combination, partial maxima in the layout and step machinery. One world of 4
 gloo ranks trains models next to one device (loss and every gradient equal): whose
-vocabulary the plan splits (GPT-2 with tied embeddings, Llama with a padding index, a head
-whose loss is split by sequence and vocabulary at once), and whose fused projections are
+vocabulary the plan splits (GPT-2 with tied embeddings, Llama with a padding index and a
+vocabulary that does not divide, a head whose loss is split by sequence and an uneven
+vocabulary at once), and whose fused projections are
 split by heads (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj`` as strided
 shards, GPT-NeoX's per-head interleaved ``query_key_value`` plainly), unchanged.
 """
@@ -96,7 +97,7 @@ def _llama() -> tuple:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=1000,
+        vocab_size=1001,  # over tp=2: pieces of 501 and 500 rows
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=1,
@@ -107,18 +108,18 @@ def _llama() -> tuple:
     model = transformers.LlamaForCausalLM(config)
     autopar.shard(model.model.embed_tokens, parameter_plan={"weight": ("tp", None)})
     autopar.shard(model.lm_head, parameter_plan={"weight": ("tp", None)})
-    ids = torch.randint(0, 1000, (4, 16))
+    ids = torch.randint(0, 1001, (4, 16))
     ids[0, :5] = 3  # padding: the padded row gets no gradient
     labels = torch.where(ids == 3, -100, ids)
     return model, (), {"input_ids": ids, "labels": labels, "use_cache": False}
 
 
 def _head_split_by_sequence_and_vocabulary() -> tuple:
-    model = _Head(32, 96)
+    model = _Head(32, 97)  # 97 classes over tp=2: pieces of 49 and 48
     autopar.shard(
         model, in_strategy=((None, "dp", None), (None, "dp")), parameter_plan={"proj.weight": ("tp", None)}
     )
-    labels = torch.randint(0, 96, (2, 8))
+    labels = torch.randint(0, 97, (2, 8))
     labels[:, ::3] = -100
     return model, (torch.randn(2, 8, 32), labels), {}
 
@@ -246,4 +247,5 @@ def test_vocab_parallel_models_train_on_4_gloo_ranks_as_on_one_device():
         (gather,) = result["gather"]
         assert parse_layout(gather)[-1] == Shard(1), (name, gather)  # over tp: the classes
     assert parse_layout(results["llama"]["embedding"][0])[-1] == Shard(0)  # the vocabulary
+    assert results["llama"]["local"]["lm_head.weight"] == (501, 64)  # rank 0's piece of 1001 rows
     assert parse_layout(results["head"]["gather"][0])[0] == Shard(0)  # over dp: the tokens

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.ir.layout import format_layout, grad_layout, local_shape
+from autopar.ir.layout import format_layout, grad_layout, is_valid_for, local_shape
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, output_layout
 from autopar.ir.strided import is_split, parts_of, strided
@@ -94,12 +94,12 @@ def edges(mesh: MeshSpec, placements: tuple = (R, P, S0, S1)) -> Iterator[Edge]:
                 yield have, need, grad_need, grad_layout(have)
 
 
-def lower(edge: Edge, mesh: MeshSpec, cost: CostModel) -> torch.fx.GraphModule:
+def lower(edge: Edge, mesh: MeshSpec, cost: CostModel, shape: tuple = SHAPE) -> torch.fx.GraphModule:
     """A program ``x -> redistribute(x)`` with ``edge``'s layouts, after ``lower_collectives``
     (its graph: ``recompile()`` it to run it)."""
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
-    x.meta["val"] = torch.empty(SHAPE)
+    x.meta["val"] = torch.empty(shape)
     node = graph.call_function(redistribute, (x, *(format_layout(lay) for lay in edge)))
     node.meta.update({"val": x.meta["val"], REDISTRIBUTION: edge})
     graph.output(node)
@@ -161,8 +161,8 @@ class Ranks:
         if dim == -1:
             return {c: t if c[a] == 0 else torch.zeros_like(t) for c, t in x.items()}
         n, out = self.mesh.axis_sizes[a], {}
-        for c, t in x.items():
-            parts = [t if i == c[a] else torch.zeros_like(t) for i in range(n)]
+        for c, t in x.items():  # zeros where the others' pieces go (uneven pieces: their sizes)
+            parts = [t if i == c[a] else torch.zeros_like(x[(*c[:a], i, *c[a + 1 :])]) for i in range(n)]
             out[c] = torch.cat(parts, dim)
         return out
 
@@ -211,38 +211,42 @@ class Ranks:
 
 def _assert_pieces(pieces: Pieces, whole: torch.Tensor, layout: tuple, mesh: MeshSpec, what: str) -> None:
     """Each piece has its local shape under ``layout`` and together they make ``whole``."""
-    shapes = {tuple(t.shape) for t in pieces.values()}
-    assert shapes == {local_shape(whole.shape, layout, mesh)}, f"{what}: local shapes {shapes}"
+    shapes = {c: tuple(t.shape) for c, t in pieces.items()}
+    assert shapes == {c: local_shape(whole.shape, layout, mesh, c) for c in pieces}, (
+        f"{what}: local shapes {shapes}"
+    )
     joined = join_value(pieces, layout, mesh)
     assert torch.allclose(joined, whole), f"{what}: off by up to {(joined - whole).abs().max():.3g}"
 
 
-def check_edge(edge: Edge, mesh: MeshSpec, cost: CostModel, gen: torch.Generator) -> None:
+def check_edge(
+    edge: Edge, mesh: MeshSpec, cost: CostModel, gen: torch.Generator, shape: tuple = SHAPE
+) -> None:
     """Lower ``edge``, run it forward and backward on simulated ranks, compare with the cost model."""
     have, need, grad_need, grad_have = edge
     what = " -> ".join(format_layout(lay) for lay in edge)
-    nodes, ranks = collectives_of(lower(edge, mesh, cost)), Ranks(mesh)
+    nodes, ranks = collectives_of(lower(edge, mesh, cost, shape)), Ranks(mesh)
     issued = [(ranks.axis_of(n), _KIND_OF_OP[n.target]) for n in nodes]
     assert tuple(issued) == cost.edge_steps(have, need, grad_need, grad_have), what
     layouts = [have] + [output_layout(n) for n in nodes]
     assert layouts[-1] == need, what
     assert all(n.meta[LAYOUTS][0] == (lay,) for n, lay in zip(nodes, layouts)), what
 
-    x = torch.randn(SHAPE, dtype=torch.float64, generator=gen)
+    x = torch.randn(shape, dtype=torch.float64, generator=gen)
     pieces = split_value(x, have, mesh, gen)
     for n in nodes:
         pieces = ranks.forward(n, pieces)
     _assert_pieces(pieces, x, need, mesh, f"{what} forward")
-    collectives, _ = cost.redistribute(have, need, SHAPE, 8)
+    collectives, _ = cost.redistribute(have, need, shape, 8)
     assert ranks.moved == [(c.kind, c.mesh_axes[0], c.bytes) for c in collectives], what
 
     ranks.moved.clear()
-    g = torch.randn(SHAPE, dtype=torch.float64, generator=gen)
+    g = torch.randn(shape, dtype=torch.float64, generator=gen)
     grads = split_value(g, grad_need, mesh, gen)
     for n in reversed(nodes):
         grads = ranks.backward(n, grads)
     _assert_pieces(grads, g, grad_have, mesh, f"{what} backward")
-    collectives, _ = cost.backward(have, need, grad_need, grad_have, SHAPE, 8)
+    collectives, _ = cost.backward(have, need, grad_need, grad_have, shape, 8)
     assert ranks.moved == [(c.kind, c.mesh_axes[0], c.bytes) for c in collectives], what
 
 
@@ -252,6 +256,16 @@ def test_every_redistribution_is_lowered_to_the_pieces_dtensor_holds(mesh, model
     cost, gen = model(mesh, FAST_LINKS), torch.Generator().manual_seed(0)
     for edge in edges(mesh):
         check_edge(edge, mesh, cost, gen)
+
+
+@pytest.mark.parametrize("mesh", [MeshSpec(("tp",), (3,)), MESH_2D], ids=str)
+def test_uneven_splits_are_lowered_to_the_pieces_dtensor_holds(mesh):
+    """A dim the axis does not divide (7 rows over 3: 3, 3 and 1), to and from every layout."""
+    cost, gen = CostModel(mesh, FAST_LINKS), torch.Generator().manual_seed(0)
+    shape = (7, 6) if mesh.ndim == 1 else (5, 6)
+    for edge in edges(mesh):
+        if all(is_valid_for(lay, shape, mesh, uneven=True) for lay in edge):
+            check_edge(edge, mesh, cost, gen, shape)
 
 
 @pytest.mark.parametrize("mesh", [MeshSpec(("tp",), (2,)), MESH_2D], ids=str)

@@ -98,7 +98,6 @@ def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
         split_value(t, layout, mesh, gen) if layout is not None else None
         for t, layout in zip(tensors, strategy.operands)
     ]
-    local_out = local_shape(call.out_shapes[0], strategy.outputs[0], mesh)
     scale = 1.0
     for lab, n in zip(strategy.choices, mesh.axis_sizes):
         if lab in spec.mean_over:
@@ -109,6 +108,7 @@ def run_strategy(op, args, kwargs, node, spec, strategy, mesh) -> None:
         local_args, local_kwargs = pytree.tree_map(
             lambda v, pieces=pieces: next(pieces) if isinstance(v, torch.Tensor) else v, (args, kwargs)
         )
+        local_out = local_shape(call.out_shapes[0], strategy.outputs[0], mesh, coord)
         local_args = localize_sizes(op, local_args, call.out_shapes[0], local_out)
         local_args = localize_counts(op, local_args, spec, strategy, mesh)
         local_args, masks = shift_indices(local_args, call, spec, strategy, mesh, coord)
@@ -140,9 +140,9 @@ def shift_indices(args, call, spec, strategy, mesh, coord) -> tuple[tuple, list[
         for a in axes:
             count *= mesh.axis_sizes[a]
             block_number = block_number * mesh.axis_sizes[a] + coord[a]
-        block = size // count
+        block = -(-size // count)  # torch.chunk's pieces: all but the last that size
         shifted = tensors[slot] - block_number * block
-        inside = (shifted >= 0) & (shifted < block)
+        inside = (shifted >= 0) & (shifted < min(block, size - block_number * block))
         replaced[id(tensors[slot])] = torch.where(inside, shifted, 0)
         out_labels, index_labels = spec.outputs[0], spec.operands[slot]
         lead = out_labels.index(index_labels[0])
@@ -272,6 +272,13 @@ CASES = [
     (aten.mean.dim, (r(4, 8), [-1], True), {}),
     (aten.amax.default, (r(4, 8), [1]), {}),
     (aten.arange.default, (8,), {}),
+    # dims that do not divide: split unevenly, as DTensor does (5 rows over 2: 3 and 2)
+    (aten.mm.default, (r(5, 8), r(8, 3)), {}),
+    (aten.linear.default, (r(2, 4, 8), r(5, 8), r(5)), {}),
+    (aten.view.default, (r(5, 8), [5, 2, 4]), {}),
+    (aten.embedding.default, (r(7, 4), torch.randint(0, 7, (2, 5))), {}),
+    (aten.gather.default, (r(3, 7), 1, torch.randint(0, 7, (3, 1))), {}),
+    (aten.sum.dim_IntList, (r(3, 7), [1]), {}),
     (aten.new_ones.default, (r(4, 8), [2, 2]), {}),
 ]
 

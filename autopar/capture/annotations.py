@@ -272,7 +272,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
                 if computed:
                     computed_with.add(fqn_of[id(param)])
                 where = f"{desc} parameter {name!r}"
-                layout = lower_strategy(strategy, tuple(param.shape), mesh, where=where)
+                layout = lower_strategy(strategy, tuple(param.shape), mesh, where=where, uneven=True)
                 fqn = fqn_of[id(param)]
                 if fqn in layouts and layouts[fqn] != layout:
                     raise AnnotationError(

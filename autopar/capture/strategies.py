@@ -15,8 +15,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torch.distributed.tensor import Shard
+
 from autopar.ir.errors import AnnotationError
-from autopar.ir.layout import REPLICATE, Layout
+from autopar.ir.layout import REPLICATE, Layout, splits_unevenly
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.strided import strided
 
@@ -231,20 +233,28 @@ def strategy_axes(
     return _named_axes(strategy, mesh, where)
 
 
-def lower_strategy(strategy: Strategy, shape: Sequence[int], mesh: MeshSpec, *, where: str) -> Layout:
+def lower_strategy(
+    strategy: Strategy, shape: Sequence[int], mesh: MeshSpec, *, where: str, uneven: bool = False
+) -> Layout:
     """The layout meaning ``strategy`` for a tensor of ``shape`` on ``mesh``.
 
     Named form: ``Shard(d)`` on every axis named for dim ``d``, ``Replicate()`` on the
     others; the names of one dim must follow mesh order (DTensor: earlier axis = outer
     split). Integer form: each count > 1 goes to the unique set of disjoint runs of
     consecutive mesh axes with that size (see ``docs/annotations.md``). ``where``
-    starts every error message. Symbolic sizes are not checked for divisibility.
+    starts every error message. Symbolic sizes are not checked for divisibility. With
+    ``uneven`` (a parameter's plan), a dim split over one axis that does not divide it is
+    split as DTensor does (``autopar.ir.layout.splits_unevenly``: every rank holds a row).
     """
     layout = [REPLICATE] * mesh.ndim
     for d, axes in enumerate(strategy_axes(strategy, mesh, where=where, shape=shape)):
         k = strategy[d].parts if isinstance(strategy[d], Parts) else 1
         parts = math.prod(mesh.axis_sizes[a] for a in axes) * k
         # A SymInt test would add a guard to the exported graph; leave those to run time.
+        single = len(axes) == 1 and k == 1
+        if uneven and single and isinstance(shape[d], int) and splits_unevenly(shape[d], parts):
+            layout[axes[0]] = Shard(d)
+            continue
         if isinstance(shape[d], int) and shape[d] % parts:
             what = f"{k} equal parts each split over" if k > 1 else "equal parts over"
             raise AnnotationError(

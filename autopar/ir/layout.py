@@ -80,10 +80,40 @@ def shard_counts(layout: Layout, mesh: MeshSpec, ndim: int) -> list[int]:
     return counts
 
 
-def local_shape(shape: Sequence[int], layout: Layout, mesh: MeshSpec) -> tuple[int, ...]:
-    """Per-rank shape of a tensor of global ``shape`` (dimensions assumed divisible)."""
-    counts = shard_counts(layout, mesh, len(shape))
-    return tuple(s // c for s, c in zip(shape, counts))
+def piece_size(size: int, n: int, coordinate: int | None = None) -> int:
+    """Rows of a dim of ``size`` rows that the rank at ``coordinate`` holds when one mesh axis of
+    size ``n`` splits it as DTensor (and ``torch.chunk``) does: ``ceil(size / n)`` each, the
+    last non-empty piece the rest. ``None``: the largest piece (what the planner prices)."""
+    block = -(-size // n)
+    if coordinate is None:
+        return block
+    return max(0, min(block, size - coordinate * block))
+
+
+def is_uneven(size: int, n: int) -> bool:
+    """Whether splitting ``size`` rows over ``n`` ranks leaves pieces of different sizes."""
+    return size % n != 0
+
+
+def splits_unevenly(size: int, n: int) -> bool:
+    """Whether an uneven split of ``size`` rows over ``n`` ranks is offered: every rank holds at
+    least one row (``torch.chunk``'s pieces would otherwise leave a rank nothing)."""
+    return is_uneven(size, n) and piece_size(size, n) * (n - 1) < size
+
+
+def local_shape(
+    shape: Sequence[int], layout: Layout, mesh: MeshSpec, coordinates: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """Per-rank shape of a tensor of global ``shape``: at mesh ``coordinates``, or the largest
+    piece where they are not given. A dim split unevenly is split over one axis only."""
+    out = list(shape)
+    for a, (p, n) in enumerate(zip(layout, mesh.axis_sizes)):
+        if is_split(p):
+            if is_uneven(out[p.dim], n):
+                out[p.dim] = piece_size(out[p.dim], n, None if coordinates is None else coordinates[a])
+            else:
+                out[p.dim] //= n
+    return tuple(out)
 
 
 def local_fraction(layout: Layout, mesh: MeshSpec) -> float:
@@ -91,8 +121,9 @@ def local_fraction(layout: Layout, mesh: MeshSpec) -> float:
     return 1.0 / math.prod(size for p, size in zip(layout, mesh.axis_sizes) if is_split(p))
 
 
-def is_valid_for(layout: Layout, shape: Sequence[int], mesh: MeshSpec) -> bool:
-    """True if every sharded dimension exists and divides evenly (each part of a strided one)."""
+def is_valid_for(layout: Layout, shape: Sequence[int], mesh: MeshSpec, uneven: bool = False) -> bool:
+    """True if every sharded dimension exists and divides evenly (each part of a strided one);
+    with ``uneven``, a dim split plainly over one axis may also split unevenly (``splits_unevenly``)."""
     if len(layout) != mesh.ndim:
         return False
     for p in layout:
@@ -102,7 +133,13 @@ def is_valid_for(layout: Layout, shape: Sequence[int], mesh: MeshSpec) -> bool:
     for p in layout:
         if is_split(p):
             counts[p.dim] *= parts_of(p)
-    return all(s % c == 0 for s, c in zip(shape, counts))
+    axes_of = [
+        [n for p, n in zip(layout, mesh.axis_sizes) if is_split(p) and p.dim == d] for d in range(len(shape))
+    ]
+    return all(
+        s % c == 0 or (uneven and len(axes) == 1 and c == axes[0] and splits_unevenly(s, c))
+        for s, c, axes in zip(shape, counts, axes_of)
+    )
 
 
 def grad_layout(layout: Layout) -> Layout:

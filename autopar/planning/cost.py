@@ -289,9 +289,13 @@ class CostModel:
         return tuple(collectives), total
 
     def _local_bytes(self, states: tuple[State, ...], shape: tuple[int, ...], itemsize: int) -> int:
-        """Bytes one rank holds of a tensor of global ``shape`` split as ``states`` say."""
-        split = math.prod(n for s, n in zip(states, self.mesh.axis_sizes) if split_dim(s) is not None)
-        return math.prod(shape) * itemsize // split
+        """Bytes one rank holds of a tensor of global ``shape`` split as ``states`` say (the largest
+        piece of a dim split unevenly)."""
+        local = list(shape)
+        for s, n in zip(states, self.mesh.axis_sizes):
+            if (d := split_dim(s)) is not None and d < len(local):
+                local[d] = -(-local[d] // n)
+        return math.prod(local) * itemsize
 
     def edge_steps(
         self, have: Layout, need: Layout, grad_need: Layout, grad_have: Layout

@@ -129,17 +129,19 @@ def _numel(node: torch.fx.Node) -> int:
 
 
 def all_layouts(
-    shape: tuple[int, ...], mesh: MeshSpec, parts: Collection[tuple[int, int]] = ()
+    shape: tuple[int, ...], mesh: MeshSpec, parts: Collection[tuple[int, int]] = (), uneven: bool = False
 ) -> list[Layout]:
     """Every even layout of a tensor: each mesh axis replicates or splits one dimension,
     no dimension split over two axes (see ``rules.enumerate_strategies``); a dimension of a
-    size in ``parts`` (``(size, k)`` pairs) may also split as a strided shard of ``k`` parts."""
+    size in ``parts`` (``(size, k)`` pairs) may also split as a strided shard of ``k`` parts,
+    and with ``uneven`` one that an axis does not divide may split unevenly (a parameter's
+    vocabulary over ``tp``: ``autopar.ir.layout.splits_unevenly``)."""
     options = [Replicate(), *(Shard(d) for d in range(len(shape)))]
     options += [strided(d, k) for d, n in enumerate(shape) for size, k in parts if n == size]
     out = []
     for combo in _product(options, mesh.ndim):
         dims = [p.dim for p in combo if is_split(p)]
-        if is_valid_for(combo, shape, mesh) and len(dims) == len(set(dims)):
+        if is_valid_for(combo, shape, mesh, uneven) and len(dims) == len(set(dims)):
             out.append(combo)
     return out
 
@@ -284,7 +286,7 @@ class _Builder:
                 return self.choices[twin]
         # stored in any even layout; its consumers redistribute what they need (a weight
         # stored split and gathered for use is ZeRO-3/FSDP; stored as used, Megatron)
-        layouts = all_layouts(shape_of(node), self.mesh, self.parts)
+        layouts = all_layouts(shape_of(node), self.mesh, self.parts, uneven=True)
         return Choice(
             root=node.name, strategies=[fixed_strategy(lay) for lay in layouts], kind=ChoiceKind.PARAM
         )

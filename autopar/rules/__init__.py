@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
 from torch.utils import _pytree as pytree
 
-from autopar.ir.layout import Layout
+from autopar.ir.layout import Layout, is_uneven, piece_size, splits_unevenly
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.strided import is_split, parts_of, strided
 
@@ -121,14 +121,15 @@ class Strategy:
 
     ``choices[a]`` is the label split on mesh axis ``a`` (``None`` = not split,
     :data:`PASSTHROUGH` = a Partial operand passes through). ``split`` is how many
-    ways the op's work is divided, used for its compute cost.
+    ways the op's work is divided, used for its compute cost (by the largest piece, where a
+    label splits unevenly: 10 rows over 4 ranks count as 10/3 ways).
     """
 
     operands: tuple[Layout | None, ...]
     outputs: tuple[Layout, ...]
     grads: tuple[Layout | None, ...]
     choices: tuple[Choice, ...]
-    split: int
+    split: float
 
 
 @dataclass
@@ -280,9 +281,12 @@ def _dims_of(spec: DimSpec, shapes: Sequence[tuple[int, ...]], out_shapes: Seque
     return sizes
 
 
-def _divisible(choices: Sequence[Choice], mesh: MeshSpec, sizes: dict[str, list[int]]) -> bool:
+def _divisible(
+    choices: Sequence[Choice], mesh: MeshSpec, sizes: dict[str, list[int]], spec: DimSpec | None = None
+) -> bool:
     """Every split dim divides evenly (each part of a strided one), and no strided label is
-    split over a second axis."""
+    split over a second axis. Given ``spec``, a label may also split unevenly where
+    :func:`_splits_unevenly` allows it."""
     counts: dict[str, int] = {}
     for choice, n in zip(choices, mesh.axis_sizes):
         lab = label_of(choice)
@@ -293,7 +297,34 @@ def _divisible(choices: Sequence[Choice], mesh: MeshSpec, sizes: dict[str, list[
             if sum(label_of(c) == choice.label for c in choices) > 1:
                 return False
             counts[choice.label] *= choice.parts
-    return all(s % c == 0 for lab, c in counts.items() for s in sizes[lab])
+    return all(
+        all(s % c == 0 for s in sizes[lab]) or _splits_unevenly(spec, lab, choices, sizes[lab], c)
+        for lab, c in counts.items()
+    )
+
+
+def _splits_unevenly(
+    spec: DimSpec | None, label: str, choices: Sequence[Choice], sizes: list[int], n: int
+) -> bool:
+    """Whether ``label`` may split unevenly, as DTensor does (``autopar.ir.layout.piece_size``):
+    plainly, over one axis, every dim carrying it of one size, each rank holding a row; not a
+    mean's items (a rank's share of the count would differ), nor a dim with extents, counts or
+    parts (a grouped convolution's groups, a fused projection's q, k and v)."""
+    if spec is None or choices.count(label) != 1 or len(set(sizes)) != 1:
+        return False
+    fixed = spec.mean_over | {lab for lab, _ in (*spec.extents, *spec.counts, *spec.parts)}
+    return label not in fixed and splits_unevenly(sizes[0], n)
+
+
+def _work_split(choices: Sequence[Choice], mesh: MeshSpec, sizes: dict[str, list[int]]) -> float:
+    """How many ways the op's work divides, by its largest piece."""
+    split = 1.0
+    for choice, n in zip(choices, mesh.axis_sizes):
+        lab = label_of(choice)
+        if lab and lab != PASSTHROUGH:
+            size = sizes[lab][0]
+            split *= size / piece_size(size, n) if is_uneven(size, n) and choices.count(lab) == 1 else n
+    return split
 
 
 def build(
@@ -380,10 +411,16 @@ def enumerate_strategies(
         if spec.stridable(lab):
             options += [Strided(lab, k) for size, k in parts if set(sizes[lab]) == {size}]
     return [
-        build(spec, choices, mesh)
+        _priced(build(spec, choices, mesh), choices, mesh, sizes)
         for choices in itertools.product(options, repeat=mesh.ndim)
-        if _divisible(choices, mesh, sizes)
+        if _divisible(choices, mesh, sizes, spec)
     ]
+
+
+def _priced(
+    strategy: Strategy, choices: Sequence[Choice], mesh: MeshSpec, sizes: dict[str, list[int]]
+) -> Strategy:
+    return replace(strategy, split=_work_split(choices, mesh, sizes))
 
 
 def _follow_split(spec: DimSpec, label: str, parts: int) -> Choice:
@@ -420,9 +457,9 @@ def follow(
             choices.append(None)
     sizes = _dims_of(spec, shapes, out_shapes)
     for a in reversed(range(len(choices))):
-        if not _divisible(choices, mesh, sizes):
+        if not _divisible(choices, mesh, sizes, spec):
             choices[a] = None
-    return build(spec, choices, mesh, passthrough=operand)
+    return _priced(build(spec, choices, mesh, passthrough=operand), choices, mesh, sizes)
 
 
 from autopar.rules import (  # noqa: E402,F401  (registers the table)

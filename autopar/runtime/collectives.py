@@ -9,8 +9,9 @@ more than one backward is possible, the planner picks it with the op's ``grad``
 argument, because only the planner knows the layout the gradient arrives in.
 
 Ops name their mesh axis by string; :func:`register_mesh` maps axis names to process
-groups for this process. Shapes must divide evenly over the axis (the planner only
-offers even splits), and ``dim`` is a non-negative tensor dimension.
+groups for this process. Shapes divide evenly over the axis unless the op is given the
+rows of an unevenly split dim (``size``: DTensor's pieces, padded for the transfer, see
+:mod:`autopar.runtime.pieces`), and ``dim`` is a non-negative tensor dimension.
 
 Every collective adds the size in bytes of its input buffer on this rank to a counter
 keyed by ``(kind, axis)``, the quantity :class:`autopar.planning.cost.Collective` predicts:
@@ -26,6 +27,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.ir.layout import piece_size
+from autopar.runtime import pieces
 
 
 class AxisInfo(NamedTuple):
@@ -138,72 +142,22 @@ def _check_choice(op: str, name: str, value: str, choices: tuple[str, ...]) -> N
         raise ValueError(f"autopar::{op}: {name} must be one of {choices}, got {value!r}")
 
 
-def _resized(x: torch.Tensor, dim: int, times: int = 1, over: int = 1) -> list[int]:
-    """Shape of ``x`` with dimension ``dim`` multiplied by ``times`` and divided by ``over``."""
-    shape = list(x.shape)
-    shape[dim] = shape[dim] * times // over
-    return shape
-
-
-def _nbytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
-
-
-def _stacked_chunks(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """``x`` cut into ``n`` chunks along ``dim``, stacked on a new leading dimension, contiguous.
-
-    The collectives move whole leading slices; for ``dim == 0`` this is a view, no copy.
-    """
-    return x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
-
-
-def _concat_stacked(stacked: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of :func:`_stacked_chunks`: concatenate the leading slices along ``dim``, contiguous.
-
-    Contiguous as the concatenation on one device would be: a later ``view`` of the
-    program (Swin's window partition after a gather of a size-1 dim) needs that.
-    """
-    return stacked.movedim(0, dim).flatten(dim, dim + 1).contiguous()
-
-
-def _flat_stack(stacked: torch.Tensor) -> torch.Tensor:
-    """A contiguous ``(n, d0, ...)`` stack as the ``(n * d0, ...)`` concatenation, a view.
-
-    Every backend accepts this form of the single-tensor collectives; not all accept the stack.
-    """
-    return stacked.flatten(0, 1)
-
-
-def _chunk(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
-    """This rank's chunk of ``x`` along ``dim`` (a view; with ``parts``, its piece of each part)."""
+def _chunk(x: torch.Tensor, dim: int, axis: str, parts: int = 1, size: int = 0) -> torch.Tensor:
+    """This rank's piece of ``x`` along ``dim`` (a view; see :func:`pieces.piece`)."""
     _, n, c = axis_info(axis)
-    x = _rank_major(x, dim, parts, n)
-    size = x.shape[dim] // n
-    return x.narrow(dim, c * size, size)
-
-
-def _rank_major(x: torch.Tensor, dim: int, parts: int, n: int) -> torch.Tensor:
-    """``dim`` of ``parts`` equal parts reordered so that chunk ``r`` of ``n`` holds piece ``r`` of
-    every part (a strided shard's pieces, see ``autopar.ir.strided``); ``parts == 1``: ``x``."""
-    if parts == 1:
-        return x
-    return x.unflatten(dim, (parts, n, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
-
-
-def _part_major(x: torch.Tensor, dim: int, parts: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`_rank_major`: the ranks' chunks back into their parts, contiguous."""
-    if parts == 1:
-        return x
-    return x.unflatten(dim, (n, parts, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2).contiguous()
+    return pieces.piece(x, dim, n, c, parts, size)
 
 
 # --------------------------------------------------------------------------- all_gather
 
 
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, dim: int, axis: str, grad: str, parts: int = 1) -> torch.Tensor:
+def all_gather(
+    x: torch.Tensor, dim: int, axis: str, grad: str, parts: int = 1, size: int = 0
+) -> torch.Tensor:
     """Shard(dim) -> Replicate over ``axis``: the shards concatenated along ``dim`` in coordinate order
-    (with ``parts``, from a strided shard: each rank's piece of every part put back in its part).
+    (with ``parts``, from a strided shard: each rank's piece of every part put back in its part;
+    with ``size``, from uneven pieces making ``size`` rows).
 
     Backward, per ``grad``: ``"reduce_scatter"`` when the gradient arrives as partial sums,
     ``"slice"`` when it is already the same on every rank (no communication).
@@ -211,55 +165,64 @@ def all_gather(x: torch.Tensor, dim: int, axis: str, grad: str, parts: int = 1) 
     _check_dim("all_gather", x, dim, axis, split=False)
     _check_choice("all_gather", "grad", grad, ("reduce_scatter", "slice"))
     group, n, _ = axis_info(axis)
+    count_collective("all_gather", axis, pieces.nbytes(x))
+    x = pieces.padded(x, dim, piece_size(size, n)) if size else x
     x = x.contiguous()
     out = x.new_empty((n, *x.shape))
-    count_collective("all_gather", axis, _nbytes(x))
-    dist.all_gather_single(_flat_stack(out), x, group=group)
-    return _part_major(_concat_stacked(out, dim), dim, parts, n)
+    dist.all_gather_single(pieces.flat_stack(out), x, group=group)
+    whole = pieces.concat_stacked(out, dim)
+    return whole.narrow(dim, 0, size).contiguous() if size else pieces.part_major(whole, dim, parts, n)
 
 
 @all_gather.register_fake
-def _(x: torch.Tensor, dim: int, axis: str, grad: str, parts: int = 1) -> torch.Tensor:
+def _(x: torch.Tensor, dim: int, axis: str, grad: str, parts: int = 1, size: int = 0) -> torch.Tensor:
     _check_dim("all_gather", x, dim, axis, split=False)
     _check_choice("all_gather", "grad", grad, ("reduce_scatter", "slice"))
-    return x.new_empty(_resized(x, dim, times=axis_info(axis).size))
+    n = axis_info(axis).size
+    return x.new_empty(pieces.with_rows(x, dim, size) if size else pieces.resized(x, dim, times=n))
 
 
 def _all_gather_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     if ctx.grad == "reduce_scatter":
-        return reduce_scatter(g, ctx.dim, ctx.axis, ctx.parts), None, None, None, None
+        return reduce_scatter(g, ctx.dim, ctx.axis, ctx.parts, ctx.size), None, None, None, None, None
     # aten's narrow, not autopar::shard: its own backward (zero padding) is the exact adjoint.
-    return _chunk(g, ctx.dim, ctx.axis, ctx.parts), None, None, None, None
+    return _chunk(g, ctx.dim, ctx.axis, ctx.parts, ctx.size), None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- reduce_scatter
 
 
 @torch.library.custom_op("autopar::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, parts: int = 1, size: int = 0) -> torch.Tensor:
     """Partial -> Shard(dim) over ``axis``: the sum over the axis, chunk ``coordinate`` along ``dim``
-    (with ``parts``, a strided shard: this rank's piece of every part).
+    (with ``parts``, a strided shard: this rank's piece of every part; with ``size``, the rows of
+    ``dim``, this rank's uneven piece).
 
-    Backward: ``all_gather(g, dim, axis, "reduce_scatter")``.
+    Backward: ``all_gather(g, dim, axis, "reduce_scatter", parts, size)``.
     """
-    _check_dim("reduce_scatter", x, dim, axis, split=True)
-    group, n, _ = axis_info(axis)
-    count_collective("reduce_scatter", axis, _nbytes(x))
-    chunks = _stacked_chunks(_rank_major(x, dim, parts, n), dim, n)
+    _check_dim("reduce_scatter", x, dim, axis, split=not size)
+    group, n, c = axis_info(axis)
+    count_collective("reduce_scatter", axis, pieces.nbytes(x))
+    if size:
+        x = pieces.padded(x, dim, n * piece_size(size, n))
+    chunks = pieces.stacked_chunks(pieces.rank_major(x, dim, parts, n), dim, n)
     # Chunk r of a C-contiguous (n, ...) stack is C-contiguous, so the result needs no reordering.
     out = x.new_empty(chunks.shape[1:])
-    dist.reduce_scatter_single(out, _flat_stack(chunks), group=group)
-    return out
+    dist.reduce_scatter_single(out, pieces.flat_stack(chunks), group=group)
+    return out.narrow(dim, 0, piece_size(size, n, c)).contiguous() if size else out
 
 
 @reduce_scatter.register_fake
-def _(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
-    _check_dim("reduce_scatter", x, dim, axis, split=True)
-    return x.new_empty(_resized(x, dim, over=axis_info(axis).size))
+def _(x: torch.Tensor, dim: int, axis: str, parts: int = 1, size: int = 0) -> torch.Tensor:
+    _check_dim("reduce_scatter", x, dim, axis, split=not size)
+    _, n, c = axis_info(axis)
+    return x.new_empty(
+        pieces.with_rows(x, dim, piece_size(size, n, c)) if size else pieces.resized(x, dim, over=n)
+    )
 
 
 def _reduce_scatter_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter", ctx.parts), None, None, None
+    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter", ctx.parts, ctx.size), None, None, None, None
 
 
 # --------------------------------------------------------------------------- all_reduce
@@ -274,7 +237,7 @@ def all_reduce(x: torch.Tensor, axis: str, grad: str) -> torch.Tensor:
     """
     _check_choice("all_reduce", "grad", grad, ("identity", "all_reduce"))
     group = axis_info(axis).group
-    count_collective("all_reduce", axis, _nbytes(x))
+    count_collective("all_reduce", axis, pieces.nbytes(x))
     # dist.all_reduce works in place; the copy keeps the input intact, as a custom op must.
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
@@ -303,7 +266,7 @@ def all_reduce_max(x: torch.Tensor, axis: str) -> torch.Tensor:
     reaching this op is an error autograd reports, never a silently wrong number.
     """
     group = axis_info(axis).group
-    count_collective("all_reduce", axis, _nbytes(x))
+    count_collective("all_reduce", axis, pieces.nbytes(x))
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
@@ -319,61 +282,80 @@ def _(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("autopar::all_to_all", mutates_args=())
-def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str) -> torch.Tensor:
-    """Shard(src_dim) -> Shard(dst_dim) over ``axis``: full ``src_dim``, chunk ``coordinate`` of ``dst_dim``.
+def all_to_all(
+    x: torch.Tensor, src_dim: int, dst_dim: int, axis: str, src_size: int = 0, dst_size: int = 0
+) -> torch.Tensor:
+    """Shard(src_dim) -> Shard(dst_dim) over ``axis``: full ``src_dim``, chunk ``coordinate`` of ``dst_dim``
+    (``src_size``/``dst_size``: the rows of a dim split unevenly, 0 where it splits evenly).
 
-    Backward: ``all_to_all(g, dst_dim, src_dim, axis)``.
+    Backward: ``all_to_all(g, dst_dim, src_dim, axis, dst_size, src_size)``.
     """
-    _check_all_to_all(x, src_dim, dst_dim, axis)
-    group, n, _ = axis_info(axis)
-    count_collective("all_to_all", axis, _nbytes(x))
+    _check_all_to_all(x, src_dim, dst_dim, axis, dst_size)
+    group, n, c = axis_info(axis)
+    count_collective("all_to_all", axis, pieces.nbytes(x))
+    if src_size:
+        x = pieces.padded(x, src_dim, piece_size(src_size, n))
+    if dst_size:
+        x = pieces.padded(x, dst_dim, n * piece_size(dst_size, n))
     # Slice j of the stack is chunk j of dst_dim, sent to coordinate j; slice j received
     # is coordinate j's shard of src_dim.
-    send = _stacked_chunks(x, dst_dim, n)
+    send = pieces.stacked_chunks(x, dst_dim, n)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=group)
-    return _concat_stacked(received, src_dim)
+    out = pieces.concat_stacked(received, src_dim)
+    if src_size:
+        out = out.narrow(src_dim, 0, src_size)
+    if dst_size:
+        out = out.narrow(dst_dim, 0, piece_size(dst_size, n, c))
+    return out.contiguous()
 
 
-def _check_all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str) -> None:
+def _check_all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str, dst_size: int) -> None:
     _check_dim("all_to_all", x, src_dim, axis, split=False)
-    _check_dim("all_to_all", x, dst_dim, axis, split=True)
+    _check_dim("all_to_all", x, dst_dim, axis, split=not dst_size)
     if src_dim == dst_dim:
         raise ValueError(f"autopar::all_to_all: src_dim and dst_dim are both {src_dim}")
 
 
 @all_to_all.register_fake
-def _(x: torch.Tensor, src_dim: int, dst_dim: int, axis: str) -> torch.Tensor:
-    _check_all_to_all(x, src_dim, dst_dim, axis)
-    n = axis_info(axis).size
+def _(
+    x: torch.Tensor, src_dim: int, dst_dim: int, axis: str, src_size: int = 0, dst_size: int = 0
+) -> torch.Tensor:
+    _check_all_to_all(x, src_dim, dst_dim, axis, dst_size)
+    _, n, c = axis_info(axis)
     shape = list(x.shape)
-    shape[src_dim] *= n
-    shape[dst_dim] //= n
+    shape[src_dim] = src_size or shape[src_dim] * n
+    shape[dst_dim] = piece_size(dst_size, n, c) if dst_size else shape[dst_dim] // n
     return x.new_empty(shape)
 
 
 def _all_to_all_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    return all_to_all(g, ctx.dst_dim, ctx.src_dim, ctx.axis), None, None, None
+    back = all_to_all(g, ctx.dst_dim, ctx.src_dim, ctx.axis, ctx.dst_size, ctx.src_size)
+    return back, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- local ops
 
 
 @torch.library.custom_op("autopar::shard", mutates_args=())
-def shard(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, axis: str, parts: int = 1, size: int = 0) -> torch.Tensor:
     """Replicate -> Shard(dim) over ``axis``, locally: chunk ``coordinate`` along ``dim``, contiguous
-    (with ``parts``, a strided shard: piece ``coordinate`` of every part).
+    (with ``parts``, a strided shard: piece ``coordinate`` of every part; with ``size``, the rows
+    of ``dim``, its uneven piece).
 
-    Backward: ``all_gather(g, dim, axis, "reduce_scatter")``.
+    Backward: ``all_gather(g, dim, axis, "reduce_scatter", parts, size)``.
     """
-    _check_dim("shard", x, dim, axis, split=True)
-    return _chunk(x, dim, axis, parts).clone(memory_format=torch.contiguous_format)
+    _check_dim("shard", x, dim, axis, split=not size)
+    return _chunk(x, dim, axis, parts, size).clone(memory_format=torch.contiguous_format)
 
 
 @shard.register_fake
-def _(x: torch.Tensor, dim: int, axis: str, parts: int = 1) -> torch.Tensor:
-    _check_dim("shard", x, dim, axis, split=True)
-    return x.new_empty(_resized(x, dim, over=axis_info(axis).size))
+def _(x: torch.Tensor, dim: int, axis: str, parts: int = 1, size: int = 0) -> torch.Tensor:
+    _check_dim("shard", x, dim, axis, split=not size)
+    _, n, c = axis_info(axis)
+    return x.new_empty(
+        pieces.with_rows(x, dim, piece_size(size, n, c)) if size else pieces.resized(x, dim, over=n)
+    )
 
 
 def _shard_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -382,7 +364,7 @@ def _shard_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...
     # an all_gather. That all_gather's own backward only matters when differentiating
     # twice, which the planner does not plan; reduce_scatter is its exact adjoint, right
     # without knowing how those cotangents are spread over the ranks.
-    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter", ctx.parts), None, None, None
+    return all_gather(g, ctx.dim, ctx.axis, "reduce_scatter", ctx.parts, ctx.size), None, None, None, None
 
 
 @torch.library.custom_op("autopar::grad_all_reduce", mutates_args=())
@@ -404,36 +386,37 @@ def _grad_all_reduce_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor |
 
 
 @torch.library.custom_op("autopar::to_partial", mutates_args=())
-def to_partial(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def to_partial(x: torch.Tensor, axis: str, dim: int, size: int = 0) -> torch.Tensor:
     """To Partial over ``axis``, locally; the sum over the axis is the value before.
 
     ``dim == -1``: from Replicate, coordinate 0 keeps ``x`` and the others hold zeros.
     ``dim >= 0``: from Shard(dim), zeros ``size`` times larger along ``dim`` with ``x`` at
-    chunk ``coordinate``. Backward: identity for ``dim == -1``, chunk ``coordinate`` of
-    the gradient along ``dim`` otherwise (local in both cases).
+    chunk ``coordinate`` (``size`` given: the rows of the dim split unevenly, ``x`` at this
+    rank's piece). Backward: identity for ``dim == -1``, this rank's piece of the gradient
+    along ``dim`` otherwise (local in both cases).
     """
     _, n, c = axis_info(axis)
     if dim == -1:
         return x.clone() if c == 0 else torch.zeros_like(x)
     _check_dim("to_partial", x, dim, axis, split=False)
-    out = x.new_zeros(_resized(x, dim, times=n))
-    _chunk(out, dim, axis).copy_(x)
+    out = x.new_zeros(pieces.with_rows(x, dim, size) if size else pieces.resized(x, dim, times=n))
+    _chunk(out, dim, axis, 1, size).copy_(x)
     return out
 
 
 @to_partial.register_fake
-def _(x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+def _(x: torch.Tensor, axis: str, dim: int, size: int = 0) -> torch.Tensor:
     n = axis_info(axis).size
     if dim == -1:
         return torch.empty_like(x)
     _check_dim("to_partial", x, dim, axis, split=False)
-    return x.new_empty(_resized(x, dim, times=n))
+    return x.new_empty(pieces.with_rows(x, dim, size) if size else pieces.resized(x, dim, times=n))
 
 
 def _to_partial_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     if ctx.dim == -1:
-        return g, None, None
-    return _chunk(g, ctx.dim, ctx.axis), None, None
+        return g, None, None, None
+    return _chunk(g, ctx.dim, ctx.axis, 1, ctx.size), None, None, None
 
 
 # --------------------------------------------------------------------------- autograd wiring
@@ -449,10 +432,16 @@ def _save_args(*names: str) -> Callable[[Any, tuple[Any, ...], torch.Tensor], No
     return setup_context
 
 
-all_gather.register_autograd(_all_gather_backward, setup_context=_save_args("dim", "axis", "grad", "parts"))
-reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_args("dim", "axis", "parts"))
+all_gather.register_autograd(
+    _all_gather_backward, setup_context=_save_args("dim", "axis", "grad", "parts", "size")
+)
+reduce_scatter.register_autograd(
+    _reduce_scatter_backward, setup_context=_save_args("dim", "axis", "parts", "size")
+)
 all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_args("axis", "grad"))
-all_to_all.register_autograd(_all_to_all_backward, setup_context=_save_args("src_dim", "dst_dim", "axis"))
-shard.register_autograd(_shard_backward, setup_context=_save_args("dim", "axis", "parts"))
+all_to_all.register_autograd(
+    _all_to_all_backward, setup_context=_save_args("src_dim", "dst_dim", "axis", "src_size", "dst_size")
+)
+shard.register_autograd(_shard_backward, setup_context=_save_args("dim", "axis", "parts", "size"))
 grad_all_reduce.register_autograd(_grad_all_reduce_backward, setup_context=_save_args("axis"))
-to_partial.register_autograd(_to_partial_backward, setup_context=_save_args("axis", "dim"))
+to_partial.register_autograd(_to_partial_backward, setup_context=_save_args("axis", "dim", "size"))

@@ -98,7 +98,12 @@ class GradReducer:
         # p.grad for a summed parameter is a view of its bucket, wrapped once
         self.wrapped = {
             id(p): DTensor.from_local(
-                self._view(i, p).view_as(self.leaf_of[id(p)]), p.device_mesh, p.placements, run_check=False
+                self._view(i, p).view_as(self.leaf_of[id(p)]),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
             )
             for i, b in enumerate(self.buckets)
             if not self.split[i]
@@ -130,7 +135,9 @@ class GradReducer:
         if p.grad is not None and p.grad.to_local().data_ptr() == view.data_ptr():
             # the user kept last pass's gradient (no zero_grad): it must outlive this bucket's reuse
             kept = view.view_as(leaf).clone()
-            p.grad = DTensor.from_local(kept, p.device_mesh, p.placements, run_check=False)
+            p.grad = DTensor.from_local(
+                kept, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         view.copy_(grad.reshape(-1))
         self._arrived(i)
 
@@ -197,6 +204,8 @@ class GradReducer:
 def _deliver(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
     """Add a local gradient to the DTensor parameter's ``grad``."""
     if p.grad is None:
-        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
+        p.grad = DTensor.from_local(
+            grad, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
     else:
         p.grad.to_local().add_(grad)

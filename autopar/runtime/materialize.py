@@ -77,7 +77,10 @@ def distributed_copy(
                 if id(t) not in swapped:
                     layout = placements[fqn]
                     piece = local_piece(t.detach(), layout, mesh)
-                    dt = DTensor.from_local(piece, mesh, layout, run_check=False)
+                    whole = t.detach()  # its shape and strides: a piece of an uneven split cannot tell them
+                    dt = DTensor.from_local(
+                        piece, mesh, layout, run_check=False, shape=whole.shape, stride=whole.stride()
+                    )
                     swapped[id(t)] = torch.nn.Parameter(dt, requires_grad=t.requires_grad) if is_param else dt
                 store[name] = swapped[id(t)]
     return replica

@@ -245,10 +245,17 @@ class DistributedModule(torch.nn.Module):
         """Global tensors from this rank's outputs (collective: every rank must call it)."""
         leaves, spec = pytree.tree_flatten(out)
         whole = [
-            DTensor.from_local(t, self.stage_mesh, lay, run_check=False).full_tensor()
+            DTensor.from_local(
+                t,
+                self.stage_mesh,
+                lay,
+                run_check=False,
+                shape=o.meta["val"].shape,
+                stride=o.meta["val"].stride(),
+            ).full_tensor()
             if isinstance(t, torch.Tensor) and lay is not None
             else t
-            for t, lay in zip(leaves, self._output_layouts)
+            for t, lay, o in zip(leaves, self._output_layouts, self._outputs)
         ]
         return pytree.tree_unflatten(whole, spec)
 

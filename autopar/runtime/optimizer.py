@@ -36,7 +36,14 @@ class ZeroShard:
         self.n, self.coordinate = mesh.size(a), mesh.get_local_rank(axis)
         self.placements = (*param.placements[:a], Shard(dim), *param.placements[a + 1 :])
         self.shard = torch.nn.Parameter(
-            DTensor.from_local(self.piece(leaf.detach()), mesh, self.placements, run_check=False)
+            DTensor.from_local(
+                self.piece(leaf.detach()),
+                mesh,
+                self.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
         )
 
     def piece(self, full: torch.Tensor) -> torch.Tensor:
@@ -48,7 +55,12 @@ class ZeroShard:
         """Add ``local`` (a piece) to the shard's gradient."""
         if self.shard.grad is None:
             self.shard.grad = DTensor.from_local(
-                local, self.param.device_mesh, self.placements, run_check=False
+                local,
+                self.param.device_mesh,
+                self.placements,
+                run_check=False,
+                shape=self.param.shape,
+                stride=self.param.stride(),
             )
         else:
             self.shard.grad.to_local().add_(local)

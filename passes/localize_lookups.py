@@ -13,8 +13,9 @@ zero. An embedding's ``padding_idx`` (a row that gets no gradient) is global too
 dropped from the op and the padded positions' results are detached instead.
 
 Reads: ``autopar.layouts``, ``val``, ``autopar.stage``, ``nn_module_stack``. Writes: the index
-argument of those ops; new ``block_index``, ``in_block``, ``where`` (and for a padding index
-``eq``, ``unsqueeze``, ``detach``) nodes with ``autopar.layouts`` and the op's stage and module.
+argument of those ops and ``autopar.masked_by`` on them; new ``block_index``, ``in_block``,
+``where`` (and for a padding index ``eq``, ``unsqueeze``, ``detach``) nodes with
+``autopar.layouts`` and the op's stage and module.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import autopar.runtime.lookups  # noqa: F401  (registers torch.ops.autopar.block_index, in_block)
 from autopar.ir.errors import CompileError
 from autopar.ir.layout import Layout, is_uneven, piece_size
-from autopar.ir.meta import STAGE, GraphLayouts, NodeLayouts, write_layouts
+from autopar.ir.meta import MASKED_BY, STAGE, GraphLayouts, NodeLayouts, write_layouts
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes.context import PassContext
 from autopar.rules import OpCall, spec_of
@@ -111,6 +112,7 @@ def _mask_lookup(
             aten.where.ScalarOther, (mask, node, 0.0), out_val, (mask_layout, out_layout), out_layout
         )
     node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
+    node.meta[MASKED_BY] = masked
     padding = call.arg("padding_idx", -1) if node.target is aten.embedding.default else -1
     if padding is not None and padding >= 0:
         node.args = (*node.args[:2], -1, *node.args[3:])

@@ -12,6 +12,7 @@ Only passes write them (the planner returns layouts as data, see
 | ``autopar.stage`` | the pipeline stage a node runs in |
 | ``autopar.recompute`` | ``(region, policy)``: the node is recomputed in backward |
 | ``autopar.regather`` | a collective of a parameter inside a region: runs again in backward |
+| ``autopar.masked_by`` | on a lookup into a split dim: the node that masks its result into a partial sum |
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MEAN_SPLIT = "autopar.mean_split"
 STAGE = "autopar.stage"
 RECOMPUTE = "autopar.recompute"
 REGATHER = "autopar.regather"
+MASKED_BY = "autopar.masked_by"
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 :func:`first_divergence` runs the original model's graph on one device and this
 rank's compiled program side by side on the same global batch, and compares every
 value the two share by name: the compiled value must equal this rank's piece of the
-single-device value (Partial values are summed over their axes first, which is a
-collective: call it on every rank). It returns a description of the first value
+single-device value (Partial values are summed, or maxed, over their axes first, which
+is a collective: call it on every rank; a lookup into a split dim is compared once
+masked). It returns a description of the first value
 that differs, or None. Values nothing reads (a tied weight's unused twin placeholder)
 and values still holding uninitialised memory (``empty_like`` being filled piece by
 piece) are not compared; what is computed from them is.
@@ -21,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture.export import capture
 from autopar.ir.layout import format_layout
-from autopar.ir.meta import LAYOUTS, MEAN_SPLIT
+from autopar.ir.meta import LAYOUTS, MASKED_BY, MEAN_SPLIT
 from autopar.runtime import collectives
 from autopar.runtime.materialize import local_piece
 from autopar.runtime.module import DistributedModule
@@ -88,7 +89,9 @@ def first_divergence(
         if node.target in _UNINITIALISED or (node.target in _WRITES_INTO and node.args[0] in unset):
             unset.add(node)
             continue
-        want, got = reference.values.get(node.name), compiled.values.get(node.name)
+        want = reference.values.get(node.name)
+        # a lookup into a split dim holds a partial sum only once masked (passes/localize_lookups.py)
+        got = compiled.values.get(node.meta[MASKED_BY].name if MASKED_BY in node.meta else node.name)
         if (
             not isinstance(want, torch.Tensor)
             or not isinstance(got, torch.Tensor)
@@ -102,7 +105,8 @@ def first_divergence(
             if isinstance(p, Partial):
                 got = got.clone()
                 key = dmodel.axis_keys[dmodel.plan.mesh_spec.axis_names[axis]]
-                dist.all_reduce(got, group=collectives.axis_info(key).group)
+                op = dist.ReduceOp.MAX if p.reduce_op == "max" else dist.ReduceOp.SUM
+                dist.all_reduce(got, op=op, group=collectives.axis_info(key).group)
         whole = tuple(
             p if not isinstance(p, Partial) else torch.distributed.tensor.Replicate() for p in layout
         )

@@ -253,3 +253,33 @@ def test_vocab_parallel_models_train_on_4_gloo_ranks_as_on_one_device():
     assert parse_layout(results["llama"]["embedding"][0])[-1] == Shard(0)  # the vocabulary
     assert results["llama"]["local"]["lm_head.weight"] == (501, 64)  # rank 0's piece of 1001 rows
     assert parse_layout(results["head"]["gather"][0])[0] == Shard(0)  # over dp: the tokens
+
+
+def test_the_plan_names_vocab_parallel_strided_and_uneven_layouts(tmp_path):
+    """Summary, saved plan (explain) and viz data say which layouts are Megatron's, by name."""
+    from autopar.tools.plan_view import plan_graph
+    from examples.megatron_gpt2 import annotate, build
+
+    torch.manual_seed(0)
+    model, batch = build()
+    annotate(model)
+    plan = autopar.plan(model, (), {"dp": 2, "tp": 2}, example_kwargs=batch, cluster="fast-links")
+    lines = list(plan.named_layouts.values())
+    assert any(
+        line.startswith("vocab-parallel embedding in 'transformer.wte': lm_head.weight") for line in lines
+    )
+    assert any(line.startswith("vocab-parallel gather") for line in lines)  # the loss's target logit
+    assert "strided transformer.h.0.attn.c_attn.weight: dim 1 (192) holds 3 equal parts" in plan.summary(
+        width=200
+    )
+    plan.save(tmp_path / "plan.json")
+    assert autopar.load_plan(tmp_path / "plan.json").named_layouts == plan.named_layouts
+    assert {n["named"] for n in plan_graph(plan)["nodes"]} >= {"vocab-parallel", "strided"}
+
+    head = _Head(32, 97)
+    autopar.shard(head, parameter_plan={"proj.weight": ("tp", None)})
+    plan = autopar.plan(head, (torch.randn(2, 8, 32), torch.randint(0, 97, (2, 8))), {"tp": 4})
+    assert (
+        plan.named_layouts["p_proj_weight"]
+        == "uneven proj.weight: dim 0 (97) over tp in pieces of 25, 25, 25, 22"
+    )

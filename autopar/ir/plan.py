@@ -262,6 +262,7 @@ class Plan:
     memory: MemoryPlan | None = None
     alternatives: dict[str, list[Alternative]] = field(default_factory=dict)  # variable -> its strategies
     source: list[str] | None = None  # the `autopar plan` words that name the model, when it made the plan
+    named_layouts: dict[str, str] = field(default_factory=dict)  # node -> vocab-parallel/strided/uneven line
 
     @property
     def mesh_spec(self) -> MeshSpec:
@@ -355,6 +356,7 @@ class Plan:
             pipeline=_pipeline_from_dict(data["pipeline"]) if data.get("pipeline") else None,
             memory=_memory_from_dict(data["memory"]) if data.get("memory") else None,
             source=data.get("source"),
+            named_layouts=dict(data.get("named_layouts", {})),
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})

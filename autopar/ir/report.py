@@ -52,6 +52,8 @@ def render_summary(plan: Plan, width: int) -> str:
     )
     if plan.pipeline is not None:
         _print_pipeline(console, plan.pipeline)
+    for line in plan.named_layouts.values():
+        console.print(f"layout: {line}", soft_wrap=True)
     for w in plan.warnings:
         console.print(f"warning: {w}")
     return buf.getvalue()

@@ -50,6 +50,7 @@ from autopar.planning.memory import (
     with_split,
     zero_split,
 )
+from autopar.planning.named_layouts import named_layouts
 from autopar.planning.pipeline import PipelineInputs, plan_pipeline
 from autopar.planning.recompute import Region, recompute_regions
 from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
@@ -131,6 +132,7 @@ def assemble_plan(
         ),
         warnings=_warnings(g),
         memory=_memory_plan(setting, choice, splits, acts, state),
+        named_layouts=named_layouts(g.captured, layouts, g.mesh),
     )
     if setting.pipeline is not None:
         result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state))

@@ -227,6 +227,8 @@ def cmd_show(a: argparse.Namespace) -> None:
     with fake_world(math.prod(mesh.values())):
         device_mesh = init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
         gm, _ = lower(captured, plan, device_mesh)
+        for line in plan.named_layouts.values():  # the layouts with a name, before the program
+            print(f"# layout: {line}")
         print(format_graph(gm.graph, f"per-rank program on mesh {MeshSpec.of(mesh)} (rank 0)"))
 
 
@@ -243,6 +245,8 @@ def cmd_explain(a: argparse.Namespace) -> None:
         ) from None
     print(f"{node.name}: {node.op} in module '{node.module or '<root>'}' ({node.kind})")
     print(f"  chosen: {_strategy(node.operands, node.outputs)}, compute {_ms(node.compute_s)}")
+    if node.name in plan.named_layouts:
+        print(f"  layout: {plan.named_layouts[node.name]}")
     if node.choice is None:
         print(
             "  why: it has a single strategy: an annotation or layout constraint fixes it, or no sharding "

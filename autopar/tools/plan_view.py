@@ -43,6 +43,7 @@ def plan_graph(plan: Plan) -> dict[str, Any]:
             else ("" if n.kind == ChoiceKind.INPUT else home.get(n.name, "")),
             "out": ", ".join(n.outputs),
             "stage": stages.get(n.name),
+            "named": plan.named_layouts.get(n.name, "").split(" ")[0],  # vocab-parallel, strided, uneven
         }
         for n in plan.nodes
     ]
@@ -80,7 +81,7 @@ def plan_dot(plan: Plan) -> str:
     def emit(branch: dict, path: str, indent: str) -> None:
         for n in branch["nodes"]:
             color = STAGE_COLORS[n["stage"] % len(STAGE_COLORS)] if n["stage"] is not None else "#eeeeee"
-            label = "\\n".join((n["name"], n["op"], n["out"]))
+            label = "\\n".join(x for x in (n["name"], n["op"], n["out"], n["named"]) if x)
             lines.append(f'{indent}"{n["name"]}" [label="{label}", fillcolor="{color}"];')
         for name, child in branch["children"].items():
             sub = f"{path}.{name}" if path else name
@@ -203,7 +204,7 @@ function render() {
     if (!units.has(u)) {
       const isModule = u.startsWith("module:");
       units.set(u, { key: u, order: i, module: isModule ? u.slice(7) : null, ops: 0, stage: n.stage,
-                     lines: isModule ? [] : [n.name, n.op, n.out] });
+                     lines: isModule ? [] : [n.name, n.op, n.out, n.named].filter(x => x) });
     }
     units.get(u).ops += 1;
   });

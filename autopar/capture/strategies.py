@@ -233,6 +233,19 @@ def strategy_axes(
     return _named_axes(strategy, mesh, where)
 
 
+def _what_works(size: int, parts: int, mesh: MeshSpec, uneven: bool) -> str:
+    """The single mesh axes a dim of ``size`` rows in ``parts`` parts could split over."""
+    even = [f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.axis_sizes) if n > 1 and size % (n * parts) == 0]
+    ragged = [
+        f"{a}={n}"
+        for a, n in zip(mesh.axis_names, mesh.axis_sizes)
+        if uneven and parts == 1 and n > 1 and splits_unevenly(size, n)
+    ]
+    options = [f"evenly over {', '.join(even)}"] if even else []
+    options += [f"unevenly (DTensor's pieces) over {', '.join(ragged)}"] if ragged else []
+    return "it splits " + " or ".join(options) if options else "no mesh axis splits it: leave it whole (None)"
+
+
 def lower_strategy(
     strategy: Strategy, shape: Sequence[int], mesh: MeshSpec, *, where: str, uneven: bool = False
 ) -> Layout:
@@ -259,7 +272,7 @@ def lower_strategy(
             what = f"{k} equal parts each split over" if k > 1 else "equal parts over"
             raise AnnotationError(
                 f"{where}: dim {d} has size {shape[d]}, which cannot be split into {parts} equal "
-                f"parts ({what} mesh axes {_axes_str(mesh, axes)})"
+                f"parts ({what} mesh axes {_axes_str(mesh, axes)}); {_what_works(shape[d], k, mesh, uneven)}"
             )
         for a in axes:
             layout[a] = strided(d, k)

@@ -7,7 +7,8 @@ vocabulary the plan splits (GPT-2 with tied embeddings, Llama with a padding ind
 vocabulary that does not divide, a head whose loss is split by sequence and an uneven
 vocabulary at once), and whose fused projections are
 split by heads (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj`` as strided
-shards, GPT-NeoX's per-head interleaved ``query_key_value`` plainly), unchanged.
+shards, GPT-NeoX's per-head interleaved ``query_key_value`` plainly, Llama's queries with
+fewer kv heads than ranks), unchanged.
 """
 
 from __future__ import annotations
@@ -174,8 +175,18 @@ def _neox_by_heads() -> tuple:
     return model, (), _batch()
 
 
+def _llama_gqa_by_heads() -> tuple:
+    model = _tiny("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2)  # 2 kv heads, tp=4
+    for layer in model.model.layers:  # k and v left to the solver: fewer heads than ranks
+        autopar.shard(
+            layer.self_attn, parameter_plan={"q_proj.weight": ("tp", None), "o_proj.weight": (None, "tp")}
+        )
+    return model, (), _batch()
+
+
 CASES = {
     "gpt2-by-heads": ((4,), _gpt2_by_heads),
+    "llama-gqa-by-heads": ((4,), _llama_gqa_by_heads),
     "phi3-by-heads": ((2, 2), _phi3_by_heads),
     "neox-by-heads": ((4,), _neox_by_heads),
     "gpt2": ((4,), _gpt2),

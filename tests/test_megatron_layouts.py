@@ -7,8 +7,8 @@ vocabulary the plan splits (GPT-2 with tied embeddings, Llama with a padding ind
 vocabulary that does not divide, a head whose loss is split by sequence and an uneven
 vocabulary at once), and whose fused projections are
 split by heads (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj`` as strided
-shards, GPT-NeoX's per-head interleaved ``query_key_value`` plainly, Llama's queries with
-fewer kv heads than ranks), unchanged.
+shards, GPT-NeoX's and Bloom's per-head interleaved ``query_key_value`` and Falcon's grouped
+one plainly, Llama's queries with fewer kv heads than ranks), unchanged.
 """
 
 from __future__ import annotations
@@ -184,8 +184,41 @@ def _llama_gqa_by_heads() -> tuple:
     return model, (), _batch()
 
 
+def _bloom_and_falcon_by_heads() -> tuple:
+    """Bloom's q, k, v interleaved per head; Falcon's grouped per kv head: plain splits."""
+    import transformers
+
+    bloom = transformers.BloomConfig(vocab_size=96, hidden_size=64, n_layer=1, n_head=4)
+    falcon = transformers.FalconConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+    )
+    models = [transformers.BloomForCausalLM(bloom), transformers.FalconForCausalLM(falcon)]
+    for model in models:
+        for block in model.transformer.h:
+            attention = block.self_attention
+            autopar.shard(attention, parameter_plan={"query_key_value.weight": ("tp", None)})
+    return _Both(*models), (), _batch()
+
+
+class _Both(nn.Module):
+    """Two causal LMs trained on one batch: the sum of their losses."""
+
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, **batch: object) -> torch.Tensor:
+        return self.first(**batch).loss + self.second(**batch).loss
+
+
 CASES = {
     "gpt2-by-heads": ((4,), _gpt2_by_heads),
+    "bloom-falcon-by-heads": ((2, 2), _bloom_and_falcon_by_heads),
     "llama-gqa-by-heads": ((4,), _llama_gqa_by_heads),
     "phi3-by-heads": ((2, 2), _phi3_by_heads),
     "neox-by-heads": ((4,), _neox_by_heads),

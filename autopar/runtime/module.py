@@ -36,6 +36,7 @@ from autopar.ir.meta import LAYOUTS, output_layout
 from autopar.ir.options import Memory, Pipeline
 from autopar.ir.printing import format_graph
 from autopar.runtime import offload
+from autopar.runtime.checkpoint import keep_checkpoints_plain
 from autopar.runtime.grad_reducer import GradReducer
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import distributed_copy, local_piece
@@ -108,6 +109,7 @@ class DistributedModule(torch.nn.Module):
         if local_stages is not None:  # under a pipeline, this rank holds its stages' state only
             kept = lowered.state_names(name for st in local_stages for name in st.state)
         named = self._hold_state(model, kept)
+        keep_checkpoints_plain(self)  # DCP reads strided parameters as plain shards
         self._bind_state(named)
         self._read_signature()
         self._prepare_gradients(named)

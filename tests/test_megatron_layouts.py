@@ -13,6 +13,7 @@ one plainly, Llama's queries with fewer kv heads than ranks), unchanged.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import itertools
 
@@ -26,6 +27,7 @@ import autopar
 from autopar.capture.class_losses import written_out
 from autopar.ir.layout import format_layout, parse_layout
 from autopar.planning.steps import StepKind, axis_states, plan_steps, walk
+from autopar.tools import cli
 from autopar.tools.launch import spawn
 from tests.test_distributed import _assert_checkpoint_round_trip
 
@@ -307,7 +309,7 @@ def test_vocab_parallel_models_train_on_4_gloo_ranks_as_on_one_device(tmp_path):
     assert parse_layout(results["head"]["gather"][0])[0] == Shard(0)  # over dp: the tokens
 
 
-def test_the_plan_names_vocab_parallel_strided_and_uneven_layouts(tmp_path):
+def test_the_plan_names_vocab_parallel_strided_and_uneven_layouts(tmp_path, capsys):
     """Summary, saved plan (explain) and viz data say which layouts are Megatron's, by name."""
     from autopar.tools.plan_view import plan_graph
     from examples.megatron_gpt2 import annotate, build
@@ -326,6 +328,11 @@ def test_the_plan_names_vocab_parallel_strided_and_uneven_layouts(tmp_path):
     )
     plan.save(tmp_path / "plan.json")
     assert autopar.load_plan(tmp_path / "plan.json").named_layouts == plan.named_layouts
+    lookup = next(
+        name for name, line in plan.named_layouts.items() if line.startswith("vocab-parallel gather")
+    )
+    cli.cmd_explain(argparse.Namespace(plan=str(tmp_path / "plan.json"), node=lookup))
+    assert f"  layout: {plan.named_layouts[lookup]}" in capsys.readouterr().out
     assert {n["named"] for n in plan_graph(plan)["nodes"]} >= {"vocab-parallel", "strided"}
 
     head = _Head(32, 97)

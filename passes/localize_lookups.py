@@ -30,7 +30,7 @@ from autopar.ir.layout import Layout, is_uneven, piece_size
 from autopar.ir.meta import MASKED_BY, STAGE, GraphLayouts, NodeLayouts, write_layouts
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes.context import PassContext
-from autopar.rules import OpCall, spec_of
+from autopar.rules import OpCall, spec_of, split_lookups
 
 aten = torch.ops.aten
 ops = torch.ops.autopar
@@ -62,20 +62,15 @@ def _localize(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> No
     spec = spec_of(call)
     if spec is None:
         return
-    for label, index_slot in spec.indexed:
-        table = next(i for i, labels in enumerate(spec.operands) if labels and label in labels)
-        dim = spec.operands[table].index(label)
-        table_layout = layouts.operands[table]
-        axes = [a for a, p in enumerate(table_layout) if is_split(p) and p.dim == dim]
-        if any(parts_of(table_layout[a]) > 1 for a in axes):
+    for lookup in split_lookups(spec, layouts.operands):
+        if any(parts_of(layouts.operands[lookup.table][a]) > 1 for a in lookup.axes):
             raise CompileError(f"{node.name}: a lookup into a strided dimension is not planned")
-        if not axes:
-            continue
-        size, n = call.shapes[table][dim], math.prod(ctx.mesh.axis_sizes[a] for a in axes)
+        size = call.shapes[lookup.table][lookup.dim]
+        n = math.prod(ctx.mesh.axis_sizes[a] for a in lookup.axes)
         block, rows = (piece_size(size, n), size) if is_uneven(size, n) else (size // n, 0)
-        keys = ",".join(ctx.axis_keys[ctx.mesh.axis_names[a]] for a in axes)
-        labels = (spec.outputs[0], spec.operands[index_slot])
-        _mask_lookup(node, call, labels, index_slot, layouts, keys, (block, rows))
+        keys = ",".join(ctx.axis_keys[ctx.mesh.axis_names[a]] for a in lookup.axes)
+        labels = (spec.outputs[0], spec.operands[lookup.index])
+        _mask_lookup(node, call, labels, lookup.index, layouts, keys, (block, rows))
 
 
 def _mask_lookup(

@@ -59,7 +59,7 @@ def _op(step: EdgeStep, x: torch.fx.Node, axis: str, n: int) -> tuple[object, tu
     # optional arguments (a strided shard's parts, an uneven split's rows) only where needed:
     # printed programs stay short
     parts = max(parts_of(before), parts_of(after))
-    size = rows(after) or rows(before) if kind != StepKind.ALL_TO_ALL else 0
+    size = rows(after) or rows(before)  # one side splits: the slice's, gather's or scatter's dim
     extra = (parts, size) if size else (parts,) if parts > 1 else ()
     if kind == StepKind.SLICE:
         return ops.shard.default, (x, after.dim, axis, *extra)

@@ -15,8 +15,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Shard
-
 from autopar.ir.errors import AnnotationError
 from autopar.ir.layout import REPLICATE, Layout, splits_unevenly
 from autopar.ir.mesh import MeshSpec
@@ -264,11 +262,9 @@ def lower_strategy(
         k = strategy[d].parts if isinstance(strategy[d], Parts) else 1
         parts = math.prod(mesh.axis_sizes[a] for a in axes) * k
         # A SymInt test would add a guard to the exported graph; leave those to run time.
-        single = len(axes) == 1 and k == 1
-        if uneven and single and isinstance(shape[d], int) and splits_unevenly(shape[d], parts):
-            layout[axes[0]] = Shard(d)
-            continue
-        if isinstance(shape[d], int) and shape[d] % parts:
+        static = isinstance(shape[d], int)
+        ragged = uneven and static and len(axes) == 1 and k == 1 and splits_unevenly(shape[d], parts)
+        if static and shape[d] % parts and not ragged:
             what = f"{k} equal parts each split over" if k > 1 else "equal parts over"
             raise AnnotationError(
                 f"{where}: dim {d} has size {shape[d]}, which cannot be split into {parts} equal "

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from autopar.ir.layout import Layout
+from autopar.ir.layout import Layout, piece_size
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.plan import CollectiveKind
 from autopar.planning.steps import (
@@ -294,7 +294,7 @@ class CostModel:
         local = list(shape)
         for s, n in zip(states, self.mesh.axis_sizes):
             if (d := split_dim(s)) is not None and d < len(local):
-                local[d] = -(-local[d] // n)
+                local[d] = piece_size(local[d], n)
         return math.prod(local) * itemsize
 
     def edge_steps(

@@ -21,7 +21,7 @@ from autopar.ir.layout import is_uneven, piece_size
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.strided import is_split, parts_of
-from autopar.rules import OpCall, shape_of, spec_of
+from autopar.rules import OpCall, shape_of, spec_of, split_lookups
 
 
 def named_layouts(
@@ -65,26 +65,14 @@ def _stored(fqn: str, shape: tuple[int, ...], layout: tuple, mesh: MeshSpec) -> 
 def _lookup(node: torch.fx.Node, laid: NodeLayouts, mesh: MeshSpec, params: Mapping[str, str]) -> str | None:
     call = OpCall.of(node)
     spec = spec_of(call)
-    for label, _ in spec.indexed if spec else ():
-        table = next(i for i, labels in enumerate(spec.operands) if labels and label in labels)
-        dim = spec.operands[table].index(label)
-        layout = laid.operands[table] or ()
-        axes = [
-            (a, n) for a, (p, n) in enumerate(zip(layout, mesh.axis_sizes)) if is_split(p) and p.dim == dim
-        ]
-        if not axes:
-            continue
-        size = call.shapes[table][dim]
-        names = " x ".join(mesh.axis_names[a] for a, _ in axes)
-        uneven = (
-            f", pieces of {_pieces(size, axes[0][1])}"
-            if len(axes) == 1 and is_uneven(size, axes[0][1])
-            else ""
-        )
+    for lookup in split_lookups(spec, laid.operands) if spec else ():
+        size, table = call.shapes[lookup.table][lookup.dim], call.operands[lookup.table].name
+        names = " x ".join(mesh.axis_names[a] for a in lookup.axes)
+        n = mesh.axis_sizes[lookup.axes[0]]
+        uneven = f", pieces of {_pieces(size, n)}" if len(lookup.axes) == 1 and is_uneven(size, n) else ""
         return (
             f"vocab-parallel {str(node.target).split('.')[1]} in '{module_path(node) or '<root>'}': "
-            f"{params.get(call.operands[table].name, call.operands[table].name)} dim {dim} ({size}) "
-            f"split over {names}{uneven}; "
+            f"{params.get(table, table)} dim {lookup.dim} ({size}) split over {names}{uneven}; "
             "each rank looks up its rows, the rest masked: partial sums"
         )
     return None

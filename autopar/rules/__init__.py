@@ -237,6 +237,28 @@ def split_counts(
     return counts
 
 
+class SplitLookup(NamedTuple):
+    """An indexed label a strategy splits (:func:`split_lookups`)."""
+
+    table: int  # the operand holding the looked-up dim
+    dim: int  # that dim
+    index: int  # the operand holding the indices
+    axes: tuple[int, ...]  # the mesh axes splitting the dim, outer first
+
+
+def split_lookups(spec: DimSpec, operand_layouts: Sequence[Layout | None]) -> list[SplitLookup]:
+    """The indexed labels of ``spec`` whose dims these operand layouts split."""
+    found = []
+    for label, index in spec.indexed:
+        table = next(i for i, labels in enumerate(spec.operands) if labels and label in labels)
+        dim = spec.operands[table].index(label)
+        layout = operand_layouts[table] or ()
+        axes = tuple(a for a, p in enumerate(layout) if is_split(p) and p.dim == dim)
+        if axes:
+            found.append(SplitLookup(table, dim, index, axes))
+    return found
+
+
 def fallback(call: OpCall) -> DimSpec:
     """Replicate everything: the rule of an op nobody described."""
     return DimSpec(
@@ -328,7 +350,7 @@ def _work_split(choices: Sequence[Choice], mesh: MeshSpec, sizes: dict[str, list
 
 
 def build(
-    spec: DimSpec, choices: Sequence[str | None], mesh: MeshSpec, passthrough: int | None = None
+    spec: DimSpec, choices: Sequence[Choice], mesh: MeshSpec, passthrough: int | None = None
 ) -> Strategy:
     """The strategy that splits label ``choices[a]`` on mesh axis ``a``.
 

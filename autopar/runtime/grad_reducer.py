@@ -13,9 +13,9 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from autopar.runtime import collectives
+from autopar.runtime.materialize import as_dtensor
 from autopar.runtime.optimizer import ZeroShard
 
 # As DDP: a small first bucket, so the first sum starts early in backward, then big ones.
@@ -97,14 +97,7 @@ class GradReducer:
         self.regions: dict[int, torch.Tensor] = {}  # scattered bucket -> this rank's summed region
         # p.grad for a summed parameter is a view of its bucket, wrapped once
         self.wrapped = {
-            id(p): DTensor.from_local(
-                self._view(i, p).view_as(self.leaf_of[id(p)]),
-                p.device_mesh,
-                p.placements,
-                run_check=False,
-                shape=p.shape,
-                stride=p.stride(),
-            )
+            id(p): as_dtensor(self._view(i, p).view_as(self.leaf_of[id(p)]), p.device_mesh, p.placements, p)
             for i, b in enumerate(self.buckets)
             if not self.split[i]
             for p in b
@@ -135,9 +128,7 @@ class GradReducer:
         if p.grad is not None and p.grad.to_local().data_ptr() == view.data_ptr():
             # the user kept last pass's gradient (no zero_grad): it must outlive this bucket's reuse
             kept = view.view_as(leaf).clone()
-            p.grad = DTensor.from_local(
-                kept, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
+            p.grad = as_dtensor(kept, p.device_mesh, p.placements, p)
         view.copy_(grad.reshape(-1))
         self._arrived(i)
 
@@ -204,8 +195,6 @@ class GradReducer:
 def _deliver(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
     """Add a local gradient to the DTensor parameter's ``grad``."""
     if p.grad is None:
-        p.grad = DTensor.from_local(
-            grad, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-        )
+        p.grad = as_dtensor(grad, p.device_mesh, p.placements, p)
     else:
         p.grad.to_local().add_(grad)

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from autopar.ir.layout import Layout
+from autopar.ir.layout import Layout, is_uneven
 from autopar.ir.strided import is_split, parts_of
+from autopar.runtime import pieces
 from autopar.runtime.initialize import has_meta, initialize
 
 
@@ -43,11 +44,19 @@ def local_piece(t: torch.Tensor, layout: Layout, mesh: Any) -> torch.Tensor:
     """
     piece = t
     for axis, p in enumerate(layout):
-        if is_split(p):  # a strided shard: this rank's piece of each part
-            n, rank = mesh.size(axis), mesh.get_local_rank(axis)
-            parts = piece.chunk(parts_of(p), dim=p.dim)
-            piece = torch.cat([part.chunk(n, dim=p.dim)[rank] for part in parts], dim=p.dim)
+        if is_split(p):
+            n, rows = mesh.size(axis), piece.shape[p.dim]
+            size = rows if is_uneven(rows, n) else 0
+            piece = pieces.piece(piece, p.dim, n, mesh.get_local_rank(axis), parts_of(p), size)
     return piece.contiguous() if piece is t else piece.clone(memory_format=torch.contiguous_format)
+
+
+def as_dtensor(local: torch.Tensor, mesh: Any, placements: Layout, like: torch.Tensor) -> DTensor:
+    """``local`` as this rank's piece of a DTensor with ``like``'s global shape and strides: given,
+    not inferred, since DTensor infers them from even pieces (wrong for an uneven split)."""
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def distributed_copy(
@@ -76,11 +85,7 @@ def distributed_copy(
                     continue
                 if id(t) not in swapped:
                     layout = placements[fqn]
-                    piece = local_piece(t.detach(), layout, mesh)
-                    whole = t.detach()  # its shape and strides: a piece of an uneven split cannot tell them
-                    dt = DTensor.from_local(
-                        piece, mesh, layout, run_check=False, shape=whole.shape, stride=whole.stride()
-                    )
+                    dt = as_dtensor(local_piece(t.detach(), layout, mesh), mesh, layout, t)
                     swapped[id(t)] = torch.nn.Parameter(dt, requires_grad=t.requires_grad) if is_param else dt
                 store[name] = swapped[id(t)]
     return replica

@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
@@ -39,7 +38,7 @@ from autopar.runtime import offload
 from autopar.runtime.checkpoint import keep_checkpoints_plain
 from autopar.runtime.grad_reducer import GradReducer
 from autopar.runtime.lowered import LoweredProgram
-from autopar.runtime.materialize import distributed_copy, local_piece
+from autopar.runtime.materialize import as_dtensor, distributed_copy, local_piece
 from autopar.runtime.optimizer import ZeroShard, held_bytes, make_optimizer
 from autopar.runtime.pipeline_runtime import PipelineRuntime, device_of
 
@@ -247,14 +246,7 @@ class DistributedModule(torch.nn.Module):
         """Global tensors from this rank's outputs (collective: every rank must call it)."""
         leaves, spec = pytree.tree_flatten(out)
         whole = [
-            DTensor.from_local(
-                t,
-                self.stage_mesh,
-                lay,
-                run_check=False,
-                shape=o.meta["val"].shape,
-                stride=o.meta["val"].stride(),
-            ).full_tensor()
+            as_dtensor(t, self.stage_mesh, lay, o.meta["val"]).full_tensor()
             if isinstance(t, torch.Tensor) and lay is not None
             else t
             for t, lay, o in zip(leaves, self._output_layouts, self._outputs)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.runtime import collectives
+from autopar.runtime.materialize import as_dtensor
 
 
 class ZeroShard:
@@ -35,16 +36,7 @@ class ZeroShard:
         self.param, self.leaf, self.axis, self.dim, self.key = param, leaf, axis, dim, key
         self.n, self.coordinate = mesh.size(a), mesh.get_local_rank(axis)
         self.placements = (*param.placements[:a], Shard(dim), *param.placements[a + 1 :])
-        self.shard = torch.nn.Parameter(
-            DTensor.from_local(
-                self.piece(leaf.detach()),
-                mesh,
-                self.placements,
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            )
-        )
+        self.shard = torch.nn.Parameter(as_dtensor(self.piece(leaf.detach()), mesh, self.placements, param))
 
     def piece(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full local tensor shaped like the parameter (a view)."""
@@ -54,14 +46,7 @@ class ZeroShard:
     def set_grad(self, local: torch.Tensor) -> None:
         """Add ``local`` (a piece) to the shard's gradient."""
         if self.shard.grad is None:
-            self.shard.grad = DTensor.from_local(
-                local,
-                self.param.device_mesh,
-                self.placements,
-                run_check=False,
-                shape=self.param.shape,
-                stride=self.param.stride(),
-            )
+            self.shard.grad = as_dtensor(local, self.param.device_mesh, self.placements, self.param)
         else:
             self.shard.grad.to_local().add_(local)
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
+from zoo_plans import DECODER_8B, tokens  # this directory is on sys.path when run as a script
 
 import autopar
 from autopar.ir.layout import parse_layout
@@ -34,23 +35,8 @@ transformers.logging.set_verbosity_error()
 
 
 def llama_3_8b() -> tuple:
-    config = transformers.LlamaConfig(
-        vocab_size=128256,
-        num_hidden_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        max_position_embeddings=8192,
-    )
-    ids = torch.zeros(16, 8192, dtype=torch.long, device="meta")
-    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
-    return transformers.LlamaForCausalLM(config), batch, config.vocab_size
-
-
-def _lm_batch(batch: int, seq: int) -> dict:
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return {"input_ids": ids, "labels": ids, "use_cache": False}
+    config = transformers.LlamaConfig(vocab_size=128256, **DECODER_8B)
+    return transformers.LlamaForCausalLM(config), tokens(16, 8192), config.vocab_size
 
 
 def gpt2() -> tuple:
@@ -60,7 +46,7 @@ def gpt2() -> tuple:
         "attn": {"c_attn.weight": (None, qkv), "c_attn.bias": (qkv,), "c_proj.weight": ("tp", None)},
         "mlp": {"c_fc.weight": (None, "tp"), "c_fc.bias": ("tp",), "c_proj.weight": ("tp", None)},
     }
-    return model, _lm_batch(8, 1024), model.transformer.h, megatron
+    return model, tokens(8, 1024), model.transformer.h, megatron
 
 
 def phi_3_mini() -> tuple:
@@ -78,7 +64,7 @@ def phi_3_mini() -> tuple:
         "self_attn": {"qkv_proj.weight": (autopar.Parts("tp", 3), None), "o_proj.weight": (None, "tp")},
         "mlp": {"gate_up_proj.weight": (autopar.Parts("tp", 2), None), "down_proj.weight": (None, "tp")},
     }
-    return model, _lm_batch(2, 4096), model.model.layers, megatron
+    return model, tokens(2, 4096), model.model.layers, megatron
 
 
 def gpt_neox() -> tuple:
@@ -102,7 +88,7 @@ def gpt_neox() -> tuple:
             "dense_4h_to_h.weight": (None, "tp"),
         },
     }
-    return model, _lm_batch(8, 2048), model.gpt_neox.layers, megatron
+    return model, tokens(8, 2048), model.gpt_neox.layers, megatron
 
 
 HEADS: dict[str, Callable[[], tuple]] = {"gpt2": gpt2, "phi-3-mini": phi_3_mini, "gpt-neox": gpt_neox}

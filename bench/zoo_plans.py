@@ -25,7 +25,7 @@ transformers.logging.set_verbosity_error()
 MESH = {"dp": 8, "tp": 8}
 
 
-def _tokens(batch: int, seq: int) -> dict:
+def tokens(batch: int, seq: int) -> dict:
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return {"input_ids": ids, "labels": ids, "use_cache": False}
 
@@ -38,7 +38,7 @@ def _images(batch: int, size: int) -> dict:
 
 
 # Llama-3-8B's decoder shape; Mixtral-8x7B shares it and routes each token to 2 of 8 experts
-_DECODER_8B = dict(
+DECODER_8B = dict(
     num_hidden_layers=32,
     hidden_size=4096,
     num_attention_heads=32,
@@ -49,15 +49,15 @@ _DECODER_8B = dict(
 
 
 def llama_3_8b() -> tuple:
-    config = transformers.LlamaConfig(vocab_size=128256, **_DECODER_8B)
-    return transformers.LlamaForCausalLM(config), _tokens(16, 4096)
+    config = transformers.LlamaConfig(vocab_size=128256, **DECODER_8B)
+    return transformers.LlamaForCausalLM(config), tokens(16, 4096)
 
 
 def mixtral_8x7b() -> tuple:
     config = transformers.MixtralConfig(
-        vocab_size=32000, num_local_experts=8, num_experts_per_tok=2, **_DECODER_8B
+        vocab_size=32000, num_local_experts=8, num_experts_per_tok=2, **DECODER_8B
     )
-    return transformers.MixtralForCausalLM(config), _tokens(16, 4096)
+    return transformers.MixtralForCausalLM(config), tokens(16, 4096)
 
 
 def t5_large() -> tuple:
@@ -70,7 +70,7 @@ def t5_large() -> tuple:
         num_heads=16,
         decoder_start_token_id=0,
     )
-    return transformers.T5ForConditionalGeneration(config), _tokens(64, 512)
+    return transformers.T5ForConditionalGeneration(config), tokens(64, 512)
 
 
 def bert_large() -> tuple:

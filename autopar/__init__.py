@@ -13,7 +13,7 @@ or, on every rank of a job with a named ``DeviceMesh``, compile and train::
 
 from autopar.capture.annotations import pipeline_stage, recompute, shard
 from autopar.capture.hooks import constrain
-from autopar.capture.strategies import Parts
+from autopar.capture.strategies import ManualSplit, Parts
 from autopar.compiler import compile
 from autopar.ir.errors import (
     AnnotationError,
@@ -39,6 +39,7 @@ __all__ = [
     "InitializationError",
     "LinkSpec",
     "Memory",
+    "ManualSplit",
     "Parts",
     "MeshSpec",
     "Plan",

@@ -4,7 +4,7 @@ An op whose rule marks a label *indexed* (an embedding's vocabulary, the classes
 picks from; :class:`autopar.rules.DimSpec`) and whose plan splits that label holds only a
 block of the looked-up rows on each rank, while its indices are global. The op then reads
 
-    index' = autopar.block_index(index, axes, block)     # shifted into the block, else row 0
+    index' = autopar.block_index(index, axes, starts)    # shifted into the block, else row 0
     out    = where(autopar.in_block(index, ...), op(..., index'), 0)
 
 so each rank contributes the rows it holds and zeros elsewhere: the partial sum the plan's
@@ -12,10 +12,13 @@ layout (``Partial`` on those axes) promises. The gradient follows: masked rows r
 zero. An embedding's ``padding_idx`` (a row that gets no gradient) is global too; it is
 dropped from the op and the padded positions' results are detached instead.
 
-Reads: ``autopar.layouts``, ``val``, ``autopar.stage``, ``nn_module_stack``. Writes: the index
-argument of those ops and ``autopar.masked_by`` on them; new ``block_index``, ``in_block``,
-``where`` (and for a padding index ``eq``, ``unsqueeze``, ``detach``) nodes with
-``autopar.layouts`` and the op's stage and module.
+A parameter split by ``ManualSplit`` (``plan.manual_rows``) gives each rank its own number
+of rows; the blocks then begin where those rows do.
+
+Reads: ``autopar.layouts``, ``val``, ``autopar.stage``, ``nn_module_stack``;
+``plan.manual_rows``. Writes: the index argument of those ops and ``autopar.masked_by`` on
+them; new ``block_index``, ``in_block``, ``where`` (and for a padding index ``eq``,
+``unsqueeze``, ``detach``) nodes with ``autopar.layouts`` and the op's stage and module.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import torch
 
 import autopar.runtime.lookups  # noqa: F401  (registers torch.ops.autopar.block_index, in_block)
 from autopar.ir.errors import CompileError
-from autopar.ir.layout import Layout, is_uneven, piece_size
+from autopar.ir.layout import Layout, pieces_of, row_starts
 from autopar.ir.meta import MASKED_BY, STAGE, GraphLayouts, NodeLayouts, write_layouts
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes.context import PassContext
-from autopar.rules import OpCall, spec_of, split_lookups
+from autopar.rules import OpCall, SplitLookup, spec_of, split_lookups
+from autopar.rules.embedding import table_source
 
 aten = torch.ops.aten
 ops = torch.ops.autopar
@@ -57,6 +61,17 @@ class _Inserter:
         return node
 
 
+def _row_starts(call: OpCall, lookup: SplitLookup, ctx: PassContext) -> list[int]:
+    """Where each rank's rows of the looked-up dim begin: a parameter's ``ManualSplit`` rows
+    (``plan.manual_rows``), else DTensor's pieces."""
+    table = table_source(call.operands[lookup.table])
+    manual = ctx.plan.manual_rows.get(ctx.captured.params.get(table.name, ""))
+    if manual is not None:
+        return list(row_starts(manual.rows))
+    n = math.prod(ctx.mesh.axis_sizes[a] for a in lookup.axes)
+    return list(row_starts(pieces_of(call.shapes[lookup.table][lookup.dim], n)))
+
+
 def _localize(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> None:
     call = OpCall.of(node)
     spec = spec_of(call)
@@ -65,12 +80,9 @@ def _localize(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> No
     for lookup in split_lookups(spec, layouts.operands):
         if any(parts_of(layouts.operands[lookup.table][a]) > 1 for a in lookup.axes):
             raise CompileError(f"{node.name}: a lookup into a strided dimension is not planned")
-        size = call.shapes[lookup.table][lookup.dim]
-        n = math.prod(ctx.mesh.axis_sizes[a] for a in lookup.axes)
-        block, rows = (piece_size(size, n), size) if is_uneven(size, n) else (size // n, 0)
         keys = ",".join(ctx.axis_keys[ctx.mesh.axis_names[a]] for a in lookup.axes)
         labels = (spec.outputs[0], spec.operands[lookup.index])
-        _mask_lookup(node, call, labels, lookup.index, layouts, keys, (block, rows))
+        _mask_lookup(node, call, labels, lookup.index, layouts, keys, _row_starts(call, lookup, ctx))
 
 
 def _mask_lookup(
@@ -80,7 +92,7 @@ def _mask_lookup(
     index_slot: int,
     layouts: NodeLayouts,
     keys: str,
-    blocks: tuple[int, int],
+    starts: list[int],
 ) -> None:
     """Shift ``node``'s index operand into the block and mask its result (module docstring)."""
     out_labels, index_labels = labels
@@ -95,11 +107,9 @@ def _mask_lookup(
     mask_layout = _shifted(index_layout, leading)
     at = _Inserter(node)
     with node.graph.inserting_before(node):
-        block, rows = blocks
-        extra = (rows,) if rows else ()
-        shift = (index, keys, block, *extra)
+        shift = (index, keys, starts)
         local = at.add(ops.block_index.default, shift, index_val, (index_layout,), index_layout)
-        in_block = (index, keys, block, leading, trailing, *extra)
+        in_block = (index, keys, starts, leading, trailing)
         mask = at.add(ops.in_block.default, in_block, mask_val, (index_layout,), mask_layout)
     node.replace_input_with(index, local)
     with node.graph.inserting_after(node):

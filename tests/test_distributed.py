@@ -152,8 +152,11 @@ def _assert_checkpoint_round_trip(dmodel, fresh, model, checkpoint_dir: str) -> 
     state = fresh.state_dict()
     dcp.load(state, checkpoint_id=checkpoint_dir)
     fresh.load_state_dict(state)
-    for name, p in fresh.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), model.get_parameter(name), msg=f"{name} after DCP load")
+    loaded = fresh.state_dict()  # in the model's shapes (a ManualSplit table is held padded)
+    for name, _ in fresh.named_parameters():
+        torch.testing.assert_close(
+            loaded[name].full_tensor(), model.get_parameter(name), msg=f"{name} after DCP load"
+        )
 
 
 def _outputs_and_checkpoint(checkpoint_dir: str) -> None:

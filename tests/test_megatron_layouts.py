@@ -27,6 +27,7 @@ import autopar
 from autopar.capture.class_losses import written_out
 from autopar.ir.layout import format_layout, parse_layout
 from autopar.planning.steps import StepKind, axis_states, plan_steps, walk
+from autopar.runtime.pieces import manual_whole
 from autopar.tools import cli
 from autopar.tools.launch import spawn
 from tests.test_distributed import _assert_checkpoint_round_trip
@@ -219,6 +220,27 @@ class _Both(nn.Module):
         return self.first(**batch).loss + self.second(**batch).loss
 
 
+class _Clicks(nn.Module):
+    """examples/recommender.py's model with its loss: a table split by ``ManualSplit``."""
+
+    def __init__(self) -> None:
+        from examples.recommender import Recommender, annotate
+
+        super().__init__()
+        self.model = Recommender()
+        annotate(self.model)
+
+    def forward(self, user, history, item, clicks) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self.model(user, history, item), clicks)
+
+
+def _recommender_by_chosen_rows() -> tuple:
+    from examples.recommender import build
+
+    _, inputs, clicks = build()
+    return _Clicks(), (*inputs, clicks), {}
+
+
 CASES = {
     "gpt2-by-heads": ((4,), _gpt2_by_heads),
     "bloom-falcon-by-heads": ((2, 2), _bloom_and_falcon_by_heads),
@@ -228,6 +250,7 @@ CASES = {
     "gpt2": ((4,), _gpt2),
     "llama": ((2, 2), _llama),
     "head": ((2, 2), _head_split_by_sequence_and_vocabulary),
+    "manual": ((2, 2), _recommender_by_chosen_rows),
 }
 
 
@@ -251,16 +274,18 @@ def _run(name: str, checkpoint_dir: str) -> dict:
     if name in ("llama", "gpt2-by-heads"):  # logits split by (an uneven) vocabulary, gathered whole
         logits = dmodel.gather_outputs(out).logits
         torch.testing.assert_close(logits, want.logits, atol=1e-5, rtol=1e-4)
-        # strided and uneven parameters survive a DCP round trip into a module of the same plan
+    if name in ("llama", "gpt2-by-heads", "manual"):
+        # strided, uneven and chosen-rows parameters survive a DCP round trip into a module of the same plan
         torch.manual_seed(1)
         fresh = autopar.compile(CASES[name][1]()[0], mesh, args, example_kwargs=kwargs, plan=dmodel.plan)
         _assert_checkpoint_round_trip(dmodel, fresh, reference, f"{checkpoint_dir}/{name}")
     loss.backward()
     ref_loss.backward()
     for pname, p in dmodel.named_parameters():
-        torch.testing.assert_close(
-            p.grad.full_tensor(), reference.get_parameter(pname).grad, atol=1e-5, rtol=1e-4, msg=pname
-        )
+        grad = p.grad.full_tensor()
+        if pname in dmodel.plan.manual_rows:  # held padded: the rows of each rank laid end to end
+            grad = manual_whole(grad, *dmodel.plan.manual_rows[pname])
+        torch.testing.assert_close(grad, reference.get_parameter(pname).grad, atol=1e-5, rtol=1e-4, msg=pname)
     plan = dmodel.plan
     gathered = [n for n in plan.nodes if n.op == "aten.gather.default"]
     return {
@@ -301,6 +326,9 @@ def test_vocab_parallel_models_train_on_4_gloo_ranks_as_on_one_device(tmp_path):
         by_heads["neox-by-heads"]["parameters"]["gpt_neox.layers.0.attention.query_key_value.weight"]
         == "S(0)"
     )
+    manual = results.pop("manual")
+    assert manual["parameters"]["model.users.weight"] == "RS(0)"
+    assert manual["local"]["model.users.weight"] == (700, 16)  # rank 0's 700 rows (rank 1's 300, padded)
     for name, result in results.items():
         (gather,) = result["gather"]
         assert parse_layout(gather)[-1] == Shard(1), (name, gather)  # over tp: the classes

@@ -19,7 +19,7 @@ See ``docs/annotations.md``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -30,10 +30,11 @@ from autopar.capture.strategies import (
     check_strategy_form,
     is_plain_int,
     lower_strategy,
+    manual_rows,
     strategy_axes,
 )
 from autopar.ir.errors import AnnotationError
-from autopar.ir.layout import Layout, format_layout
+from autopar.ir.layout import Layout, ManualRows, format_layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import POLICIES, RecomputePolicy
 
@@ -215,6 +216,8 @@ class ModelAnnotations:
     compute_layouts: frozenset[str]
     stages: Mapping[str, int]
     recompute: Mapping[str, RecomputePolicy]  # module path -> policy
+    # fqn -> the rows per rank of its ManualSplit
+    parameter_rows: Mapping[str, ManualRows] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def describe_module(path: str, module: nn.Module) -> str:
@@ -250,6 +253,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
     fqn_of = {id(p): name for name, p in model.named_parameters()}
     layouts: dict[str, Layout] = {}
     layout_origin: dict[str, str] = {}
+    rows: dict[str, ManualRows] = {}
     computed_with: set[str] = set()
     stages: dict[str, int] = {}
     recomputed: dict[str, RecomputePolicy] = {}
@@ -272,8 +276,17 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
                 if computed:
                     computed_with.add(fqn_of[id(param)])
                 where = f"{desc} parameter {name!r}"
-                layout = lower_strategy(strategy, tuple(param.shape), mesh, where=where, uneven=True)
+                layout = lower_strategy(
+                    strategy, tuple(param.shape), mesh, where=where, uneven=True, manual=computed
+                )
                 fqn = fqn_of[id(param)]
+                if fqn in layouts and rows.get(fqn) != manual_rows(strategy):
+                    raise AnnotationError(
+                        f"{where}: parameter {fqn!r} gets ManualSplit {manual_rows(strategy)} here but "
+                        f"{rows.get(fqn)} from {layout_origin[fqn]}; tied parameters need one split"
+                    )
+                if manual_rows(strategy) is not None:
+                    rows[fqn] = manual_rows(strategy)
                 if fqn in layouts and layouts[fqn] != layout:
                     raise AnnotationError(
                         f"{where}: parameter {fqn!r} gets layout {format_layout(layout)} here but "
@@ -299,6 +312,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
         compute_layouts=frozenset(computed_with),
         stages=MappingProxyType(stages),
         recompute=MappingProxyType(recomputed),
+        parameter_rows=MappingProxyType(rows),
     )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.ir.errors import AnnotationError
-from autopar.ir.layout import REPLICATE, Layout, splits_unevenly
+from autopar.ir.layout import REPLICATE, Layout, ManualRows, splits_unevenly
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.strided import strided
 
@@ -32,9 +32,21 @@ class Parts:
     parts: int
 
 
-AxisNames = str | tuple[str, ...] | Parts | None
+@dataclass(frozen=True)
+class ManualSplit:
+    """A named strategy item of a ``parameter_plan`` (MindSpore's ``manual_split``): the dim is
+    split over mesh axis ``axis`` with ``rows[c]`` rows on the rank at coordinate ``c``, in
+    order. For lookup tables only (an embedding's vocabulary; every use of the parameter must
+    look rows up in that dim). ``parameter_plan={"weight": (ManualSplit("tp", (500, 300, 200)),
+    None)}`` gives three ranks 500, 300 and 200 rows of a 1000-row table."""
+
+    axis: str
+    rows: tuple[int, ...]
+
+
+AxisNames = str | tuple[str, ...] | Parts | ManualSplit | None
 """One item of a named strategy: an axis, several axes (outer first), an axis splitting equal
-parts (:class:`Parts`), or None (not split)."""
+parts (:class:`Parts`), an axis splitting given rows (:class:`ManualSplit`), or None (not split)."""
 
 Strategy = tuple[int, ...] | tuple[AxisNames, ...]
 """One item per tensor dimension: all slice counts, or all :data:`AxisNames`."""
@@ -53,7 +65,7 @@ def is_plain_int(item: object) -> bool:
 def _item_axes(item: AxisNames) -> tuple[str, ...]:
     if item is None:
         return ()
-    if isinstance(item, Parts):
+    if isinstance(item, Parts | ManualSplit):
         return (item.axis,)
     return (item,) if isinstance(item, str) else item
 
@@ -86,10 +98,16 @@ def check_strategy_form(strategy: object, *, where: str) -> bool:
                 raise AnnotationError(
                     f"{where}: dim {d}: {item!r} needs a mesh axis name and at least 2 parts"
                 )
+        elif isinstance(item, ManualSplit):
+            rows = item.rows
+            if not isinstance(item.axis, str) or not isinstance(rows, tuple) or not rows:
+                raise AnnotationError(f"{where}: dim {d}: {item!r} needs an axis name and a tuple of rows")
+            if not all(is_plain_int(r) and r >= 0 for r in rows):
+                raise AnnotationError(f"{where}: dim {d}: the rows of {item!r} must be ints >= 0")
         elif item is not None and not isinstance(item, str):
             raise AnnotationError(
                 f"{where}: dim {d}: {item!r} is none of: a slice count (int >= 1), a mesh axis "
-                f"name (str), a tuple of names, Parts(axis, parts), None"
+                f"name (str), a tuple of names, Parts(axis, parts), ManualSplit(axis, rows), None"
             )
     counts = [is_plain_int(item) for item in strategy]
     if any(counts) and not all(counts):
@@ -213,14 +231,25 @@ def _counted_axes(strategy: tuple[int, ...], mesh: MeshSpec, where: str) -> list
 
 
 def strategy_axes(
-    strategy: Strategy, mesh: MeshSpec, *, where: str, shape: Sequence[int] | None = None
+    strategy: Strategy,
+    mesh: MeshSpec,
+    *,
+    where: str,
+    shape: Sequence[int] | None = None,
+    manual: bool = False,
 ) -> list[Run]:
     """Mesh axis indices splitting each dim, outer first; every check but divisibility.
 
     The rank is checked first when ``shape`` is given, as a wrong rank explains any later error.
+    A :class:`ManualSplit` item is accepted with ``manual`` only (a parameter's compute layout).
     ``where`` starts every error message.
     """
     is_counts = check_strategy_form(strategy, where=where)
+    if not manual and manual_rows(strategy) is not None:
+        raise AnnotationError(
+            f"{where}: ManualSplit gives the rows each rank holds of a lookup table, so it belongs in a "
+            f"shard(parameter_plan=...) only; split this tensor with an axis name or None"
+        )
     if shape is not None and len(strategy) != len(shape):
         raise AnnotationError(
             f"{where}: strategy {strategy!r} has {len(strategy)} items but the tensor has "
@@ -244,8 +273,34 @@ def _what_works(size: int, parts: int, mesh: MeshSpec, uneven: bool) -> str:
     return "it splits " + " or ".join(options) if options else "no mesh axis splits it: leave it whole (None)"
 
 
+def _check_manual(item: ManualSplit, d: int, size: int, mesh: MeshSpec, where: str) -> None:
+    """``item`` gives one row count per rank of its axis and as many rows as dim ``d`` has."""
+    n = mesh.axis_sizes[mesh.axis_names.index(item.axis)]
+    if len(item.rows) != n:
+        raise AnnotationError(
+            f"{where}: dim {d}: {item!r} gives {len(item.rows)} row counts, but mesh axis "
+            f"{item.axis!r} has {n} ranks; give one count per rank"
+        )
+    if isinstance(size, int) and sum(item.rows) != size:
+        raise AnnotationError(
+            f"{where}: dim {d} has {size} rows, but the rows of {item!r} add up to {sum(item.rows)}"
+        )
+
+
+def manual_rows(strategy: Strategy | None) -> ManualRows | None:
+    """The dim and rows per rank of ``strategy``'s :class:`ManualSplit` item, if it has one."""
+    items = enumerate(strategy or ())
+    return next((ManualRows(d, item.rows) for d, item in items if isinstance(item, ManualSplit)), None)
+
+
 def lower_strategy(
-    strategy: Strategy, shape: Sequence[int], mesh: MeshSpec, *, where: str, uneven: bool = False
+    strategy: Strategy,
+    shape: Sequence[int],
+    mesh: MeshSpec,
+    *,
+    where: str,
+    uneven: bool = False,
+    manual: bool = False,
 ) -> Layout:
     """The layout meaning ``strategy`` for a tensor of ``shape`` on ``mesh``.
 
@@ -256,9 +311,15 @@ def lower_strategy(
     starts every error message. Symbolic sizes are not checked for divisibility. With
     ``uneven`` (a parameter's plan), a dim split over one axis that does not divide it is
     split as DTensor does (``autopar.ir.layout.splits_unevenly``: every rank holds a row).
+    A :class:`ManualSplit` item (allowed with ``manual``: a parameter's compute layout) lowers
+    to ``Shard(d)`` on its axis; its rows are read with :func:`manual_rows`.
     """
     layout = [REPLICATE] * mesh.ndim
-    for d, axes in enumerate(strategy_axes(strategy, mesh, where=where, shape=shape)):
+    for d, axes in enumerate(strategy_axes(strategy, mesh, where=where, shape=shape, manual=manual)):
+        if isinstance(strategy[d], ManualSplit):
+            _check_manual(strategy[d], d, shape[d], mesh, where)
+            layout[axes[0]] = strided(d, 1)
+            continue
         k = strategy[d].parts if isinstance(strategy[d], Parts) else 1
         parts = math.prod(mesh.axis_sizes[a] for a in axes) * k
         # A SymInt test would add a guard to the exported graph; leave those to run time.

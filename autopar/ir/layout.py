@@ -15,9 +15,11 @@ mesh means "dimension 0 split over axis 0, replicated over axis 1"; a partial ma
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
@@ -88,6 +90,30 @@ def piece_size(size: int, n: int, coordinate: int | None = None) -> int:
     if coordinate is None:
         return block
     return max(0, min(block, size - coordinate * block))
+
+
+class ManualRows(NamedTuple):
+    """A dim split over one mesh axis in the rows each rank holds, coordinate order (a lookup
+    table's ``ManualSplit``; DTensor cannot describe it, see ``docs/annotations.md``)."""
+
+    dim: int
+    rows: tuple[int, ...]
+
+    def held_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The global shape the ranks' pieces make when each is padded to the largest (how the
+        compiled module holds the table: a DTensor split evenly, see ``runtime/checkpoint.py``)."""
+        return tuple(len(self.rows) * max(self.rows) if d == self.dim else s for d, s in enumerate(shape))
+
+
+def row_starts(rows: Sequence[int]) -> tuple[int, ...]:
+    """Where each rank's rows begin when ranks hold ``rows[c]`` rows each in coordinate order,
+    and where the last ends: ``len(rows) + 1`` offsets (a lookup's blocks, ``runtime/lookups.py``)."""
+    return tuple(itertools.accumulate(rows, initial=0))
+
+
+def pieces_of(size: int, n: int) -> tuple[int, ...]:
+    """The rows each of ``n`` ranks holds of a dim of ``size`` rows split as DTensor does."""
+    return tuple(piece_size(size, n, c) for c in range(n))
 
 
 def is_uneven(size: int, n: int) -> bool:

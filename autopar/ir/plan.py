@@ -16,7 +16,7 @@ from typing import Any
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.ir.errors import PlanError
-from autopar.ir.layout import parse_layout
+from autopar.ir.layout import ManualRows, parse_layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory
 from autopar.ir.report import render_summary
@@ -263,6 +263,7 @@ class Plan:
     alternatives: dict[str, list[Alternative]] = field(default_factory=dict)  # variable -> its strategies
     source: list[str] | None = None  # the `autopar plan` words that name the model, when it made the plan
     named_layouts: dict[str, str] = field(default_factory=dict)  # node -> vocab-parallel/strided/uneven line
+    manual_rows: dict[str, ManualRows] = field(default_factory=dict)  # fqn -> its ManualSplit
 
     @property
     def mesh_spec(self) -> MeshSpec:
@@ -357,6 +358,7 @@ class Plan:
             memory=_memory_from_dict(data["memory"]) if data.get("memory") else None,
             source=data.get("source"),
             named_layouts=dict(data.get("named_layouts", {})),
+            manual_rows={fqn: ManualRows(d, tuple(r)) for fqn, (d, r) in data.get("manual_rows", {}).items()},
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})

@@ -133,6 +133,7 @@ def assemble_plan(
         warnings=_warnings(g),
         memory=_memory_plan(setting, choice, splits, acts, state),
         named_layouts=named_layouts(g.captured, layouts, g.mesh),
+        manual_rows=dict(g.captured.annotations.parameter_rows),
     )
     if setting.pipeline is not None:
         result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state))
@@ -145,16 +146,18 @@ def zero_splits(
     """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see :func:`~autopar.planning.memory.zero_split`).
 
     The axes a parameter's gradient is summed over are those the compiled program sums
-    (:func:`~autopar.planning.gradient_sums.planned_edges`) under the assignment.
+    (:func:`~autopar.planning.gradient_sums.planned_edges`) under the assignment. A table split
+    by ``ManualSplit`` is not split further: its lookups read its rows as the user gave them.
     """
     laid = LaidOutGraph(
         graph=g.captured.graph, layouts=g.layouts(assignment), mesh=g.mesh, flows=g.requires_grad
     )
     _, summed = planned_edges(laid, _state_names(g))
+    manual = g.captured.annotations.parameter_rows
     splits = {}
     for node in g.captured.graph.nodes:  # graph order: every rank lists the splits alike
         axes = summed.get(node)
-        if axes and node.name in g.captured.params:
+        if axes and node.name in g.captured.params and g.captured.params[node.name] not in manual:
             layout = laid.layouts[node].output
             itemsize = node.meta["val"].element_size()
             split = zero_split(shape_of(node), layout, axes, g.mesh, itemsize, memory.zero_threshold)
@@ -330,6 +333,9 @@ def _state(
         split = splits.get(node)
         n = g.mesh.axis_sizes[split[0]] if split else 1
         local = local_bytes(node, layout, g.mesh) * (n if zero == 3 else 1)
+        manual = g.captured.annotations.parameter_rows.get(fqn)
+        if manual is not None:  # every rank holds its rows padded to the largest count
+            local *= len(manual.rows) * max(manual.rows) / sum(manual.rows)
         grad = name in g.captured.params and bool(g.requires_grad.get(node))
         b = state_bytes(local, node.meta["val"].element_size(), n, zero, memory, grad)
         held[name] = (b.param, b.grad, b.optimizer, b.host)

@@ -54,6 +54,7 @@ from autopar.rules import (
     shape_of,
     spec_of,
 )
+from autopar.rules.embedding import non_lookup_use
 
 
 @dataclass
@@ -274,6 +275,8 @@ class _Builder:
             # made to a redistributed copy
             fixed = replicated(self.mesh)
         if fixed is not None:
+            if fqn in self.captured.annotations.parameter_rows:
+                self._check_lookup_only(node, fqn, self.captured.annotations.parameter_rows[fqn].dim)
             return Choice(root=None, strategies=[fixed_strategy(fixed)], kind=ChoiceKind.FIXED)
         # a parameter of a repeated block shares the choice of its twin in the first block
         for user in node.users:
@@ -290,6 +293,19 @@ class _Builder:
         return Choice(
             root=node.name, strategies=[fixed_strategy(lay) for lay in layouts], kind=ChoiceKind.PARAM
         )
+
+    def _check_lookup_only(self, node: torch.fx.Node, fqn: str, dim: int) -> None:
+        """A ``ManualSplit`` parameter is a lookup table: only lookups over its split dim read it
+        (each rank looks up its own rows; nothing else could use rows of arbitrary counts)."""
+        user = non_lookup_use(node, dim)
+        if user is not None:
+            what = "the model's output" if user.op == "output" else f"op {user.target}"
+            raise AnnotationError(
+                f"module '{module_path(user) or '<root>'}': {what} "
+                f"reads parameter '{fqn}' (shape {shape_of(node)}), which shard(parameter_plan=...) splits "
+                f"by ManualSplit on dim {dim}; a ManualSplit table may only be looked up along that dim "
+                f"(embedding, index_select, gather), so split this parameter with an axis name instead"
+            )
 
     def _op(self, node: torch.fx.Node) -> Choice:
         if str(node.target) == LAYOUT_CONSTRAINT:

@@ -12,9 +12,42 @@ import math
 
 import torch
 
-from autopar.rules import DimSpec, OpCall, broadcast, fresh, rule
+from autopar.rules import DimSpec, OpCall, broadcast, fresh, rule, spec_of
 
 aten = torch.ops.aten
+
+# Ops that hand a table on row for row (a cast to the compute dtype, a copy): a lookup into
+# their result is a lookup into the table.
+TABLE_CASTS = frozenset({aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default})
+
+
+def table_source(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor that ``node`` is a cast or copy of (through any chain of :data:`TABLE_CASTS`)."""
+    while node.op == "call_function" and node.target in TABLE_CASTS:
+        node = node.args[0]
+    return node
+
+
+def non_lookup_use(table: torch.fx.Node, dim: int) -> torch.fx.Node | None:
+    """The first node that reads ``table`` (or a cast of it) other than as the table of a
+    lookup over its dim ``dim``; None when every use is such a lookup."""
+    for user in table.users:
+        if user.op == "call_function" and user.target in TABLE_CASTS:
+            found = non_lookup_use(user, dim)
+            if found is not None:
+                return found
+            continue
+        if user.op != "call_function":
+            return user
+        call = OpCall.of(user)
+        spec = spec_of(call)
+        if spec is None:
+            return user
+        indexed = {label for label, _ in spec.indexed}
+        slots = [i for i, op in enumerate(call.operands) if op is table]
+        if not all(spec.operands[i] and spec.operands[i][dim] in indexed for i in slots):
+            return user
+    return None
 
 
 @rule(aten.embedding.default, anchor=True)

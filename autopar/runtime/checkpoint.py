@@ -1,24 +1,34 @@
-"""State dicts that ``torch.distributed.checkpoint`` reads and writes: strided parameters as plain shards.
+"""State dicts that ``torch.distributed.checkpoint`` reads and writes: every piece one block of the whole.
 
-DCP describes each rank's piece of a DTensor as one block of the whole; a strided shard's
-piece (its slice of every part, :mod:`autopar.ir.strided`) is several blocks, which DCP's
-planner rejects as overlapping. So ``state_dict()`` hands out a strided parameter
-redistributed to the plain shard of the same dim (an all-to-all, at checkpoint time), and
-``load_state_dict()`` redistributes such a value back before copying it in. Keys, shapes
-and values are the user's; only the placement of those entries differs (and they are
-copies, not the parameters themselves).
+DCP describes each rank's piece of a DTensor as one block of the whole. Two kinds of
+parameter are held otherwise, so ``state_dict()`` hands them out converted and
+``load_state_dict()`` converts such values back before copying them in:
+
+* a strided shard's piece (its slice of every part, :mod:`autopar.ir.strided`) is several
+  blocks, which DCP's planner rejects as overlapping: it is handed out as the plain shard of
+  the same dim (an all-to-all, at checkpoint time);
+* a ``ManualSplit`` table is held in the user's rows per rank, each padded to the largest
+  count (:func:`autopar.runtime.materialize.distributed_copy`): it is handed out in the
+  model's own shape, split as DTensor splits it (an all-gather over the split axis).
+
+Keys, shapes and values are the user's; only the placement of those entries differs (and
+they are copies, not the parameters themselves).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.ir.strided import is_strided
+from autopar.ir.layout import ManualRows
+from autopar.ir.strided import is_split, is_strided
+from autopar.runtime import pieces
+from autopar.runtime.materialize import as_dtensor
 
 
 def plain(placements: Sequence[Placement]) -> tuple[Placement, ...]:
@@ -30,22 +40,64 @@ def _strided(value: object) -> bool:
     return isinstance(value, DTensor) and any(is_strided(p) for p in value.placements)
 
 
-def _to_plain(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _whole_on(placements: Sequence[Placement], dim: int) -> tuple[Placement, ...]:
+    """``placements`` with the axis splitting ``dim`` replicated instead."""
+    return tuple(Replicate() if is_split(p) and p.dim == dim else p for p in placements)
+
+
+def _unpadded(value: DTensor, manual: ManualRows) -> DTensor:
+    """A held ``ManualSplit`` table in its model's shape, split as DTensor splits it."""
+    whole = value.detach().redistribute(value.device_mesh, _whole_on(value.placements, manual.dim))
+    local = pieces.manual_whole(whole.to_local(), manual.dim, manual.rows)
+    shape = list(value.shape)
+    shape[manual.dim] = sum(manual.rows)
+    like = local.new_empty(shape, device="meta")
+    replicated = as_dtensor(local, value.device_mesh, whole.placements, like)
+    return replicated.redistribute(value.device_mesh, value.placements)
+
+
+def _padded(value: DTensor, target: DTensor, manual: ManualRows) -> DTensor:
+    """``value`` (in the model's shape, any placements) as ``target`` holds it: this rank's rows, padded."""
+    mesh, whole_on = target.device_mesh, _whole_on(target.placements, manual.dim)
+    axis = next(a for a, p in enumerate(target.placements) if is_split(p) and p.dim == manual.dim)
+    local = value.redistribute(mesh, whole_on).to_local()
+    piece = pieces.manual_piece(local, manual.dim, manual.rows, mesh.get_local_rank(axis))
+    return as_dtensor(piece.contiguous(), mesh, target.placements, target)
+
+
+def _hand_out(
+    manual: Mapping[str, ManualRows], module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _: Any
+) -> None:
     for key, value in state_dict.items():
-        if _strided(value):
+        rows = manual.get(key[len(prefix) :]) if key.startswith(prefix) else None
+        if rows is not None and isinstance(value, DTensor):
+            state_dict[key] = _unpadded(value, rows)
+        elif _strided(value):
             state_dict[key] = value.detach().redistribute(value.device_mesh, plain(value.placements))
 
 
-def _to_strided(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+def _take_back(
+    manual: Mapping[str, ManualRows],
+    module: torch.nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    *_: Any,
+) -> None:
     own = dict(module.named_parameters(remove_duplicate=False))
     own.update(module.named_buffers(remove_duplicate=False))
     for key, value in state_dict.items():
-        target = own.get(key[len(prefix) :]) if key.startswith(prefix) else None
-        if _strided(target) and isinstance(value, DTensor) and value.placements != target.placements:
+        name = key[len(prefix) :] if key.startswith(prefix) else None
+        target = own.get(name) if name is not None else None
+        if not isinstance(value, DTensor) or not isinstance(target, DTensor):
+            continue
+        if name in manual and value.shape != target.shape:
+            state_dict[key] = _padded(value, target, manual[name])
+        elif _strided(target) and value.placements != target.placements:
             state_dict[key] = value.redistribute(target.device_mesh, target.placements)
 
 
-def keep_checkpoints_plain(module: torch.nn.Module) -> None:
-    """Make ``module``'s state dicts hand out and take strided parameters as plain shards."""
-    module.register_state_dict_post_hook(_to_plain)
-    module.register_load_state_dict_pre_hook(_to_strided)
+def keep_checkpoints_plain(module: torch.nn.Module, manual: Mapping[str, ManualRows]) -> None:
+    """Make ``module``'s state dicts hand out and take strided parameters as plain shards and the
+    ``manual`` tables (fqn -> rows) in their model's shape."""
+    module.register_state_dict_post_hook(partial(_hand_out, manual))
+    module.register_load_state_dict_pre_hook(partial(_take_back, manual))

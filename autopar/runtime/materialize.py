@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from autopar.ir.layout import Layout, is_uneven
+from autopar.ir.layout import Layout, ManualRows, is_uneven
 from autopar.ir.strided import is_split, parts_of
 from autopar.runtime import pieces
 from autopar.runtime.initialize import has_meta, initialize
@@ -37,14 +38,18 @@ def materialize(
     return initialize(model, seed, init)
 
 
-def local_piece(t: torch.Tensor, layout: Layout, mesh: Any) -> torch.Tensor:
+def local_piece(t: torch.Tensor, layout: Layout, mesh: Any, manual: ManualRows | None = None) -> torch.Tensor:
     """This rank's piece of a global tensor that every rank holds whole (no communication).
 
-    A split piece is a copy: a view would keep the whole tensor's memory alive.
+    With ``manual``, its dim is cut in those rows, padded to the largest count
+    (:func:`autopar.runtime.pieces.manual_piece`). A split piece is a copy: a view would keep
+    the whole tensor's memory alive.
     """
     piece = t
     for axis, p in enumerate(layout):
-        if is_split(p):
+        if is_split(p) and manual is not None and p.dim == manual.dim:
+            piece = pieces.manual_piece(piece, p.dim, manual.rows, mesh.get_local_rank(axis))
+        elif is_split(p):
             n, rows = mesh.size(axis), piece.shape[p.dim]
             size = rows if is_uneven(rows, n) else 0
             piece = pieces.piece(piece, p.dim, n, mesh.get_local_rank(axis), parts_of(p), size)
@@ -60,7 +65,11 @@ def as_dtensor(local: torch.Tensor, mesh: Any, placements: Layout, like: torch.T
 
 
 def distributed_copy(
-    model: torch.nn.Module, placements: Mapping[str, Layout], mesh: Any, kept: set[str] | None = None
+    model: torch.nn.Module,
+    placements: Mapping[str, Layout],
+    mesh: Any,
+    kept: set[str] | None = None,
+    manual: Mapping[str, ManualRows] = MappingProxyType({}),
 ) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers are DTensors on ``mesh`` holding this rank's pieces.
 
@@ -68,6 +77,9 @@ def distributed_copy(
     model's, so ``state_dict()`` keys do too; a tensor with several names (tied weights)
     stays one tensor. With ``kept`` (under a pipeline: the names this rank's stages read)
     every other parameter or buffer belongs to another rank's stages and is set to None.
+    A table in ``manual`` is held in its rows per rank, each padded to the largest count: a
+    DTensor of :meth:`~autopar.ir.layout.ManualRows.held_shape` split evenly (DTensor cannot
+    describe pieces of chosen sizes).
     """
     replica = copy.deepcopy(model)
     path_of: dict[int, str] = {}  # module -> its first path, as named_parameters() names it
@@ -84,8 +96,9 @@ def distributed_copy(
                     store[name] = None  # another pipeline stage's: not held on this rank
                     continue
                 if id(t) not in swapped:
-                    layout = placements[fqn]
-                    dt = as_dtensor(local_piece(t.detach(), layout, mesh), mesh, layout, t)
+                    layout, rows = placements[fqn], manual.get(fqn)
+                    like = t if rows is None else t.new_empty(rows.held_shape(t.shape), device="meta")
+                    dt = as_dtensor(local_piece(t.detach(), layout, mesh, rows), mesh, layout, like)
                     swapped[id(t)] = torch.nn.Parameter(dt, requires_grad=t.requires_grad) if is_param else dt
                 store[name] = swapped[id(t)]
     return replica

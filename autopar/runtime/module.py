@@ -108,7 +108,7 @@ class DistributedModule(torch.nn.Module):
         if local_stages is not None:  # under a pipeline, this rank holds its stages' state only
             kept = lowered.state_names(name for st in local_stages for name in st.state)
         named = self._hold_state(model, kept)
-        keep_checkpoints_plain(self)  # DCP reads strided parameters as plain shards
+        keep_checkpoints_plain(self, self.plan.manual_rows)  # DCP reads every piece as one block
         self._bind_state(named)
         self._read_signature()
         self._prepare_gradients(named)
@@ -129,7 +129,8 @@ class DistributedModule(torch.nn.Module):
 
         Returns every name of a parameter or buffer, duplicates included, with its tensor.
         """
-        replica = distributed_copy(model, self.plan.parameter_placements, self.stage_mesh, kept)
+        placements = self.plan.parameter_placements
+        replica = distributed_copy(model, placements, self.stage_mesh, kept, self.plan.manual_rows)
         self._modules.update(replica._modules)
         self._parameters.update(replica._parameters)
         self._buffers.update(replica._buffers)

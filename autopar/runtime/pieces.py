@@ -6,14 +6,17 @@ rank ``c`` chunk ``c``; a strided shard (``parts > 1``, :mod:`autopar.ir.strided
 its chunk of every part; an uneven split (``size`` rows that ``n`` does not divide) leaves it
 DTensor's piece (``autopar.ir.layout.piece_size``): ``ceil(size / n)`` rows, fewer on the
 last rank. Collectives move uneven pieces padded to that largest piece at the end of the
-dim, so that the padding of the whole is its last rows.
+dim, so that the padding of the whole is its last rows. A lookup table's ``ManualSplit`` gives
+each rank the rows the user chose, held padded to the largest count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from autopar.ir.layout import piece_size
+from autopar.ir.layout import piece_size, row_starts
 
 
 def resized(x: torch.Tensor, dim: int, times: int = 1, over: int = 1) -> list[int]:
@@ -83,6 +86,19 @@ def piece(x: torch.Tensor, dim: int, n: int, c: int, parts: int = 1, size: int =
     x = rank_major(x, dim, parts, n)
     rows = x.shape[dim] // n
     return x.narrow(dim, c * rows, rows)
+
+
+def manual_piece(x: torch.Tensor, dim: int, rows: Sequence[int], c: int) -> torch.Tensor:
+    """Rank ``c``'s rows of ``x`` along ``dim`` when the ranks hold ``rows[c]`` rows each in order
+    (a ``ManualSplit``), padded with zero rows to the largest count."""
+    return padded(x.narrow(dim, row_starts(rows)[c], rows[c]), dim, max(rows))
+
+
+def manual_whole(x: torch.Tensor, dim: int, rows: Sequence[int]) -> torch.Tensor:
+    """Inverse of :func:`manual_piece` over all ranks: from their padded pieces laid end to end
+    along ``dim``, the whole without padding."""
+    block = max(rows)
+    return torch.cat([x.narrow(dim, c * block, r) for c, r in enumerate(rows)], dim)
 
 
 def padded(x: torch.Tensor, dim: int, rows: int) -> torch.Tensor:

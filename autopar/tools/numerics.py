@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture.export import capture
 from autopar.ir.layout import format_layout
 from autopar.ir.meta import LAYOUTS, MASKED_BY, MEAN_SPLIT
+from autopar.rules.embedding import table_source
 from autopar.runtime import collectives
 from autopar.runtime.materialize import local_piece
 from autopar.runtime.module import DistributedModule
@@ -85,6 +86,11 @@ def first_divergence(
     with torch.no_grad():
         compiled.run(*dmodel.program_inputs(local_args, local_kwargs))
     unset: set[torch.fx.Node] = set()
+    manual = {  # placeholder -> the rows per rank of its ManualSplit (held padded)
+        s.arg.name: dmodel.plan.manual_rows[s.target]
+        for s in dmodel._lowered.exported.graph_signature.input_specs
+        if s.target in dmodel.plan.manual_rows
+    }
     for node in dmodel._program.graph.nodes:
         if node.target in _UNINITIALISED or (node.target in _WRITES_INTO and node.args[0] in unset):
             unset.add(node)
@@ -110,7 +116,7 @@ def first_divergence(
         whole = tuple(
             p if not isinstance(p, Partial) else torch.distributed.tensor.Replicate() for p in layout
         )
-        expected = local_piece(want, whole, dmodel.device_mesh)
+        expected = local_piece(want, whole, dmodel.device_mesh, manual.get(table_source(node).name))
         if expected.shape != got.shape or not torch.allclose(
             got.to(expected.dtype), expected, atol=atol, rtol=rtol
         ):

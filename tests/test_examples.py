@@ -159,3 +159,16 @@ def test_megatron_gpt2_script_plans_heads_and_vocabulary(capsys: pytest.CaptureF
     assert "autopar plan on mesh dp=2×tp=2" in out and "no sharding rule" not in out
     assert "transformer.h.0.attn.c_attn.weight │ RS(1)x3" in out
     assert "S(0)P(max)->S(0)R" in out  # the loss's row maximum: all-reduced over the split vocabulary
+
+
+def test_recommender_script_plans_the_user_table_in_chosen_rows(
+    capsys: pytest.CaptureFixture[str], monkeypatch
+):
+    """Without torchrun, examples/recommender.py prints its plan: the user table in 700 and 300 rows."""
+    script = importlib.import_module("examples.recommender")
+    monkeypatch.setattr("sys.argv", [script.__file__])
+    monkeypatch.delenv("RANK", raising=False)
+    runpy.run_path(script.__file__, run_name="__main__")
+    out = capsys.readouterr().out
+    assert "no sharding rule" not in out
+    assert "manual users.weight: dim 0 (1000) over tp in rows of 700, 300 (ManualSplit)" in out

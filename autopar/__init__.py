@@ -21,6 +21,7 @@ from autopar.ir.errors import (
     CaptureError,
     CompileError,
     InitializationError,
+    OptionError,
     PlanError,
     ShapeError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "Cluster",
     "CompileError",
     "InitializationError",
+    "OptionError",
     "LinkSpec",
     "Memory",
     "ManualSplit",

@@ -31,6 +31,7 @@ from autopar.ir.printing import format_graph
 from autopar.passes import PIPELINE
 from autopar.passes.context import PassContext
 from autopar.planning.cost import Cluster, CostModel
+from autopar.planning.plan_fit import check_plan_fits
 from autopar.planning.planner import capture_for, layout_mesh, plan_captured
 from autopar.runtime import collectives
 from autopar.runtime.lowered import LoweredProgram
@@ -118,6 +119,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         raise PlanError(
             f"the plan is for mesh {plan.device_mesh_spec}, but the module is compiled for {spec}"
         )
+    check_plan_fits(plan, captured)
     return build_module(model, mesh, stage_mesh, captured, plan, pipeline)
 
 

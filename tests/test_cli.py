@@ -107,7 +107,7 @@ def test_scaling_reports_amdahl_and_gustafson_and_plots(tmp_path: Path) -> None:
         (["plan", "examples/gpt.py:build", "--mesh", "dp=two"], "mesh 'dp=two': expected axis=size"),
         (
             ["plan", "examples/gpt.py:build", "--mesh", "dp=2", "--cluster", "tpu"],
-            "unknown cluster preset 'tpu'",
+            "got 'tpu'; presets are",
         ),
         (
             ["plan", "examples/gpt.py:build", "--mesh", "dp=2", "--budget", "lots"],

@@ -40,7 +40,7 @@ def _annotate_stages(model, stages_of_blocks: list[int]) -> None:
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"microbatches": 0}, "microbatches must be an int >= 1"),
+        ({"microbatches": 0}, r"Pipeline\(microbatches=...\) must be an int >= 1"),
         ({"microbatches": 4, "schedule": "zb"}, "unknown schedule 'zb'"),
         ({"microbatches": 4, "schedule": "interleaved-1f1b"}, "needs virtual_stages >= 2"),
         ({"microbatches": 4, "virtual_stages": 2}, "needs schedule='interleaved-1f1b'"),

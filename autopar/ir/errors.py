@@ -33,3 +33,8 @@ class ShapeError(AutoparError, ValueError):
 class InitializationError(AutoparError, ValueError):
     """A model built on ``meta`` has a tensor whose initial value nothing in the model defines,
     or one of its initializers failed: the message names each tensor and what to do."""
+
+
+class OptionError(AutoparError, ValueError, TypeError):
+    """An argument of ``plan``/``compile`` or an option object (a mesh, ``Memory``, ``Pipeline``, a
+    cluster, a time limit) has the wrong type or value; nothing is coerced."""

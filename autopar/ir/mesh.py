@@ -14,6 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.ir.arguments import check_int
+from autopar.ir.errors import OptionError
+
 
 @dataclass(frozen=True)
 class MeshSpec:
@@ -24,17 +27,16 @@ class MeshSpec:
 
     def __post_init__(self) -> None:
         if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
-            raise ValueError(
+            raise OptionError(
                 f"mesh needs one size per axis name and at least one axis, got names "
                 f"{self.axis_names} and sizes {self.axis_sizes}"
             )
         if len(set(self.axis_names)) != len(self.axis_names):
-            raise ValueError(f"mesh axis names must be distinct, got {self.axis_names}")
+            raise OptionError(f"mesh axis names must be distinct, got {self.axis_names}")
         for name, size in zip(self.axis_names, self.axis_sizes):
             if not isinstance(name, str) or not name.isidentifier():
-                raise ValueError(f"mesh axis name {name!r} must be an identifier such as 'dp'")
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh axis {name!r} must have a positive integer size, got {size!r}")
+                raise OptionError(f"mesh axis name {name!r} must be an identifier such as 'dp'")
+            check_int(size, f"the size of mesh axis {name!r}", minimum=1)
 
     @classmethod
     def of(cls, mesh: MeshSpec | Mapping[str, int] | Any) -> MeshSpec:
@@ -42,16 +44,16 @@ class MeshSpec:
         if isinstance(mesh, MeshSpec):
             return mesh
         if isinstance(mesh, Mapping):
-            return cls(tuple(mesh.keys()), tuple(int(v) for v in mesh.values()))
+            return cls(tuple(mesh.keys()), tuple(mesh.values()))
         names = getattr(mesh, "mesh_dim_names", None)
         shape = getattr(mesh, "shape", None)
         if shape is None:
-            raise TypeError(
+            raise OptionError(
                 f"expected a DeviceMesh, a MeshSpec or a mapping like {{'dp': 2, 'tp': 4}}, "
                 f"got {type(mesh).__name__}"
             )
         if names is None:
-            raise ValueError(
+            raise OptionError(
                 "the DeviceMesh has no axis names: create it with "
                 "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
             )
@@ -71,7 +73,7 @@ class MeshSpec:
         try:
             return self.axis_names.index(name)
         except ValueError:
-            raise ValueError(
+            raise OptionError(
                 f"unknown mesh axis {name!r}; this mesh has axes {list(self.axis_names)}"
             ) from None
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from autopar.ir.errors import PlanError
+from autopar.ir.arguments import check_bool, check_int, is_int
+from autopar.ir.errors import OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
 
 
@@ -52,13 +53,12 @@ class Memory:
     offload_activations: bool = False
 
     def __post_init__(self) -> None:
-        if self.zero not in (None, 0, 1, 2, 3):
-            raise ValueError(f"Memory(zero=...) is a ZeRO stage 0, 1, 2 or 3 (or None), got {self.zero!r}")
-        if self.zero_threshold < 0 or self.optimizer_states < 0:
-            raise ValueError(
-                f"Memory: zero_threshold and optimizer_states must be >= 0, got "
-                f"{self.zero_threshold} and {self.optimizer_states}"
-            )
+        if self.zero is not None and (not is_int(self.zero) or self.zero not in (0, 1, 2, 3)):
+            raise OptionError(f"Memory(zero=...) is a ZeRO stage 0, 1, 2 or 3 (or None), got {self.zero!r}")
+        check_int(self.zero_threshold, "Memory(zero_threshold=...) (bytes per rank)")
+        check_int(self.optimizer_states, "Memory(optimizer_states=...) (fp32 values per parameter element)")
+        check_bool(self.offload_optimizer, "Memory(offload_optimizer=...)")
+        check_bool(self.offload_activations, "Memory(offload_activations=...)")
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -82,18 +82,18 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         for name in ("microbatches", "virtual_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Pipeline: {name} must be an int >= 1, got {value!r}")
+            check_int(getattr(self, name), f"Pipeline({name}=...)", minimum=1)
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Pipeline: unknown schedule {self.schedule!r}; schedules are {SCHEDULES}")
+            raise OptionError(f"Pipeline: unknown schedule {self.schedule!r}; schedules are {SCHEDULES}")
+        if not isinstance(self.axis, str):
+            raise OptionError(f"Pipeline(axis=...) is the name of a mesh axis, got {self.axis!r}")
         if self.schedule == "interleaved-1f1b" and self.virtual_stages < 2:
-            raise ValueError(
+            raise OptionError(
                 "Pipeline: 'interleaved-1f1b' needs virtual_stages >= 2 (stages per rank); "
                 "with one stage per rank use '1f1b'"
             )
         if self.schedule != "interleaved-1f1b" and self.virtual_stages != 1:
-            raise ValueError(
+            raise OptionError(
                 f"Pipeline: schedule {self.schedule!r} runs one stage per rank; virtual_stages="
                 f"{self.virtual_stages} needs schedule='interleaved-1f1b'"
             )

@@ -21,7 +21,7 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory
 from autopar.ir.report import render_summary
 
-FORMAT_VERSION = 3  # 2: pipeline plans; 3: memory plans
+FORMAT_VERSION = 4  # 2: pipeline plans; 3: memory plans; 4: the annotations and shapes planned for
 
 # The destination named by a redistribution that is a parameter's gradient sum (no consumer node).
 GRADIENT_SUM = "<gradient sum>"
@@ -264,6 +264,8 @@ class Plan:
     source: list[str] | None = None  # the `autopar plan` words that name the model, when it made the plan
     named_layouts: dict[str, str] = field(default_factory=dict)  # node -> vocab-parallel/strided/uneven line
     manual_rows: dict[str, ManualRows] = field(default_factory=dict)  # fqn -> its ManualSplit
+    annotations: dict[str, str] = field(default_factory=dict)  # what each annotation asked for, in words
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)  # tensor input -> shape planned for
 
     @property
     def mesh_spec(self) -> MeshSpec:
@@ -359,6 +361,8 @@ class Plan:
             source=data.get("source"),
             named_layouts=dict(data.get("named_layouts", {})),
             manual_rows={fqn: ManualRows(d, tuple(r)) for fqn, (d, r) in data.get("manual_rows", {}).items()},
+            annotations=dict(data["annotations"]),
+            input_shapes={name: list(shape) for name, shape in data["input_shapes"].items()},
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})
@@ -395,7 +399,9 @@ def load_plan(path: str | Path) -> Plan:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise PlanError(f"cannot read plan {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{path} is not an autopar plan: it holds a {type(data).__name__}, not a saved Plan")
     try:
         return Plan.from_dict(data)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise PlanError(f"{path} is not an autopar plan: missing or malformed field {exc}") from None

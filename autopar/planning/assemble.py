@@ -52,6 +52,7 @@ from autopar.planning.memory import (
 )
 from autopar.planning.named_layouts import named_layouts
 from autopar.planning.pipeline import PipelineInputs, plan_pipeline
+from autopar.planning.plan_fit import annotation_record, input_shapes
 from autopar.planning.recompute import Region, recompute_regions
 from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
 from autopar.rules import OpCall, shape_of
@@ -134,6 +135,8 @@ def assemble_plan(
         memory=_memory_plan(setting, choice, splits, acts, state),
         named_layouts=named_layouts(g.captured, layouts, g.mesh),
         manual_rows=dict(g.captured.annotations.parameter_rows),
+        annotations=annotation_record(g.captured),
+        input_shapes=input_shapes(g.captured),
     )
     if setting.pipeline is not None:
         result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state))

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from autopar.ir.errors import OptionError
 from autopar.ir.layout import Layout, piece_size
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.plan import CollectiveKind
@@ -62,7 +63,7 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.bandwidth_Bps <= 0:
-            raise ValueError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
+            raise OptionError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,11 @@ class Cluster:
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         if FALLBACK_DTYPE not in self.peak_flops:
-            raise ValueError(f"cluster {self.name!r}: peak_flops must have a {FALLBACK_DTYPE!r} entry")
+            raise OptionError(f"cluster {self.name!r}: peak_flops must have a {FALLBACK_DTYPE!r} entry")
         if min(self.peak_flops.values()) <= 0 or self.memory_bandwidth_Bps <= 0:
-            raise ValueError(f"cluster {self.name!r}: peak FLOP/s and memory bandwidth must be positive")
+            raise OptionError(f"cluster {self.name!r}: peak FLOP/s and memory bandwidth must be positive")
         if self.memory_bytes <= 0 or self.devices_per_node < 1:
-            raise ValueError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
+            raise OptionError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; :meth:`from_dict` reads it back."""
@@ -164,11 +165,13 @@ _PRESETS: dict[str, Cluster] = {
 
 
 def get_cluster(name: str) -> Cluster:
-    """The preset called ``name``; a ``ValueError`` lists the presets otherwise."""
-    try:
-        return _PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown cluster preset {name!r}; presets are {sorted(_PRESETS)}") from None
+    """The preset called ``name``; an :class:`~autopar.ir.errors.OptionError` lists the presets otherwise."""
+    if not isinstance(name, str) or name not in _PRESETS:
+        raise OptionError(
+            f"cluster must be a preset name or an autopar.Cluster, got {name!r}; "
+            f"presets are {sorted(_PRESETS)}"
+        )
+    return _PRESETS[name]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from autopar.capture.export import Captured, capture, repeated_blocks
-from autopar.ir.errors import PlanError
+from autopar.ir.arguments import check_instance, check_int, check_number
+from autopar.ir.errors import OptionError, PlanError
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
@@ -99,7 +100,16 @@ def capture_for(
     pipeline: Pipeline | None,
 ) -> Captured:
     """Capture ``model`` for planning on ``mesh``: one microbatch of the example under a pipeline."""
+    if isinstance(example_args, list):
+        raise OptionError(
+            "example_args is a list: give the positional inputs as a tuple, such as (ids, labels), "
+            "or a list that is the one input as ([a, b],)"
+        )
     args = example_args if isinstance(example_args, tuple) else (example_args,)
+    if example_kwargs is not None:
+        check_instance(example_kwargs, Mapping, "example_kwargs", "a mapping of keyword inputs")
+    if pipeline is not None:
+        check_instance(pipeline, Pipeline, "pipeline", "an autopar.Pipeline(...)")
     kwargs = dict(example_kwargs or {})
     if pipeline is not None:
         args, kwargs = microbatch(args, kwargs, pipeline.microbatches)
@@ -127,10 +137,13 @@ def plan_captured(
     :func:`memory_choices` wins if it fits; otherwise every candidate is solved with the
     memory constraint and the fastest plan that fits wins, the earlier on a tie.
     """
-    cluster = get_cluster(cluster or "cpu-gloo") if not isinstance(cluster, Cluster) else cluster
-    memory = memory or Memory()
-    if memory_budget is not None and memory_budget <= 0:
-        raise PlanError(f"memory_budget is bytes per device and must be positive, got {memory_budget}")
+    if not isinstance(cluster, Cluster):
+        cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
+    memory = Memory() if memory is None else check_instance(memory, Memory, "memory", "autopar.Memory(...)")
+    check_number(time_limit, "time_limit", unit="seconds of solver time")
+    check_int(seed, "seed")
+    if memory_budget is not None:
+        check_number(memory_budget, "memory_budget", unit="bytes per device, such as 40 * 2**30")
     if pipeline is not None and memory.offload_activations:
         raise PlanError(
             "Memory(offload_activations=True) is not supported with a pipeline (its stages keep "
@@ -172,6 +185,11 @@ def plan_captured(
     if best is None:
         raise PlanError(_no_fit(search, choices))
     best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
+    if memory.zero and best.memory is not None and not best.memory.zero_splits:
+        best.warnings.append(
+            f"Memory(zero={memory.zero}) splits nothing: no parameter of at least zero_threshold bytes has "
+            "its gradient summed over a mesh axis of size > 1 (a data-parallel axis) to split it over"
+        )
     if pipeline is None and captured.annotations.stages:
         best.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
     best.warnings.extend(

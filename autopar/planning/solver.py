@@ -53,6 +53,8 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from autopar.ir.errors import PlanError
+
 NANOSECONDS = 1e9
 MAX_OBJECTIVE = float(2**52)  # keep CP-SAT's integer objective far from overflow
 KIB = 1024.0
@@ -151,7 +153,10 @@ class StrategyILP:
         solver = self._solver(time_limit, seed)
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            raise RuntimeError(f"the memory ILP has no solution ({solver.StatusName(status)})")
+            raise PlanError(
+                f"the solver found no least-memory plan within time_limit={time_limit} s "
+                f"({solver.StatusName(status)}); raise time_limit"
+            )
         assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
         return assignment, fixed + sum(float(per_root[r][i]) for r, i in assignment.items() if r in per_root)
 
@@ -189,6 +194,7 @@ class StrategyILP:
             self._memory_budget(model, s)
         objective = [(self._int(c[i]), s[r][i]) for r, c in nodes.items() for i in range(len(c)) if c[i] > 0]
         model.Minimize(sum(w * v for w, v in objective + terms))
+        greedy = self._hint(model, s, nodes)
         build = time.perf_counter() - t0
         solver = self._solver(time_limit, seed)
         t1 = time.perf_counter()
@@ -196,12 +202,21 @@ class StrategyILP:
         solve = time.perf_counter() - t1
         if status == cp_model.INFEASIBLE and self.budget is not None:
             return None
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            raise RuntimeError(f"the strategy ILP has no solution ({solver.StatusName(status)})")
-        assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
+        elif status == cp_model.UNKNOWN and self.budget is None:
+            assignment = greedy  # the time limit hit before any solution: the hint is one (see _hint)
+        else:
+            raise PlanError(
+                f"the solver found no plan within time_limit={time_limit} s "
+                f"({solver.StatusName(status)}{', under the memory budget' if self.budget else ''}); "
+                f"raise time_limit"
+            )
         objective_s = self.evaluate(assignment)
-        reduced_constant = objective_s - solver.ObjectiveValue() / self.scale
-        bound = solver.BestObjectiveBound() / self.scale + reduced_constant
+        reduced = sum(float(c[assignment[r]]) for r, c in nodes.items()) + sum(
+            float(m[assignment[u], assignment[v]]) for (u, v), m in pairs.items()
+        )
+        bound = solver.BestObjectiveBound() / self.scale + objective_s - reduced
         proto = model.Proto()
         stats = SolverStats(
             variables=len(proto.variables),
@@ -214,6 +229,20 @@ class StrategyILP:
             status=solver.StatusName(status),
         )
         return assignment, stats
+
+    @staticmethod
+    def _hint(model: cp_model.CpModel, s: dict[str, list], nodes: dict[str, np.ndarray]) -> dict[str, int]:
+        """Hint each choice's cheapest strategy by its own cost, and return those choices.
+
+        Without a memory budget any one strategy per choice is a plan (the edge variables
+        only add cost), so where the time limit runs out before the solver finds one, this
+        is the plan returned, its gap against the solver's bound reported.
+        """
+        greedy = {r: int(np.argmin(nodes[r])) for r in s}
+        for r, vs in s.items():
+            for i, v in enumerate(vs):
+                model.AddHint(v, i == greedy[r])
+        return greedy
 
     def _int(self, seconds: float) -> int:
         return max(0, int(math.floor(seconds * self.scale + 0.5)))

@@ -23,140 +23,27 @@ exits with status 2.
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib.util
 import math
-import re
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-USAGE_ERROR = 2
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2."""
-
-
-# --- parsing ---------------------------------------------------------------------------
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``."""
-    mesh: dict[str, int] = {}
-    for item in text.split(","):
-        name, eq, size = item.strip().partition("=")
-        if not eq or not name.isidentifier() or not size.isdigit() or int(size) < 1 or name in mesh:
-            raise UsageError(
-                f"mesh {text!r}: expected axis=size items separated by commas, each axis once, e.g. dp=2,tp=4"
-            )
-        mesh[name] = int(size)
-    return mesh
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1e3,
-    "mb": 1e6,
-    "gb": 1e9,
-    "tb": 1e12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
-
-
-def parse_bytes(text: str) -> float:
-    """``"80GB"``, ``"40e9"``, ``"512MiB"`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise UsageError(f"budget {text!r}: expected bytes such as 80GB, 40e9 or 512MiB")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise UsageError(f"budget {text!r} must be positive")
-    return value
-
-
-def _value(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def _overrides(words: Sequence[str]) -> dict[str, Any]:
-    out = {}
-    for word in words:
-        key, eq, value = word.partition("=")
-        if not eq or not key.isidentifier():
-            raise UsageError(f"model option {word!r}: expected key=value, e.g. n_layer=2")
-        out[key] = _value(value)
-    return out
-
-
-# --- models ------------------------------------------------------------------------------
-
-
-def load_model(
-    spec: str, options: Sequence[str], batch: int, seq: int
-) -> tuple[torch.nn.Module, tuple, dict]:
-    """The model and example inputs ``(model, args, kwargs)`` a ``MODEL`` spec names."""
-    overrides = _overrides(options)
-    if spec.startswith("hf:"):
-        return _transformers_model(spec[3:], overrides, batch, seq)
-    path, colon, factory = spec.rpartition(":")
-    if not colon or not path.endswith(".py") or not factory.isidentifier():
-        raise UsageError(f"model {spec!r}: expected path/to/file.py:factory or hf:ARCH (e.g. hf:gpt2)")
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"model {spec!r}: no file {file}")
-    module_spec = importlib.util.spec_from_file_location(file.stem, file)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module  # dataclasses look their module up while it runs
-    module_spec.loader.exec_module(module)
-    fn = getattr(module, factory, None)
-    if not callable(fn):
-        raise UsageError(f"model {spec!r}: {file} has no function {factory!r}")
-    try:
-        built = fn(**overrides)
-    except TypeError as exc:
-        raise UsageError(f"model {spec!r}: {factory}({', '.join(overrides)}) failed: {exc}") from None
-    if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
-        raise UsageError(f"model {spec!r}: {factory} must return (model, args) or (model, args, kwargs)")
-    model, args = built[0], built[1] if isinstance(built[1], tuple) else (built[1],)
-    return model, args, dict(built[2]) if len(built) == 3 else {}
-
-
-def _transformers_model(
-    arch: str, overrides: dict, batch: int, seq: int
-) -> tuple[torch.nn.Module, tuple, dict]:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    try:
-        # training captures no key/value cache (its objects are no tensors export can return)
-        config = transformers.AutoConfig.for_model(arch, **{"use_cache": False, **overrides})
-    except ValueError:
-        raise UsageError(
-            f"model hf:{arch}: not a transformers model type (e.g. hf:gpt2, hf:llama, hf:bert)"
-        ) from None
-    with torch.device("meta"):
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
-            try:
-                model = auto.from_config(config)
-                break
-            except ValueError:
-                continue
-        else:
-            raise UsageError(f"model hf:{arch}: neither a causal nor a masked language model")
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    return model, (), {"input_ids": ids, "labels": ids}
-
+from autopar.planning.cost import get_cluster
+from autopar.tools.cli_inputs import (
+    USAGE_ERROR,
+    UsageError,
+    cluster_name,
+    load_model,
+    parse_bytes,
+    parse_counts,
+    parse_mesh,
+    positive_int,
+    writable,
+)
 
 # --- commands ----------------------------------------------------------------------------
 
@@ -168,8 +55,7 @@ def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: di
     from autopar.ir.mesh import MeshSpec
     from autopar.planning.planner import capture_for, plan_captured
 
-    cluster = _cluster(a.cluster)
-    budget = parse_bytes(a.budget) if a.budget else None
+    cluster, budget = get_cluster(a.cluster), a.budget
     console = Console(stderr=True)
     spec = MeshSpec.of(mesh)
     with console.status(f"capturing {type(model).__name__} with torch.export ..."):
@@ -178,18 +64,9 @@ def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: di
         return captured, plan_captured(captured, spec, cluster=cluster, memory_budget=budget)
 
 
-def _cluster(name: str) -> Any:
-    from autopar.planning.cost import get_cluster
-
-    try:
-        return get_cluster(name)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
 def cmd_plan(a: argparse.Namespace) -> None:
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
-    _, plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
+    _, plan = _plan(a, model, args, kwargs, a.mesh)
     plan.source = [a.model, *a.options, f"--batch={a.batch}", f"--seq={a.seq}"]  # for `show plan.json`
     print(plan.summary(width=a.width))
     if a.output:
@@ -222,7 +99,7 @@ def cmd_show(a: argparse.Namespace) -> None:
         captured = capture_for(model, args, kwargs, MeshSpec.of(mesh), None)
     else:
         model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
-        mesh = parse_mesh(a.mesh)
+        mesh = a.mesh
         captured, plan = _plan(a, model, args, kwargs, mesh)  # lowered as compile does: one capture
     with fake_world(math.prod(mesh.values())):
         device_mesh = init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh))
@@ -310,7 +187,7 @@ def cmd_viz(a: argparse.Namespace) -> None:
         plan = load_plan(a.model)
     else:
         model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
-        _, plan = _plan(a, model, args, kwargs, parse_mesh(a.mesh))
+        _, plan = _plan(a, model, args, kwargs, a.mesh)
     title = f"autopar plan on mesh {plan.mesh_spec} ({plan.cluster['name']})"
     if a.output.endswith(".dot"):
         Path(a.output).write_text(plan_dot(plan))
@@ -369,17 +246,10 @@ def cmd_scaling(a: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    try:
-        devices = sorted({1, *(int(d) for d in a.devices.split(","))})  # one device is the reference
-    except ValueError:
-        raise UsageError(
-            f"devices {a.devices!r}: expected counts separated by commas, e.g. 1,2,4,8"
-        ) from None
-    if devices[0] < 1:
-        raise UsageError(f"devices {a.devices!r}: counts must be at least 1")
+    devices = sorted({1, *a.devices})  # one device is the reference
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
     with Console(stderr=True).status(f"planning for {len(devices)} device counts ..."):
-        rows = scaling_table(model, args, kwargs, devices, a.axis, _cluster(a.cluster))
+        rows = scaling_table(model, args, kwargs, devices, a.axis, get_cluster(a.cluster))
     s, g = amdahl_fraction(rows), gustafson_fraction(rows)
     table = Table(title=f"predicted scaling over {a.axis} ({a.cluster})")
     for col in ("devices", "step", "speedup", "efficiency", "grown-batch step", "scaled speedup"):
@@ -431,33 +301,52 @@ def _plot(rows: Sequence[dict[str, float]], s: float, g: float, path: str) -> No
 # --- entry ---------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors on one line (the usage is ``autopar COMMAND --help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(USAGE_ERROR)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="autopar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_command(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("model", help="path/to/file.py:factory or hf:ARCH")
         p.add_argument("options", nargs="*", help="key=value for the factory or the transformers config")
-        p.add_argument("--cluster", default="cpu-gloo", help="cluster preset (cpu-gloo, h100, fast-links)")
-        p.add_argument("--batch", type=int, default=8, help="hf: models: sequences in the example batch")
-        p.add_argument("--seq", type=int, default=128, help="hf: models: tokens per sequence")
-        p.add_argument("--width", type=int, default=140, help="table width in characters")
+        p.add_argument(
+            "--cluster",
+            type=cluster_name,
+            default="cpu-gloo",
+            help="cluster preset (cpu-gloo, h100, fast-links)",
+        )
+        p.add_argument(
+            "--batch", type=positive_int, default=8, help="hf: models: sequences in the example batch"
+        )
+        p.add_argument("--seq", type=positive_int, default=128, help="hf: models: tokens per sequence")
+        p.add_argument("--width", type=positive_int, default=140, help="table width in characters")
         return p
 
     plan = model_command("plan", "plan a model and print the plan")
-    plan.add_argument("--mesh", required=True, help="e.g. dp=8,tp=8")
-    plan.add_argument("--budget", help="memory per device, e.g. 80GB (default: the cluster's)")
-    plan.add_argument("-o", "--output", help="save the plan as JSON here")
+    plan.add_argument("--mesh", type=parse_mesh, required=True, help="e.g. dp=8,tp=8")
+    plan.add_argument(
+        "--budget", type=parse_bytes, help="memory per device, e.g. 80GB (default: the cluster's)"
+    )
+    plan.add_argument("-o", "--output", type=writable, help="save the plan as JSON here")
     plan.set_defaults(run=cmd_plan)
     show = model_command("show", "print the per-rank program (or a saved plan's graph)")
-    show.add_argument("--mesh", default="dp=1", help="e.g. dp=2,tp=2")
-    show.add_argument("--budget", help="memory per device, e.g. 80GB")
+    show.add_argument("--mesh", type=parse_mesh, default="dp=1", help="e.g. dp=2,tp=2")
+    show.add_argument("--budget", type=parse_bytes, help="memory per device, e.g. 80GB")
     show.set_defaults(run=cmd_show)
     viz = model_command("viz", "the planned graph as a page or for Graphviz (collectives in red)")
-    viz.add_argument("--mesh", default="dp=1", help="e.g. dp=2,tp=2 (with a model)")
-    viz.add_argument("--budget", help="memory per device, e.g. 80GB")
-    viz.add_argument("-o", "--output", required=True, help="graph.html, graph.svg or graph.dot")
+    viz.add_argument("--mesh", type=parse_mesh, default="dp=1", help="e.g. dp=2,tp=2 (with a model)")
+    viz.add_argument("--budget", type=parse_bytes, help="memory per device, e.g. 80GB")
+    viz.add_argument(
+        "-o", "--output", type=writable, required=True, help="graph.html, graph.svg or graph.dot"
+    )
     viz.add_argument("--open", default="", help=".svg: modules to draw opened, e.g. blocks,blocks.0")
     viz.set_defaults(run=cmd_viz)
     explain = sub.add_parser(
@@ -467,9 +356,11 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("node", help="a node name, as `autopar show` prints them")
     explain.set_defaults(run=cmd_explain)
     scaling = model_command("scaling", "predicted speedup and efficiency over device counts")
-    scaling.add_argument("--devices", default="1,2,4,8", help="device counts, e.g. 1,2,4,8,16")
+    scaling.add_argument(
+        "--devices", type=parse_counts, default="1,2,4,8", help="device counts, e.g. 1,2,4,8,16"
+    )
     scaling.add_argument("--axis", default="dp", help="the mesh axis the devices form")
-    scaling.add_argument("--plot", help="write a speedup plot here (.png or .svg)")
+    scaling.add_argument("--plot", type=writable, help="write a speedup plot here (.png or .svg)")
     scaling.set_defaults(run=cmd_scaling)
     return parser
 
@@ -493,6 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, AutoparError) as exc:
         print(f"autopar {a.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    except BrokenPipeError:
+        # the reader stopped (`| head`): nothing more to print; stdout goes nowhere so that
+        # flushing it at exit raises nothing either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -19,6 +19,7 @@ from autopar.ir.errors import (
     AnnotationError,
     AutoparError,
     CaptureError,
+    CheckpointError,
     CompileError,
     InitializationError,
     OptionError,
@@ -30,11 +31,13 @@ from autopar.ir.options import Memory, Pipeline
 from autopar.ir.plan import Plan, load_plan
 from autopar.planning.cost import Cluster, LinkSpec, get_cluster
 from autopar.planning.planner import plan
+from autopar.runtime.training_state import load_checkpoint, save_checkpoint
 
 __all__ = [
     "AnnotationError",
     "AutoparError",
     "CaptureError",
+    "CheckpointError",
     "Cluster",
     "CompileError",
     "InitializationError",
@@ -51,9 +54,11 @@ __all__ = [
     "compile",
     "constrain",
     "get_cluster",
+    "load_checkpoint",
     "load_plan",
     "pipeline_stage",
     "plan",
     "recompute",
+    "save_checkpoint",
     "shard",
 ]

@@ -38,3 +38,7 @@ class InitializationError(AutoparError, ValueError):
 class OptionError(AutoparError, ValueError, TypeError):
     """An argument of ``plan``/``compile`` or an option object (a mesh, ``Memory``, ``Pipeline``, a
     cluster, a time limit) has the wrong type or value; nothing is coerced."""
+
+
+class CheckpointError(AutoparError, RuntimeError):
+    """A checkpoint cannot be read back into this module and optimizer (``autopar.load_checkpoint``)."""

@@ -65,15 +65,33 @@ def _padded(value: DTensor, target: DTensor, manual: ManualRows) -> DTensor:
     return as_dtensor(piece.contiguous(), mesh, target.placements, target)
 
 
+def handed_out(value: DTensor, manual: ManualRows | None) -> DTensor:
+    """``value`` (a parameter, or optimizer state shaped like one) as a state dict hands it out:
+    in its model's shape, every rank's piece one block (module docstring)."""
+    if manual is not None:
+        return _unpadded(value, manual)
+    if _strided(value):
+        return value.detach().redistribute(value.device_mesh, plain(value.placements))
+    return value
+
+
+def taken_back(value: DTensor, target: DTensor, manual: ManualRows | None) -> DTensor:
+    """Inverse of :func:`handed_out`: ``value`` in ``target``'s form (its placements, padding)."""
+    if manual is not None and value.shape != target.shape:
+        return _padded(value, target, manual)
+    if _strided(target) and value.placements != target.placements:
+        return value.redistribute(target.device_mesh, target.placements)
+    return value
+
+
 def _hand_out(
     manual: Mapping[str, ManualRows], module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _: Any
 ) -> None:
     for key, value in state_dict.items():
-        rows = manual.get(key[len(prefix) :]) if key.startswith(prefix) else None
-        if rows is not None and isinstance(value, DTensor):
-            state_dict[key] = _unpadded(value, rows)
-        elif _strided(value):
-            state_dict[key] = value.detach().redistribute(value.device_mesh, plain(value.placements))
+        if isinstance(value, DTensor):
+            state_dict[key] = handed_out(
+                value, manual.get(key[len(prefix) :]) if key.startswith(prefix) else None
+            )
 
 
 def _take_back(
@@ -88,12 +106,8 @@ def _take_back(
     for key, value in state_dict.items():
         name = key[len(prefix) :] if key.startswith(prefix) else None
         target = own.get(name) if name is not None else None
-        if not isinstance(value, DTensor) or not isinstance(target, DTensor):
-            continue
-        if name in manual and value.shape != target.shape:
-            state_dict[key] = _padded(value, target, manual[name])
-        elif _strided(target) and value.placements != target.placements:
-            state_dict[key] = value.redistribute(target.device_mesh, target.placements)
+        if isinstance(value, DTensor) and isinstance(target, DTensor):
+            state_dict[key] = taken_back(value, target, manual.get(name))
 
 
 def keep_checkpoints_plain(module: torch.nn.Module, manual: Mapping[str, ManualRows]) -> None:

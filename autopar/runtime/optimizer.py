@@ -16,6 +16,7 @@ so any optimizer over ``dmodel.parameters()`` holds split state.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -116,7 +117,18 @@ def make_optimizer(
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
+    _STANDS_FOR[optimizer] = {id(c.master): c.target for c in copies}
     return optimizer
+
+
+# optimizer -> {id of a host master copy it steps: the DTensor (parameter or ZeRO shard) it stands for}
+_STANDS_FOR: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+
+def stands_for(optimizer: torch.optim.Optimizer, held: torch.Tensor) -> torch.Tensor:
+    """The DTensor whose state ``held`` (a tensor ``optimizer`` steps) is: a parameter, a ZeRO shard,
+    or, for an fp32 host master copy (offload), the one it copies."""
+    return _STANDS_FOR.get(optimizer, {}).get(id(held), held)
 
 
 def held_bytes(module: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

@@ -1,8 +1,9 @@
 """Checkpoint and resume: the whole training state saved under one plan and loaded under another,
 and a job whose rank is killed restarting from its last checkpoint with the same losses.
 
-One world of 4 gloo ranks trains examples/gpt.py's model with Adam through four plans in turn
-(dp=4 with ZeRO-2, dp=2 x tp=2, pp=2 x dp=2, dp=4 with ZeRO-2 again), each from a fresh model
+One world of 4 gloo ranks trains examples/gpt.py's model with Adam through six plans in turn
+(dp=4 with ZeRO-2, dp=2 x tp=2, pp=2 x dp=2, dp=4 with ZeRO-3, dp=2 x tp=2 with the optimizer
+on the host, dp=4 with ZeRO-1), each from a fresh model
 with other weights that loads the previous plan's checkpoint: every step's loss equals one
 device's. examples/resume.py runs under torchrun with a rank killed by SIGKILL mid-training.
 """
@@ -26,7 +27,14 @@ PHASES = [
     ("dp=4, ZeRO-2", (4,), ("dp",), {"memory": autopar.Memory(zero=2)}),
     ("dp=2 x tp=2", (2, 2), ("dp", "tp"), {}),
     ("pp=2 x dp=2", (2, 2), ("pp", "dp"), {"pipeline": autopar.Pipeline(2)}),
-    ("dp=4, ZeRO-2 again", (4,), ("dp",), {"memory": autopar.Memory(zero=2)}),
+    ("dp=4, ZeRO-3", (4,), ("dp",), {"memory": autopar.Memory(zero=3)}),
+    (
+        "dp=2 x tp=2, optimizer on the host",
+        (2, 2),
+        ("dp", "tp"),
+        {"memory": autopar.Memory(offload_optimizer=True)},
+    ),
+    ("dp=4, ZeRO-1", (4,), ("dp",), {"memory": autopar.Memory(zero=1)}),
 ]
 
 
@@ -82,9 +90,9 @@ def test_a_checkpoint_resumes_under_other_plans_with_the_same_losses(tmp_path):
     for name, step, loss in losses:
         assert loss == pytest.approx(want[step], abs=1e-5), (name, step)
     # the whole training state is plain data: it loads with weights_only
-    dcp_to_torch_save(tmp_path / "3", tmp_path / "whole.pt")
+    dcp_to_torch_save(tmp_path / "5", tmp_path / "whole.pt")
     state = torch.load(tmp_path / "whole.pt", weights_only=True)
-    assert state["step"] == 8 and state["format"] == 1 and '"mesh": {"dp": 4}' in state["plan"]
+    assert state["step"] == 12 and state["format"] == 1 and '"mesh": {"dp": 4}' in state["plan"]
     assert {"wte.weight.exp_avg", "wte.weight.exp_avg_sq", "wte.weight.step"} <= set(
         state["optimizer"]["state"]
     )

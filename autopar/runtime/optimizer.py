@@ -75,8 +75,11 @@ class HostCopy:
 
     @torch.no_grad()
     def push(self) -> None:
+        """The stepped value back into the target; the target's gradient, now used, is released
+        (``optimizer.zero_grad()`` clears the master's only: it would otherwise add up)."""
         local = self.target.to_local() if isinstance(self.target, DTensor) else self.target
         local.copy_(self.master)
+        self.target.grad = None
 
 
 def make_optimizer(
@@ -123,6 +126,17 @@ def make_optimizer(
 
 # optimizer -> {id of a host master copy it steps: the DTensor (parameter or ZeRO shard) it stands for}
 _STANDS_FOR: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def refresh_copies(optimizer: torch.optim.Optimizer) -> None:
+    """Copy into each fp32 host master copy ``optimizer`` steps the value of what it copies (after
+    those values were loaded: the next step would otherwise push the stale copy back)."""
+    for group in optimizer.param_groups:
+        for held in group["params"]:
+            source = stands_for(optimizer, held)
+            if source is not held:
+                held.copy_(source.to_local())
 
 
 def stands_for(optimizer: torch.optim.Optimizer, held: torch.Tensor) -> torch.Tensor:

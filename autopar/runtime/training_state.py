@@ -21,7 +21,8 @@ Everything is stored in the model's own terms, so DCP can reshard it:
 Only tensors, numbers, strings, lists and dicts are written, so every file loads with
 ``torch.load(..., weights_only=True)``. An optimizer whose state is created lazily (Adam's, on
 its first ``step()``) is given it first by one step with zero gradients at learning rate 0,
-then overwritten with the saved values.
+then overwritten with the saved values; host master copies (offload) are refreshed from the
+loaded parameters.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from autopar.ir.errors import CheckpointError
 from autopar.runtime.checkpoint import handed_out, taken_back
 from autopar.runtime.materialize import as_dtensor
-from autopar.runtime.optimizer import stands_for
+from autopar.runtime.optimizer import refresh_copies, stands_for
 
 FORMAT = 1
 
@@ -71,6 +72,7 @@ def load_checkpoint(path: str | Path, module: Any, optimizer: torch.optim.Optimi
         raise CheckpointError(f"checkpoint {path} has format {state['format']}, this autopar reads {FORMAT}")
     module.load_state_dict(state["model"])
     if optimizer is not None:
+        refresh_copies(optimizer)
         _put_optimizer_state(module, optimizer, state)
     _set_rng_states(state["rng"])
     return int(state["step"])

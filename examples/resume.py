@@ -37,6 +37,7 @@ def last_checkpoint(folder: Path) -> Path | None:
 def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autopar.tools.launch import init_restartable_process_group
     from examples import gpt
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", default="checkpoints", help="the checkpoint folder")
     parser.add_argument("--losses", default="losses.txt", help="rank 0 appends 'step loss' lines here")
     a = parser.parse_args()
-    torch.distributed.init_process_group("gloo")
+    init_restartable_process_group("gloo")  # each restart's ranks meet afresh
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     model, _ = gpt.build(batch_size=4)

@@ -76,3 +76,21 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -> l
         if failure is not None:
             raise RuntimeError(str(failure)) from failure
         return results
+
+
+def init_restartable_process_group(backend: str = "gloo") -> None:
+    """``init_process_group(backend)`` for a script ``torchrun --max-restarts`` may restart.
+
+    torchrun's agent keeps one store across restarts; a restarted rank reading it may find the
+    address a dead rank of the attempt before left there and fail to connect (gloo's
+    "connectFullMesh failed ... Connection refused"). Here each attempt
+    (``TORCHELASTIC_RESTART_COUNT``) sees the store under a prefix of its own.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)  # rank 0 hosts a fresh store on each attempt
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"autopar/attempt-{attempt}/", agent)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)

@@ -1,0 +1,28 @@
+"""A seeded subset of bench/fuzz.py in CI: random models, meshes, annotations and memory options,
+each trained for a step on 4 gloo ranks and compared with one device."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.fuzz import draw, fuzz
+
+# seeds drawn to cover the grammar: attention, MLPs, norms, convolution, gates, an uneven
+# vocabulary, Megatron annotations, ZeRO-1/2/3, recompute and a pipeline
+SEEDS = [3, 4, 5, 7, 9, 10, 11, 13]
+
+
+def test_the_seeds_cover_the_grammar():
+    cases = [draw(seed)[0] for seed in SEEDS]
+    blocks = {kind for case in cases for kind in case.blocks}
+    assert blocks >= {"attn", "mlp", "conv", "gate", "centre"}
+    assert {case.zero for case in cases} == {0, 1, 2, 3}
+    assert any(case.pipeline for case in cases) and any(case.embed == 61 for case in cases)
+    assert any("Megatron" in note for case in cases for note in case.annotations)
+
+
+@pytest.mark.slow
+def test_fuzzed_cases_train_as_on_one_device():
+    results = fuzz(SEEDS)
+    failed = {seed: outcome for seed, outcome, _ in results if outcome != "ok"}
+    assert not failed, {seed: (draw(seed)[0].describe(), outcome) for seed, outcome in failed.items()}

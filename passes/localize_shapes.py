@@ -9,8 +9,9 @@
   rule's ``mean_over`` labels) is computed locally over 1/c of the items, so its
   result is multiplied by 1/c to become a correct partial sum.
 
-Reads: ``autopar.layouts``, ``val``, ``autopar.stage``. Writes: node arguments; ``mul``
-nodes after rescaled means (with ``autopar.layouts`` and the mean's ``autopar.stage``);
+Reads: ``autopar.layouts``, ``val``, ``autopar.stage``, ``nn_module_stack``. Writes: node
+arguments; ``mul`` nodes after rescaled means (with ``autopar.layouts`` and the mean's
+``autopar.stage`` and ``nn_module_stack``);
 ``autopar.mean_split`` on the means.
 """
 
@@ -91,7 +92,8 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             scaled.meta["val"] = node.meta["val"]
             out = layouts[node].output
             write_layouts(scaled, NodeLayouts(operands=(out,), outputs=(out,)))
-            if STAGE in node.meta:
-                scaled.meta[STAGE] = node.meta[STAGE]
+            for key in (STAGE, "nn_module_stack"):  # the mean's stage and module (its recompute region)
+                if key in node.meta:
+                    scaled.meta[key] = node.meta[key]
             node.meta[MEAN_SPLIT] = split
     return gm

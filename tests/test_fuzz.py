@@ -8,8 +8,9 @@ import pytest
 from bench.fuzz import draw, fuzz
 
 # seeds drawn to cover the grammar: attention, MLPs, norms, convolution, gates, an uneven
-# vocabulary, Megatron annotations, ZeRO-1/2/3, recompute and a pipeline
-SEEDS = [3, 4, 5, 7, 9, 10, 11, 13]
+# vocabulary, Megatron annotations, ZeRO-1/2/3, recompute and a pipeline; 179 recomputes a
+# mean over a split dim (the one case bench/fuzz.py's first 200 seeds refused, since fixed)
+SEEDS = [3, 4, 5, 7, 9, 10, 11, 13, 179]
 
 
 def test_the_seeds_cover_the_grammar():

@@ -75,11 +75,8 @@ class HostCopy:
 
     @torch.no_grad()
     def push(self) -> None:
-        """The stepped value back into the target; the target's gradient, now used, is released
-        (``optimizer.zero_grad()`` clears the master's only: it would otherwise add up)."""
         local = self.target.to_local() if isinstance(self.target, DTensor) else self.target
         local.copy_(self.master)
-        self.target.grad = None
 
 
 def make_optimizer(
@@ -121,7 +118,25 @@ def make_optimizer(
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
     _STANDS_FOR[optimizer] = {id(c.master): c.target for c in copies}
+    if offload:
+        _clear_targets_too(optimizer, [c.target for c in copies])
     return optimizer
+
+
+def _clear_targets_too(optimizer: torch.optim.Optimizer, targets: list[Any]) -> None:
+    """Make ``optimizer.zero_grad()`` clear the gradients of the tensors its host copies stand for
+    as well as the copies' own: the device gradients would otherwise add up step after step."""
+    clear_copies = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        clear_copies(set_to_none)
+        for t in targets:
+            if set_to_none or t.grad is None:
+                t.grad = None
+            else:
+                t.grad.zero_()
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 # optimizer -> {id of a host master copy it steps: the DTensor (parameter or ZeRO shard) it stands for}

@@ -42,13 +42,16 @@ from autopar.runtime.optimizer import refresh_copies, stands_for
 
 FORMAT = 1
 
+# "<fqn>.<name>" -> (an optimizer state in the model's terms, the live state tensor, its DTensor form)
+Entries = dict[str, tuple[Any, Any, Any]]
+
 
 def save_checkpoint(
     path: str | Path, module: Any, optimizer: torch.optim.Optimizer | None = None, *, step: int = 0
 ) -> None:
     """Write ``module``'s and ``optimizer``'s whole state, ``step`` and the RNG states under ``path``
     (a folder; every rank calls this). See the module docstring for what is stored."""
-    state = _template(module, optimizer)
+    state = _template(module, optimizer, _optimizer_entries(module, optimizer) if optimizer else {})
     state["step"] = int(step)
     state["rng"] = _rng_states()
     state["plan"] = json.dumps(module.plan.to_dict())
@@ -62,7 +65,8 @@ def load_checkpoint(path: str | Path, module: Any, optimizer: torch.optim.Optimi
         raise CheckpointError(f"no checkpoint at {path}: save_checkpoint writes a folder there")
     if optimizer is not None:
         _ensure_state(optimizer)
-    state = _template(module, optimizer)
+    entries = _optimizer_entries(module, optimizer) if optimizer is not None else {}
+    state = _template(module, optimizer, entries)
     state.update(step=0, rng=_rng_states())
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -73,24 +77,25 @@ def load_checkpoint(path: str | Path, module: Any, optimizer: torch.optim.Optimi
     module.load_state_dict(state["model"])
     if optimizer is not None:
         refresh_copies(optimizer)
-        _put_optimizer_state(module, optimizer, state)
+        _put_optimizer_state(module, optimizer, state, entries)
     _set_rng_states(state["rng"])
     return int(state["step"])
 
 
-def _template(module: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The state dict in the model's terms (module docstring); DCP saves it or loads into it."""
+def _template(module: Any, optimizer: torch.optim.Optimizer | None, entries: Entries) -> dict[str, Any]:
+    """The state dict in the model's terms (module docstring); DCP saves it or loads into it.
+    ``entries``: the optimizer's, from :func:`_optimizer_entries`."""
     state: dict[str, Any] = {"format": FORMAT, "model": module.state_dict()}
     if optimizer is not None:
         state["optimizer"] = {
-            "state": {key: value for key, (value, _, _) in _optimizer_entries(module, optimizer).items()},
+            "state": {key: value for key, (value, _, _) in entries.items()},
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         }
     return state
 
 
-def _optimizer_entries(module: Any, optimizer: torch.optim.Optimizer) -> dict[str, tuple[Any, Any, Any]]:
-    """``{"<fqn>.<name>": (value in the model's terms, the live state tensor, its DTensor form)}``."""
+def _optimizer_entries(module: Any, optimizer: torch.optim.Optimizer) -> Entries:
+    """The optimizer's state tensors, by parameter and name (see :data:`Entries`)."""
     fqn_of = {id(p): fqn for fqn, p in module.named_parameters()}
     fqn_of.update({id(s.shard): fqn_of[id(s.param)] for s in module.zero_shards.values()})
     entries = {}
@@ -111,11 +116,13 @@ def _optimizer_entries(module: Any, optimizer: torch.optim.Optimizer) -> dict[st
     return entries
 
 
-def _put_optimizer_state(module: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Copy the loaded values (in the model's terms) into the optimizer's live state."""
+def _put_optimizer_state(
+    module: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any], entries: Entries
+) -> None:
+    """Copy the loaded values (in the model's terms) into the optimizer's live state (``entries``)."""
     loaded = state["optimizer"]["state"]
     with torch.no_grad():
-        for key, (_, live, form) in _optimizer_entries(module, optimizer).items():
+        for key, (_, live, form) in entries.items():
             value = loaded[key]
             if form is None:
                 if isinstance(live, torch.Tensor):

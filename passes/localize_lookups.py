@@ -30,7 +30,7 @@ import torch
 import autopar.runtime.lookups  # noqa: F401  (registers torch.ops.autopar.block_index, in_block)
 from autopar.ir.errors import CompileError
 from autopar.ir.layout import Layout, pieces_of, row_starts
-from autopar.ir.meta import MASKED_BY, STAGE, GraphLayouts, NodeLayouts, write_layouts
+from autopar.ir.meta import MASKED_BY, GraphLayouts, NodeLayouts, place_beside, write_layouts
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes.context import PassContext
 from autopar.rules import OpCall, SplitLookup, spec_of, split_lookups
@@ -38,7 +38,6 @@ from autopar.rules.embedding import table_source
 
 aten = torch.ops.aten
 ops = torch.ops.autopar
-_COPIED_META = (STAGE, "nn_module_stack")
 
 
 def _shifted(layout: Layout, by: int) -> Layout:
@@ -54,9 +53,7 @@ class _Inserter:
     def add(self, target: object, args: tuple, val: torch.Tensor, operands: tuple, output: Layout):
         node = self.op.graph.call_function(target, args)
         node.meta["val"] = val
-        for key in _COPIED_META:
-            if key in self.op.meta:
-                node.meta[key] = self.op.meta[key]
+        place_beside(node, self.op)
         write_layouts(node, NodeLayouts(operands=operands, outputs=(output,)))
         return node
 

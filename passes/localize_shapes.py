@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from autopar.ir.layout import local_shape
-from autopar.ir.meta import MEAN_SPLIT, STAGE, GraphLayouts, NodeLayouts, write_layouts
+from autopar.ir.meta import MEAN_SPLIT, GraphLayouts, NodeLayouts, place_beside, write_layouts
 from autopar.passes.context import PassContext
 from autopar.rules import DimSpec, OpCall, spec_of, split_counts
 
@@ -92,8 +92,6 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             scaled.meta["val"] = node.meta["val"]
             out = layouts[node].output
             write_layouts(scaled, NodeLayouts(operands=(out,), outputs=(out,)))
-            for key in (STAGE, "nn_module_stack"):  # the mean's stage and module (its recompute region)
-                if key in node.meta:
-                    scaled.meta[key] = node.meta[key]
+            place_beside(scaled, node)  # the mean's stage and module (its recompute region)
             node.meta[MEAN_SPLIT] = split
     return gm

@@ -279,14 +279,14 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
                 layout = lower_strategy(
                     strategy, tuple(param.shape), mesh, where=where, uneven=True, manual=computed
                 )
-                fqn = fqn_of[id(param)]
-                if fqn in layouts and rows.get(fqn) != manual_rows(strategy):
+                fqn, manual = fqn_of[id(param)], manual_rows(strategy)
+                if fqn in layouts and rows.get(fqn) != manual:
                     raise AnnotationError(
-                        f"{where}: parameter {fqn!r} gets ManualSplit {manual_rows(strategy)} here but "
+                        f"{where}: parameter {fqn!r} gets ManualSplit {manual} here but "
                         f"{rows.get(fqn)} from {layout_origin[fqn]}; tied parameters need one split"
                     )
-                if manual_rows(strategy) is not None:
-                    rows[fqn] = manual_rows(strategy)
+                if manual is not None:
+                    rows[fqn] = manual
                 if fqn in layouts and layouts[fqn] != layout:
                     raise AnnotationError(
                         f"{where}: parameter {fqn!r} gets layout {format_layout(layout)} here but "

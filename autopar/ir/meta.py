@@ -78,6 +78,14 @@ class GraphLayouts(Mapping[torch.fx.Node, NodeLayouts]):
         return node in self._set
 
 
+def place_beside(node: torch.fx.Node, op: torch.fx.Node) -> None:
+    """Give ``node``, inserted by a pass next to ``op``, ``op``'s pipeline stage and module (so it
+    falls in the same stage and in the same recompute region)."""
+    for key in (STAGE, "nn_module_stack"):
+        if key in op.meta:
+            node.meta[key] = op.meta[key]
+
+
 def write_layouts(node: torch.fx.Node, layouts: NodeLayouts) -> None:
     """Record ``layouts`` on ``node`` (``autopar.layouts``, and ``autopar.grads`` when it has any)."""
     node.meta[LAYOUTS] = (layouts.operands, layouts.outputs)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.capture.annotations import unclaimed_annotations
 from autopar.capture.export import Captured, capture
 from autopar.ir.errors import CompileError, PlanError
 from autopar.ir.mesh import MeshSpec
@@ -97,9 +98,11 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         raise PlanError("the plan has no pipeline, but compile was given one: plan again with the pipeline")
     stage_spec = layout_mesh(spec, pipeline)
     stage_mesh = mesh if pipeline is None else mesh[stage_spec.axis_names]
+    unapplied = unclaimed_annotations(model)  # here: a model on meta is captured as a copy
     model = materialize(model, seed)
     t0 = time.perf_counter()
     captured = capture_for(model, example_args, example_kwargs, spec, pipeline)
+    captured.unapplied[:0] = unapplied
     if plan is None:
         plan = _plan_once(
             mesh,

@@ -260,3 +260,53 @@ def test_annotation_errors_stay_annotation_errors():
     model, _ = _mlp()
     with pytest.raises(AnnotationError):
         autopar.shard(model, in_strategy=(2, 1))
+
+
+class _Holder(nn.Module):
+    """A model holding one layer in a plain list (not one of its modules) and one never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.in_a_list = [nn.Linear(8, 8)]
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.in_a_list[0](self.first(x)).sum()
+
+
+def test_an_annotation_that_could_not_apply_is_refused():
+    model = _Holder()
+    autopar.recompute(model.in_a_list[0])
+    with pytest.raises(
+        AnnotationError, match="Linear module annotated with recompute runs in the forward of _Holder"
+    ):
+        autopar.plan(model, (torch.randn(4, 8),), {"dp": 2})
+    model = _Holder()
+    autopar.shard(model.unused, out_strategy=(("dp", None),))
+    with pytest.raises(AnnotationError, match="module 'unused' \\(Linear\\): shard\\(\\) gives in_strategy"):
+        autopar.plan(model, (torch.randn(4, 8),), {"dp": 2})
+
+
+def test_an_annotation_on_a_module_outside_the_model_is_reported_once():
+    model, example = _mlp()
+    stray = nn.Linear(4, 4)
+    autopar.shard(stray, parameter_plan={"weight": ("dp", None)})
+    plan = autopar.plan(model, example, {"dp": 2})
+    assert "shard() on a Linear module that is not part of the MLP being planned is not applied to it" in (
+        plan.warnings
+    )
+    assert not any("not part of" in w for w in autopar.plan(model, example, {"dp": 2}).warnings)
+
+
+def test_a_model_on_meta_compiled_as_a_copy_keeps_its_annotations_its_own():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, _ = build(device="meta")
+    _, example = _mlp()
+    autopar.shard(model.layers[0], parameter_plan={"weight": ("dp", None)})
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        compiled = autopar.compile(model, mesh, example)
+    assert compiled.plan.parameters["layers.0.weight"] == "S(0)"
+    assert not any("not part of" in w for w in compiled.plan.warnings)

@@ -18,6 +18,7 @@ See ``docs/annotations.md``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -93,7 +94,29 @@ def _check_plan(plan: object, what: str, where: str) -> tuple[tuple[str, Strateg
     return tuple(plan.items())
 
 
+# modules annotated since a capture last looked (weakly held, with the call that annotated them)
+_ANNOTATED: list[tuple[weakref.ref, str]] = []
+
+
+def unclaimed_annotations(model: nn.Module) -> list[str]:
+    """In words, the annotations made since the last capture on modules that are not part of
+    ``model`` (which does not apply them); each is said once."""
+    mine = {id(m) for m in model.modules()}
+    found = []
+    for ref, call in _ANNOTATED:
+        module = ref()
+        if module is not None and id(module) not in mine:
+            found.append(
+                f"{call}() on a {type(module).__name__} module that is not part of the "
+                f"{type(model).__name__} being planned is not applied to it"
+            )
+    _ANNOTATED.clear()
+    return list(dict.fromkeys(found))
+
+
 def _attach(target: object, annotation: ShardAnnotation) -> Any:
+    if isinstance(target, nn.Module):
+        _ANNOTATED.append((weakref.ref(target), "shard"))
     if isinstance(target, nn.Module) or (isinstance(target, type) and issubclass(target, nn.Module)):
         setattr(target, _SHARD_ATTR, annotation)
         return target
@@ -156,6 +179,13 @@ def shard_annotation(module: nn.Module) -> ShardAnnotation | None:
     return getattr(module, _SHARD_ATTR, None)
 
 
+def annotations_on(module: nn.Module) -> list[str]:
+    """The annotations ``module`` carries, by the name of the call that made them."""
+    found = {"shard": shard_annotation(module) is not None, "pipeline_stage": _STAGE_ATTR in vars(module)}
+    found["recompute"] = _RECOMPUTE_ATTR in vars(module)
+    return [name for name, present in found.items() if present]
+
+
 def _require_module(module: object, fn: str) -> None:
     if not isinstance(module, nn.Module):
         raise AnnotationError(f"{fn}() takes an nn.Module instance, got {module!r}")
@@ -179,6 +209,7 @@ def pipeline_stage(module: ModuleT, k: int) -> ModuleT:
             f"cannot be in stage {k} too; a module runs in one stage"
         )
     setattr(module, _STAGE_ATTR, k)
+    _ANNOTATED.append((weakref.ref(module), "pipeline_stage"))
     return module
 
 
@@ -196,6 +227,7 @@ def recompute(module: ModuleT, policy: RecomputePolicy | str = RecomputePolicy.F
             f"recompute({type(module).__name__}, policy={policy!r}): the policy is one of {list(POLICIES)}"
         )
     setattr(module, _RECOMPUTE_ATTR, RecomputePolicy(policy))
+    _ANNOTATED.append((weakref.ref(module), "recompute"))
     return module
 
 

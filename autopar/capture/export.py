@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autopar.capture.annotations import ModelAnnotations
+from autopar.capture.annotations import ModelAnnotations, unclaimed_annotations
 from autopar.capture.constraint_op import constraint_spec, layout_constraint
 from autopar.capture.exact_means import ExactMeans
 from autopar.capture.functionalize import functionalize
-from autopar.capture.hooks import annotation_hooks
+from autopar.capture.hooks import annotation_hooks, check_strategies_ran
 from autopar.ir.errors import AnnotationError, CaptureError
 from autopar.ir.mesh import MeshSpec
 
@@ -48,6 +48,8 @@ class Captured:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     requires_grad: dict[str, bool] = field(default_factory=dict)
     dropped_outputs: list[str] = field(default_factory=list)  # outputs the program returns as None
+    # annotations made on modules outside the model (autopar.capture.annotations.unclaimed_annotations)
+    unapplied: list[str] = field(default_factory=list)
     number_outputs: tuple[int, ...] = ()  # output leaves the model returns as Python numbers (.item())
 
     @property
@@ -278,6 +280,7 @@ def capture(
             )
             what = f"{type(model).__name__}{where}: {type(exc).__name__}: {message}"
             raise CaptureError(f"could not capture {what}. Try: {hint}.") from exc
+        check_strategies_ran(model)
     _refuse_data_dependent_shapes(program.graph, type(model).__name__)
     functionalize(program.graph_module)  # in-place ops on temporaries, as out-of-place ones where exact
     sig = program.graph_signature
@@ -303,6 +306,7 @@ def capture(
         aliases=aliases,
         requires_grad=requires_grad,
         dropped_outputs=dropped,
+        unapplied=unclaimed_annotations(model),
         number_outputs=tuple(numbers),
     )
 

@@ -16,7 +16,7 @@ import contextvars
 import inspect
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.capture.annotations import (
     ModelAnnotations,
+    annotations_on,
     collect_annotations,
     describe_module,
     shard_annotation,
@@ -42,6 +43,8 @@ class _Capture:
     mesh: MeshSpec
     # (module, description) of the modules whose forward is running, innermost last.
     stack: list[tuple[nn.Module, str]]
+    # the modules whose forward ran
+    ran: set[int] = field(default_factory=set)
 
 
 _ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("autopar_capture", default=None)
@@ -140,6 +143,7 @@ def _install_hooks(module: nn.Module, desc: str, capture: _Capture) -> list[Any]
 
     def enter(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
         capture.stack.append((mod, desc))
+        capture.ran.add(id(mod))
         return None if inputs is None else _wrap_inputs(mod, desc, inputs, capture.mesh, args, kwargs)
 
     def wrap(mod: nn.Module, args: tuple, output: Any) -> Any:
@@ -177,8 +181,43 @@ def annotation_hooks(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) -> It
     try:
         for path, module in model.named_modules():
             handles += _install_hooks(module, describe_module(path, module), capture)
+        handles.append(_refuse_unregistered(model))
         yield annotations
     finally:
         for handle in handles:
             handle.remove()
         _ACTIVE.reset(token)
+
+
+def _refuse_unregistered(model: nn.Module) -> Any:
+    """A global hook refusing an annotated module that runs in ``model``'s forward without
+    being one of its modules: its annotations would be ignored without a word."""
+    registered = {id(m) for m in model.modules()}
+
+    def check(module: nn.Module, args: tuple) -> None:
+        kinds = annotations_on(module)
+        if kinds and id(module) not in registered:
+            raise AnnotationError(
+                f"a {type(module).__name__} module annotated with {' and '.join(kinds)} runs in the "
+                f"forward of {type(model).__name__} but is not one of its modules (held in a plain "
+                "list, dict or non-Module attribute?), so its annotations cannot apply; hold it in "
+                "an nn.Module attribute, nn.ModuleList or nn.ModuleDict"
+            )
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(check)
+
+
+def check_strategies_ran(model: nn.Module) -> None:
+    """After a capture inside :func:`annotation_hooks`: ``in_strategy``/``out_strategy`` on a
+    module whose forward never ran would do nothing, so they are refused."""
+    capture = _ACTIVE.get()
+    assert capture is not None, "check_strategies_ran() runs inside annotation_hooks()"
+    for path, module in model.named_modules():
+        annotation = shard_annotation(module)
+        given = annotation is not None and (annotation.in_strategy, annotation.out_strategy) != (None, None)
+        if given and id(module) not in capture.ran:
+            raise AnnotationError(
+                f"{describe_module(path, module)}: shard() gives in_strategy/out_strategy, but its "
+                "forward never ran while the model was captured, so they would do nothing; annotate "
+                "a module that runs (parameter_plan alone needs no call)"
+            )

@@ -6,9 +6,10 @@ rule table covers (an embedding or a dense input; blocks of attention with heads
 GELU/ReLU/SiLU, LayerNorm/RMSNorm, a convolution over the sequence, a gate, centring by a mean;
 a head with cross entropy or a squared error), a mesh of 1-3 axes over the 4 ranks (size-1 axes
 included, sometimes a pipeline axis), MindSpore-style annotations (Megatron column/row plans,
-a vocabulary split, a batch split), recompute of some blocks and a ZeRO stage. Each case's loss
-and every gradient must equal one device's; a clear ``autopar.AutoparError`` refusing the case
-counts as *refused*, anything else as a failure, printed with its seed.
+a vocabulary split, a batch split), recompute of some blocks, a ZeRO stage and, in a quarter of the
+cases, a time limit so tight that the planner merges mesh axes (``autopar.planning.axis_groups``).
+Each case's loss and every gradient must equal one device's; a clear ``autopar.AutoparError``
+refusing the case counts as *refused*, anything else as a failure, printed with its seed.
 
     python bench/fuzz.py --cases 200            # the tally and every failure, with its seed
     python bench/fuzz.py --seeds 17,42          # replay some cases
@@ -49,13 +50,15 @@ class Case:
     pipeline: bool
     annotations: list[str] = field(default_factory=list)  # in words, for the report
     zero: int = 0
+    time_limit: float = 10.0  # a tight one makes the planner merge mesh axes (planning/axis_groups)
 
     def describe(self) -> str:
         mesh = "x".join(f"{n}={s}" for n, s in self.mesh)
         return (
             f"seed {self.seed}: {'embed(' + str(self.embed) + ')' if self.embed else 'dense'} -> "
             f"{' -> '.join(self.blocks)} -> {self.loss}; mesh {mesh}{' pipeline' if self.pipeline else ''}; "
-            f"zero={self.zero}; {', '.join(self.annotations) or 'no annotations'}"
+            f"zero={self.zero}; time_limit={self.time_limit:g}; "
+            f"{', '.join(self.annotations) or 'no annotations'}"
         )
 
 
@@ -146,6 +149,7 @@ def draw(seed: int) -> tuple[Case, nn.Module, tuple[torch.Tensor, torch.Tensor]]
     torch.manual_seed(seed)
     model = Fuzzed(case, rng)
     _annotate(model, case, rng)
+    case.time_limit = 0.5 if rng.random() < 0.25 else 10.0  # drawn last: earlier draws stay as they were
     x = torch.randint(0, case.embed, (B, T)) if case.embed else torch.randn(B, T, D)
     target = torch.randint(0, C, (B, T)) if case.loss == "cross_entropy" else torch.randn(B, T, C)
     return case, model, (x, target)
@@ -196,7 +200,9 @@ def run_case(seed: int) -> str:
         options = {"memory": autopar.Memory(zero=case.zero)}
         if case.pipeline:
             options = {"pipeline": autopar.Pipeline(2)}
-        dmodel = autopar.compile(model, mesh, (x, target), cluster="fast-links", time_limit=10, **options)
+        dmodel = autopar.compile(
+            model, mesh, (x, target), cluster="fast-links", time_limit=case.time_limit, **options
+        )
         optimizer = dmodel.optimizer(torch.optim.SGD, lr=0.1)
         loss = dmodel.train_step((x, target))
         want = reference(x, target)

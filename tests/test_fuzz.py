@@ -8,9 +8,10 @@ import pytest
 from bench.fuzz import draw, fuzz
 
 # seeds drawn to cover the grammar: attention, MLPs, norms, convolution, gates, an uneven
-# vocabulary, Megatron annotations, ZeRO-1/2/3, recompute and a pipeline; 179 recomputes a
-# mean over a split dim (the one case bench/fuzz.py's first 200 seeds refused, since fixed)
-SEEDS = [3, 4, 5, 7, 9, 10, 11, 13, 179]
+# vocabulary, Megatron annotations, ZeRO-1/2/3, recompute, a pipeline and mesh axes merged by a
+# tight time limit (5, 17, 48); 179 recomputes a mean over a split dim (the one case
+# bench/fuzz.py's first 200 seeds refused, since fixed)
+SEEDS = [3, 4, 5, 7, 9, 10, 11, 13, 17, 48, 179]
 
 
 def test_the_seeds_cover_the_grammar():
@@ -20,6 +21,8 @@ def test_the_seeds_cover_the_grammar():
     assert {case.zero for case in cases} == {0, 1, 2, 3}
     assert any(case.pipeline for case in cases) and any(case.embed == 61 for case in cases)
     assert any("Megatron" in note for case in cases for note in case.annotations)
+    merged = [case for case in cases if case.time_limit < 1 and sum(s > 1 for _, s in case.mesh) == 2]
+    assert len(merged) == 3 and {case.zero for case in merged} == {1, 2, 3}
 
 
 @pytest.mark.slow

@@ -9,13 +9,18 @@ this to decide which axes stay inside a node).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from autopar.ir.arguments import check_int
 from autopar.ir.errors import OptionError
+
+#: A partition of a mesh's axes into runs of consecutive axes, as axis indices: ``((0, 1), (2,))``.
+AxisGroups = tuple[tuple[int, ...], ...]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,3 +87,39 @@ class MeshSpec:
 
     def __str__(self) -> str:
         return "×".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes))
+
+
+def each_axis(mesh: MeshSpec) -> AxisGroups:
+    """The finest partition: every axis alone."""
+    return tuple((a,) for a in range(mesh.ndim))
+
+
+def grouped_product(
+    options: Sequence[T], mesh: MeshSpec, groups: AxisGroups | None = None
+) -> Iterator[tuple[T, ...]]:
+    """Every tuple of one option per mesh axis (``itertools.product`` over the axes); with
+    ``groups``, the axes of a group take the same option (a label on a group splits over all
+    its axes, outer first)."""
+    if groups is None:
+        yield from itertools.product(options, repeat=mesh.ndim)
+        return
+    for combo in itertools.product(options, repeat=len(groups)):
+        out: list[Any] = [None] * mesh.ndim
+        for group, option in zip(groups, combo):
+            for a in group:
+                out[a] = option
+        yield tuple(out)
+
+
+def refine_groups(groups: AxisGroups | None, layouts: Sequence[Sequence[Any]]) -> AxisGroups | None:
+    """``groups`` with each group cut where ``layouts`` (placements per axis) place its axes
+    differently, so that strategies over the result can match those layouts."""
+    if groups is None:
+        return None
+    out: list[tuple[int, ...]] = []
+    for group in groups:
+        parts: dict[tuple, list[int]] = {}
+        for a in group:
+            parts.setdefault(tuple(layout[a] for layout in layouts), []).append(a)
+        out += [tuple(axes) for axes in parts.values()]
+    return tuple(out)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from autopar.ir.layout import Layout, grad_layout
-from autopar.planning.strategy_graph import Edge, StrategyGraph
+from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
 from autopar.rules import Strategy
 
 
@@ -56,6 +56,25 @@ def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None)
     return t_fwd + t_bwd
 
 
+def _table_key(g: StrategyGraph, e: Edge) -> tuple[int, int, int, int]:
+    """Edges between the same two choices, slots and outputs share one table (tied blocks)."""
+    return id(g.choices[e.src]), id(g.choices[e.dst]), e.slot, e.index
+
+
+def _shares_root(cs: Choice, cd: Choice) -> bool:
+    return cs.root is not None and cs.root == cd.root
+
+
+def table_entries(g: StrategyGraph) -> int:
+    """How many edge costs :func:`cost_tables` computes: the entries of every distinct table."""
+    sizes = {}
+    for e in g.edges:
+        cs, cd = g.choices[e.src], g.choices[e.dst]
+        n, m = len(cs.strategies), len(cd.strategies)
+        sizes[_table_key(g, e)] = n if _shares_root(cs, cd) else n * m
+    return sum(sizes.values())
+
+
 def cost_tables(g: StrategyGraph) -> CostTables:
     """Node cost vectors per root, edge cost matrices per root pair, and a constant."""
     node_costs = {r: np.zeros(k) for r, k in g.roots.items()}
@@ -71,17 +90,17 @@ def cost_tables(g: StrategyGraph) -> CostTables:
     cache: dict[tuple, np.ndarray] = {}
     for e in g.edges:
         cs, cd = g.choices[e.src], g.choices[e.dst]
-        key = (id(cs), id(cd), e.slot, e.index)
+        key = _table_key(g, e)
         m = cache.get(key)
         if m is None:
-            if cs.root is not None and cs.root == cd.root:
+            if _shares_root(cs, cd):
                 m = np.array([edge_cost(g, e, a, b) for a, b in zip(cs.strategies, cd.strategies)])
             else:
                 m = np.array([[edge_cost(g, e, a, b) for b in cd.strategies] for a in cs.strategies])
             cache[key] = m
         if cs.root is None and cd.root is None:
             constant += float(m[0, 0])
-        elif cs.root is not None and cs.root == cd.root:
+        elif _shares_root(cs, cd):
             node_costs[cs.root] += m
         elif cs.root is None:
             node_costs[cd.root] += m[0]

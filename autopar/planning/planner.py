@@ -29,12 +29,13 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
 from autopar.ir.plan import Plan, SolverReport
 from autopar.planning.assemble import PlanSetting, alternatives, assemble_plan
+from autopar.planning.axis_groups import graph_within, merged_axes
 from autopar.planning.cost import Cluster, CostModel, get_cluster
 from autopar.planning.edge_costs import CostTables, cost_tables
 from autopar.planning.memory import MemoryChoice
 from autopar.planning.memory_tables import memory_tables
 from autopar.planning.pipeline import PipelineFitError, microbatch
-from autopar.planning.solver import StrategyILP
+from autopar.planning.solver import SolverClock, StrategyILP
 from autopar.planning.strategy_graph import build_strategy_graph
 
 
@@ -56,7 +57,8 @@ def plan(
     ``mesh`` is a ``{axis: size}`` mapping, a :class:`MeshSpec` or a named
     ``DeviceMesh``; no process group is needed. ``cluster`` is a preset name
     (default ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the
-    solver in deterministic seconds (about wall seconds on one core); with the same
+    solver in deterministic seconds (about wall seconds on one core), every solve of the
+    memory search included, and sizes the ILP (``autopar.planning.axis_groups``); with the same
     ``seed`` every call, on every rank, returns the same plan. ``pipeline`` runs a
     pipeline over one mesh axis (see :mod:`autopar.planning.pipeline`); the example inputs are
     the whole batch. ``memory`` sets ZeRO, the optimizer's state and offload
@@ -151,12 +153,17 @@ def plan_captured(
         )
     t1 = time.perf_counter()
     stage_mesh = layout_mesh(mesh, pipeline)
-    g = build_strategy_graph(
-        captured,
+    g = graph_within(
+        lambda groups: build_strategy_graph(
+            captured,
+            stage_mesh,
+            CostModel(stage_mesh, cluster),
+            fixed_inputs,
+            grad_sum_weight=1.0 if pipeline is None else 1.0 / pipeline.microbatches,
+            groups=groups,
+        ),
         stage_mesh,
-        CostModel(stage_mesh, cluster),
-        fixed_inputs,
-        grad_sum_weight=1.0 if pipeline is None else 1.0 / pipeline.microbatches,
+        time_limit,
     )
     search = Search(
         setting=PlanSetting(
@@ -168,7 +175,7 @@ def plan_captured(
             budget=memory_budget if memory_budget is not None else cluster.memory_bytes,
         ),
         tables=cost_tables(g),
-        time_limit=time_limit,
+        clock=SolverClock(time_limit),
         seed=seed,
     )
     build_s = time.perf_counter() - t1
@@ -176,8 +183,8 @@ def plan_captured(
     # the first candidate without the memory constraint is the fastest plan of all: if it fits, it wins
     best = _solve_choice(search, choices[0], constrained=False)
     if best is None:
-        for choice in choices:
-            found = _solve_choice(search, choice, constrained=True)
+        for i, choice in enumerate(choices):
+            found = _solve_choice(search, choice, constrained=True, ways=len(choices) - i)
             if found is not None and (best is None or _step_time(found) < _step_time(best)):
                 best = found
         if best is not None and memory.zero is None:
@@ -190,24 +197,32 @@ def plan_captured(
             f"Memory(zero={memory.zero}) splits nothing: no parameter of at least zero_threshold bytes has "
             "its gradient summed over a mesh axis of size > 1 (a data-parallel axis) to split it over"
         )
+    merged = merged_axes(stage_mesh, g.axis_groups)
+    if merged:
+        best.warnings.append(
+            f"mesh axes planned together to stay within time_limit={time_limit:g} s: {', '.join(merged)} "
+            "(each op splits one dim over all axes of a group or none of them; a larger time_limit "
+            "plans them apart)"
+        )
     if pipeline is None and captured.annotations.stages:
         best.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
     best.warnings.extend(
         f"{what} is not returned (None): a compiled program returns tensors and plain values"
         for what in captured.dropped_outputs
     )
+    best.warnings.extend(captured.unapplied)
     return best
 
 
 @dataclass(frozen=True, kw_only=True)
 class Search:
     """What every candidate of the memory search is solved and assembled with: the setting
-    (whose ``budget`` is the bytes per device a plan must fit), the ILP's cost tables, and
-    the solver's deterministic time limit and seed."""
+    (whose ``budget`` is the bytes per device a plan must fit), the ILP's cost tables, the
+    solver's deterministic seconds left (``time_limit`` shared by every solve) and its seed."""
 
     setting: PlanSetting
     tables: CostTables
-    time_limit: float
+    clock: SolverClock
     seed: int
 
 
@@ -244,10 +259,11 @@ def _ilp(search: Search, choice: MemoryChoice, limit: float | None = None) -> St
     )
 
 
-def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool) -> Plan | None:
+def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways: int = 1) -> Plan | None:
     """The fastest plan under ``choice`` that fits the budget, or None.
 
-    ``constrained`` puts the budget into the ILP. Its memory estimate is per node (see
+    ``constrained`` puts the budget into the ILP; each solve takes a ``ways``-th of the
+    solver time left (the candidates still to solve share it). Its memory estimate is per node (see
     :mod:`autopar.planning.memory_tables`); the plan's figure is exact (:mod:`autopar.planning.memory`).
     Where it exceeds the budget, the ILP's limit is lowered by the difference and solved
     again (twice at most). Under a pipeline the budget bounds each stage (the ILP does
@@ -258,7 +274,8 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool) -> Pl
     limit = budget if setting.pipeline is None and constrained else None
     for _ in range(3):
         ilp = _ilp(search, choice, limit)
-        solved = ilp.solve(time_limit=search.time_limit, seed=search.seed)
+        solved = ilp.solve(time_limit=search.clock.share(ways), seed=search.seed)
+        search.clock.spend(ilp)
         if solved is None:
             return None
         assignment, stats = solved
@@ -304,11 +321,13 @@ def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
         status="MIN_MEMORY",
     )
     tried = []
-    for choice in choices:
+    for i, choice in enumerate(choices):
         ilp = _ilp(search, choice)
-        assignments = [ilp.solve(seed=search.seed)[0]]
+        ways = len(choices) - i + 1
+        assignments = [ilp.solve(time_limit=search.clock.share(ways), seed=search.seed)[0]]
+        search.clock.spend(ilp)
         if choice is choices[-1]:
-            assignments.append(ilp.minimum_memory(seed=search.seed)[0])
+            assignments.append(ilp.minimum_memory(time_limit=search.clock.share(), seed=search.seed)[0])
         for assignment in assignments:
             plan = assemble_plan(unbounded, choice, assignment, report)
             tried.append((_peak_bytes(plan), plan, choice))

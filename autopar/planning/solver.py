@@ -60,6 +60,24 @@ MAX_OBJECTIVE = float(2**52)  # keep CP-SAT's integer objective far from overflo
 KIB = 1024.0
 
 
+@dataclass
+class SolverClock:
+    """The solver's deterministic seconds left to one plan: its ``time_limit``, shared by every
+    solve planning makes (the fastest plan, then the memory search's candidates)."""
+
+    left: float
+
+    def share(self, ways: int = 1) -> float:
+        """The limit of the next solve when ``ways`` solves share what is left (none when
+        nothing is: a solve that runs out before any solution says so, see ``solve``)."""
+        return max(self.left / ways, 0.0)
+
+    def spend(self, ilp: StrategyILP) -> None:
+        """Count the deterministic seconds ``ilp``'s solves have used since the last call."""
+        self.left -= ilp.spent
+        ilp.spent = 0.0
+
+
 @dataclass(frozen=True)
 class SolverStats:
     variables: int
@@ -88,6 +106,7 @@ class StrategyILP:
         self.constant = constant
         self.memory = memory  # (bytes per root and strategy, bytes of fixed nodes)
         self.budget = budget
+        self.spent = 0.0  # deterministic solver seconds used (read and reset by SolverClock.spend)
 
     # --- evaluation (also the reference for the exhaustive test) -------------------
     def evaluate(self, assignment: dict[str, int]) -> float:
@@ -151,14 +170,19 @@ class StrategyILP:
         s = self._choose_one(model, self.node_costs)
         model.Minimize(self._memory_terms(s))
         solver = self._solver(time_limit, seed)
-        status = solver.Solve(model)
+        status = self._run(solver, model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise PlanError(
-                f"the solver found no least-memory plan within time_limit={time_limit} s "
+                f"the solver found no least-memory plan within {time_limit:.3g} s of solver time "
                 f"({solver.StatusName(status)}); raise time_limit"
             )
         assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
         return assignment, fixed + sum(float(per_root[r][i]) for r, i in assignment.items() if r in per_root)
+
+    def _run(self, solver: cp_model.CpSolver, model: cp_model.CpModel) -> int:
+        status = solver.Solve(model)
+        self.spent += solver.deterministic_time
+        return status
 
     @staticmethod
     def _solver(time_limit: float, seed: int) -> cp_model.CpSolver:
@@ -198,7 +222,7 @@ class StrategyILP:
         build = time.perf_counter() - t0
         solver = self._solver(time_limit, seed)
         t1 = time.perf_counter()
-        status = solver.Solve(model)
+        status = self._run(solver, model)
         solve = time.perf_counter() - t1
         if status == cp_model.INFEASIBLE and self.budget is not None:
             return None
@@ -208,7 +232,7 @@ class StrategyILP:
             assignment = greedy  # the time limit hit before any solution: the hint is one (see _hint)
         else:
             raise PlanError(
-                f"the solver found no plan within time_limit={time_limit} s "
+                f"the solver found no plan within {time_limit:.3g} s of solver time "
                 f"({solver.StatusName(status)}{', under the memory budget' if self.budget else ''}); "
                 f"raise time_limit"
             )

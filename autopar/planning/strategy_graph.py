@@ -36,11 +36,11 @@ from autopar.capture.constraint_op import parse_constraint_spec
 from autopar.capture.export import Captured, gradient_flow, module_path
 from autopar.ir.errors import AnnotationError
 from autopar.ir.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
-from autopar.ir.mesh import MeshSpec
+from autopar.ir.mesh import AxisGroups, MeshSpec, each_axis, grouped_product, refine_groups
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
 from autopar.ir.plan import ChoiceKind
-from autopar.ir.strided import is_split, strided
+from autopar.ir.strided import is_split, parts_of, strided
 from autopar.planning.cost import CostModel
 from autopar.planning.tying import tie_blocks
 from autopar.rules import (
@@ -90,6 +90,8 @@ class StrategyGraph:
     requires_grad: dict[torch.fx.Node, bool]
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (op, module path)
     tied_blocks: int = 0
+    # the axes planned together (``autopar.planning.axis_groups``); None: each axis on its own
+    axis_groups: AxisGroups | None = None
     # parameters' gradient sums happen once per step: with m microbatches, 1/m of a microbatch's cost
     grad_sum_weight: float = 1.0
 
@@ -130,19 +132,32 @@ def _numel(node: torch.fx.Node) -> int:
 
 
 def all_layouts(
-    shape: tuple[int, ...], mesh: MeshSpec, parts: Collection[tuple[int, int]] = (), uneven: bool = False
+    shape: tuple[int, ...],
+    mesh: MeshSpec,
+    parts: Collection[tuple[int, int]] = (),
+    uneven: bool = False,
+    groups: AxisGroups | None = None,
 ) -> list[Layout]:
     """Every even layout of a tensor: each mesh axis replicates or splits one dimension,
     no dimension split over two axes (see ``rules.enumerate_strategies``); a dimension of a
     size in ``parts`` (``(size, k)`` pairs) may also split as a strided shard of ``k`` parts,
     and with ``uneven`` one that an axis does not divide may split unevenly (a parameter's
-    vocabulary over ``tp``: ``autopar.ir.layout.splits_unevenly``)."""
+    vocabulary over ``tp``: ``autopar.ir.layout.splits_unevenly``). With ``groups`` the axes
+    of a group take one placement together (``autopar.ir.mesh.grouped_product``): a dim then
+    splits over every axis of one group, outer first, or over none, and strided only over a
+    group of one axis."""
     options = [Replicate(), *(Shard(d) for d in range(len(shape)))]
     options += [strided(d, k) for d, n in enumerate(shape) for size, k in parts if n == size]
+    groups = each_axis(mesh) if groups is None else groups
     out = []
-    for combo in _product(options, mesh.ndim):
-        dims = [p.dim for p in combo if is_split(p)]
-        if is_valid_for(combo, shape, mesh, uneven) and len(dims) == len(set(dims)):
+    for combo in grouped_product(options, mesh, groups):
+        firsts = [(combo[g[0]], len(g)) for g in groups if is_split(combo[g[0]])]
+        dims = [p.dim for p, _ in firsts]
+        if (
+            is_valid_for(combo, shape, mesh, uneven)
+            and len(dims) == len(set(dims))
+            and all(n == 1 or parts_of(p) == 1 for p, n in firsts)
+        ):
             out.append(combo)
     return out
 
@@ -159,15 +174,6 @@ def _cut_into_parts(graph: torch.fx.Graph) -> frozenset[tuple[int, int]]:
         for label, k in spec.parts if spec else ():
             found.add((call.shapes[0][spec.operands[0].index(label)], k))
     return frozenset(found)
-
-
-def _product(options: list, n: int) -> Iterable[tuple]:
-    if n == 0:
-        yield ()
-        return
-    for rest in _product(options, n - 1):
-        for o in options:
-            yield (*rest, o)
 
 
 def fixed_strategy(layout: Layout, operands: int = 0) -> Strategy:
@@ -194,9 +200,15 @@ def _replicated_strategy(spec: DimSpec, mesh: MeshSpec) -> Strategy:
 
 class _Builder:
     def __init__(
-        self, captured: Captured, mesh: MeshSpec, cost: CostModel, fixed_inputs: Mapping[str, Layout]
+        self,
+        captured: Captured,
+        mesh: MeshSpec,
+        cost: CostModel,
+        fixed_inputs: Mapping[str, Layout],
+        groups: AxisGroups | None,
     ) -> None:
         self.captured = captured
+        self.groups = groups
         self.fixed_inputs = fixed_inputs
         self.graph = captured.graph
         self.mesh = mesh
@@ -243,6 +255,7 @@ class _Builder:
             requires_grad=self.requires_grad,
             fallbacks=self.fallbacks,
             tied_blocks=self.tied_blocks,
+            axis_groups=self.groups,
             grad_sum_weight=grad_sum_weight,
         )
 
@@ -252,7 +265,7 @@ class _Builder:
         fixed = self.fixed_inputs.get(node.name)
         if fixed is None and node in self.written:
             fixed = replicated(self.mesh)  # updated in place: see _param
-        layouts = all_layouts(shape_of(node), self.mesh) if fixed is None else [fixed]
+        layouts = all_layouts(shape_of(node), self.mesh, groups=self.groups) if fixed is None else [fixed]
         val = node.meta["val"]
         load = [
             self.cost.compute_time(
@@ -289,7 +302,7 @@ class _Builder:
                 return self.choices[twin]
         # stored in any even layout; its consumers redistribute what they need (a weight
         # stored split and gathered for use is ZeRO-3/FSDP; stored as used, Megatron)
-        layouts = all_layouts(shape_of(node), self.mesh, self.parts, uneven=True)
+        layouts = all_layouts(shape_of(node), self.mesh, self.parts, uneven=True, groups=self.groups)
         return Choice(
             root=node.name, strategies=[fixed_strategy(lay) for lay in layouts], kind=ChoiceKind.PARAM
         )
@@ -332,13 +345,14 @@ class _Builder:
             strategies = self._compute_pinned(call, [_replicated_strategy(spec, self.mesh)])
             return self._priced(call, spec, None, strategies, ChoiceKind.FALLBACK)
         if any(op in self.pinned for op in call.operands):
+            pins = [self.pinned[op] for op in call.operands if op in self.pinned]
             strategies = self._compute_pinned(
-                call, enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh, self.parts)
+                call, self._enumerate(call, spec, refine_groups(self.groups, pins))
             )
             return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)
         primary = self._primary(call, spec)
         if (lookup(node.target).anchor or primary is None) and spec.shardable():
-            strategies = enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh, self.parts)
+            strategies = self._enumerate(call, spec)
             if len(strategies) > 1:
                 return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)
         if primary is None:
@@ -353,6 +367,11 @@ class _Builder:
                 cache[lay] = follow(spec, slot, lay, call.shapes, call.out_shapes, self.mesh)
             strategies.append(cache[lay])
         return self._priced(call, spec, src.root, strategies, ChoiceKind.FOLLOW)
+
+    def _enumerate(self, call: OpCall, spec: DimSpec, groups: AxisGroups | None = None) -> list[Strategy]:
+        """The op's strategies over ``groups``, by default the graph's."""
+        groups = self.groups if groups is None else groups
+        return enumerate_strategies(spec, call.shapes, call.out_shapes, self.mesh, self.parts, groups)
 
     def _compute_pinned(self, call: OpCall, strategies: list[Strategy]) -> list[Strategy]:
         """The strategies that read every compute-pinned operand in its pinned layout.
@@ -386,7 +405,7 @@ class _Builder:
     def _constraint(self, node: torch.fx.Node) -> Choice:
         layout, _ = parse_constraint_spec(node.args[1])
         if layout is None:  # a free choice point: any layout, the solver picks
-            options = all_layouts(shape_of(node), self.mesh)
+            options = all_layouts(shape_of(node), self.mesh, groups=self.groups)
             return Choice(
                 root=node.name,
                 strategies=[fixed_strategy(lay, operands=1) for lay in options],
@@ -452,8 +471,10 @@ def build_strategy_graph(
     fixed_inputs: Mapping[str, Layout] | None = None,
     *,
     grad_sum_weight: float = 1.0,
+    groups: AxisGroups | None = None,
 ) -> StrategyGraph:
     """See the module docstring; ``fixed_inputs`` pins the layouts of some user inputs (by
     placeholder); ``grad_sum_weight`` is the share of a parameter's gradient sum one
-    microbatch pays (``1/m`` with ``m`` microbatches)."""
-    return _Builder(captured, mesh, cost, fixed_inputs or {}).build(grad_sum_weight)
+    microbatch pays (``1/m`` with ``m`` microbatches); ``groups`` plans the axes of each group
+    together (``autopar.planning.axis_groups``)."""
+    return _Builder(captured, mesh, cost, fixed_inputs or {}, groups).build(grad_sum_weight)

@@ -46,7 +46,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import Layout, is_uneven, piece_size, splits_unevenly
-from autopar.ir.mesh import MeshSpec
+from autopar.ir.mesh import AxisGroups, MeshSpec, grouped_product
 from autopar.ir.strided import is_split, parts_of, strided
 
 Labels = tuple[str | None, ...]
@@ -413,6 +413,7 @@ def enumerate_strategies(
     out_shapes: Sequence[tuple[int, ...]],
     mesh: MeshSpec,
     parts: Collection[tuple[int, int]] = (),
+    groups: AxisGroups | None = None,
 ) -> list[Strategy]:
     """Every strategy of an anchor op: one shardable label (or none) per mesh axis, evenly divisible.
 
@@ -420,8 +421,7 @@ def enumerate_strategies(
     first, as DTensor does), into the product of their sizes, which must divide them.
     ``parts`` are ``(size, k)`` pairs: a label whose dims have that size may also split as a
     strided shard of ``k`` parts (on one axis), as a fused projection whose output some op
-    cuts into ``k`` parts must.
-    """
+    cuts into ``k`` parts must. The axes of one of ``groups`` take one label together."""
     sizes = _dims_of(spec, shapes, out_shapes)
     whole_parts = dict(spec.parts)
     options: list[Choice] = [None]
@@ -434,7 +434,7 @@ def enumerate_strategies(
             options += [Strided(lab, k) for size, k in parts if set(sizes[lab]) == {size}]
     return [
         _priced(build(spec, choices, mesh), choices, mesh, sizes)
-        for choices in itertools.product(options, repeat=mesh.ndim)
+        for choices in grouped_product(options, mesh, groups)
         if _divisible(choices, mesh, sizes, spec)
     ]
 

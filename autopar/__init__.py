@@ -27,7 +27,7 @@ from autopar.ir.errors import (
     ShapeError,
 )
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.options import Memory, Pipeline
+from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan, load_plan
 from autopar.planning.cost import Cluster, LinkSpec, get_cluster
 from autopar.planning.planner import plan
@@ -45,6 +45,7 @@ __all__ = [
     "LinkSpec",
     "Memory",
     "ManualSplit",
+    "MixedPrecision",
     "Parts",
     "MeshSpec",
     "Plan",

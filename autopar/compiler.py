@@ -26,7 +26,7 @@ from autopar.capture.annotations import unclaimed_annotations
 from autopar.capture.export import Captured, capture
 from autopar.ir.errors import CompileError, PlanError
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.options import Memory, Pipeline
+from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan
 from autopar.ir.printing import format_graph
 from autopar.passes import PIPELINE
@@ -55,6 +55,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     pipeline: Pipeline | None = None,
     memory: Memory | None = None,
     memory_budget: float | None = None,
+    precision: MixedPrecision | None = None,
 ) -> torch.nn.Module:
     """Compile ``model`` for ``mesh`` (a ``DeviceMesh`` with axis names); see the module docstring.
 
@@ -63,7 +64,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     with ``torch.compile``): see :class:`CompiledOnFirstCall`.
     ``pipeline`` pipelines over one mesh axis (a saved ``plan`` brings its own).
     ``memory`` and ``memory_budget`` are :func:`autopar.plan`'s (a saved plan brings its
-    memory plan).
+    memory plan). ``precision`` computes in a lower precision with the parameters as fp32
+    master weights (:class:`~autopar.ir.options.MixedPrecision`; a saved plan brings its own).
     Returns a :class:`~autopar.runtime.module.DistributedModule` whose parameters are
     DTensors under the original names, each rank holding its piece of the model's
     weights (under a pipeline, of its stages' weights only). A model built on ``meta``
@@ -81,7 +83,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         if example_kwargs is not None:
             raise CompileError("example_kwargs were given without example_args: pass example_args=() too")
         options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, pipeline=pipeline)
-        return CompiledOnFirstCall(model, mesh, {**options, "memory": memory, "memory_budget": memory_budget})
+        more = {"memory": memory, "memory_budget": memory_budget, "precision": precision}
+        return CompiledOnFirstCall(model, mesh, {**options, **more})
     spec = MeshSpec.of(mesh)
     if plan is not None and plan.pipeline is not None:
         saved = plan.pipeline
@@ -101,7 +104,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     unapplied = unclaimed_annotations(model)  # here: a model on meta is captured as a copy
     model = materialize(model, seed)
     t0 = time.perf_counter()
-    captured = capture_for(model, example_args, example_kwargs, spec, pipeline)
+    precision = _precision_of(plan, precision)
+    captured = capture_for(model, example_args, example_kwargs, spec, pipeline, precision)
     captured.unapplied[:0] = unapplied
     if plan is None:
         plan = _plan_once(
@@ -124,6 +128,16 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         )
     check_plan_fits(plan, captured)
     return build_module(model, mesh, stage_mesh, captured, plan, pipeline)
+
+
+def _precision_of(plan: Plan | None, precision: MixedPrecision | None) -> MixedPrecision | None:
+    """The precision to capture in: the one given, else a saved plan's (which must agree)."""
+    if plan is None or plan.precision is None:
+        return precision
+    saved = MixedPrecision.from_dict(plan.precision)
+    if precision not in (None, saved):
+        raise PlanError(f"the plan computes with {saved}, but compile was given {precision}")
+    return saved
 
 
 def _plan_once(mesh: Any, make_plan: Callable[[], Plan]) -> Plan:

@@ -263,11 +263,17 @@ def main() -> None:
     parser.add_argument("--offload-activations", action="store_true", help="saved activations on the host")
     parser.add_argument("--memory-budget", type=float, help="bytes per device the plan must fit")
     parser.add_argument("--plan", help="a plan saved by `autopar plan ... -o plan.json` (for this model)")
+    parser.add_argument(
+        "--precision", choices=("bf16", "fp16"), help="compute in it, fp32 master weights (MixedPrecision)"
+    )
     a = parser.parse_args()
     memory = autopar.Memory(
         zero=a.zero, offload_optimizer=a.offload_optimizer, offload_activations=a.offload_activations
     )
-    planning = dict(pipeline=None, memory=memory, memory_budget=a.memory_budget)
+    precision = None
+    if a.precision:
+        precision = autopar.MixedPrecision({"bf16": torch.bfloat16, "fp16": torch.float16}[a.precision])
+    planning = dict(pipeline=None, memory=memory, memory_budget=a.memory_budget, precision=precision)
     axes = dict(item.split("=") for item in a.mesh.split(","))
     mesh_sizes = {name: int(size) for name, size in axes.items()}
     if "pp" in mesh_sizes:

@@ -26,8 +26,10 @@ from autopar.capture.constraint_op import constraint_spec, layout_constraint
 from autopar.capture.exact_means import ExactMeans
 from autopar.capture.functionalize import functionalize
 from autopar.capture.hooks import annotation_hooks, check_strategies_ran
+from autopar.capture.precision import cast_parameters, traced_in
 from autopar.ir.errors import AnnotationError, CaptureError
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import MixedPrecision
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Captured:
     # annotations made on modules outside the model (autopar.capture.annotations.unclaimed_annotations)
     unapplied: list[str] = field(default_factory=list)
     number_outputs: tuple[int, ...] = ()  # output leaves the model returns as Python numbers (.item())
+    precision: MixedPrecision | None = None  # the compute dtype it was traced in (capture/precision.py)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -247,8 +250,10 @@ def capture(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any] | None,
     mesh: MeshSpec,
+    precision: MixedPrecision | None = None,
 ) -> Captured:
-    """Export ``model(*args, **kwargs)`` with annotations recorded; see module docstring."""
+    """Export ``model(*args, **kwargs)`` with annotations recorded; see module docstring. Under
+    ``precision`` the model is traced in its compute dtype (:mod:`autopar.capture.precision`)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"autopar plans an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
@@ -260,6 +265,7 @@ def capture(
         _track_modules(model) as running,
         _returnable_outputs(model) as (dropped, numbers),
         ExactMeans(),
+        traced_in(model, precision) as dtypes,
     ):
         try:
             program = torch.export.export(model, args, kwargs, strict=False)
@@ -281,6 +287,8 @@ def capture(
             what = f"{type(model).__name__}{where}: {type(exc).__name__}: {message}"
             raise CaptureError(f"could not capture {what}. Try: {hint}.") from exc
         check_strategies_ran(model)
+    if precision is not None:
+        cast_parameters(program, model, dtypes, precision)
     _refuse_data_dependent_shapes(program.graph, type(model).__name__)
     functionalize(program.graph_module)  # in-place ops on temporaries, as out-of-place ones where exact
     sig = program.graph_signature
@@ -308,6 +316,7 @@ def capture(
         dropped_outputs=dropped,
         unapplied=unclaimed_annotations(model),
         number_outputs=tuple(numbers),
+        precision=precision,
     )
 
 

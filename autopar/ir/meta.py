@@ -78,6 +78,11 @@ class GraphLayouts(Mapping[torch.fx.Node, NodeLayouts]):
         return node in self._set
 
 
+def set_value(node: torch.fx.Node, value: torch.Tensor) -> None:
+    """Record ``value`` (a fake tensor) as what ``node`` computes: torch.export's ``val``."""
+    node.meta["val"] = value
+
+
 def place_beside(node: torch.fx.Node, op: torch.fx.Node) -> None:
     """Give ``node``, inserted by a pass next to ``op``, ``op``'s pipeline stage and module (so it
     falls in the same stage and in the same recompute region)."""

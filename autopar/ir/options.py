@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+import torch
+
 from autopar.ir.arguments import check_bool, check_int, is_int
 from autopar.ir.errors import OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
@@ -166,3 +168,45 @@ class Pipeline:
         """
         idle = (p - 1) / self.virtual_stages
         return idle / (self.microbatches + idle)
+
+
+#: The dtypes a :class:`MixedPrecision` field may name, by their names in plans.
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute in a lower precision with fp32 master weights (FSDP2's ``MixedPrecisionPolicy``).
+
+    The model's floating parameters stay in their dtype (fp32: the master weights the
+    optimizer updates, its state fp32 too); the compiled program casts each to
+    ``param_dtype`` where it is read, and floating inputs too, so every op computes in
+    ``param_dtype``; gradients flow back through the casts and reach the parameters in their
+    own dtype, where data-parallel sums run. Floating outputs are cast to ``output_dtype``,
+    so a loss computed from them (``train_step``'s ``loss_fn``) is computed and returned in
+    fp32. Capture traces the model with ``param_dtype`` parameters, so code that reads a
+    dtype (``x.to(hidden.dtype)``) sees the compute dtype, as it would under FSDP2.
+    """
+
+    param_dtype: torch.dtype = torch.bfloat16
+    output_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value not in PRECISIONS.values():
+                raise OptionError(
+                    f"MixedPrecision({name}=...) is one of torch.float32, torch.bfloat16 and "
+                    f"torch.float16, got {value!r}"
+                )
+
+    def to_dict(self) -> dict[str, str]:
+        return {"param_dtype": _dtype_name(self.param_dtype), "output_dtype": _dtype_name(self.output_dtype)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, str]) -> MixedPrecision:
+        return cls(param_dtype=PRECISIONS[d["param_dtype"]], output_dtype=PRECISIONS[d["output_dtype"]])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in PRECISIONS.items() if d == dtype)

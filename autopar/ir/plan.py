@@ -266,6 +266,7 @@ class Plan:
     manual_rows: dict[str, ManualRows] = field(default_factory=dict)  # fqn -> its ManualSplit
     annotations: dict[str, str] = field(default_factory=dict)  # what each annotation asked for, in words
     input_shapes: dict[str, list[int]] = field(default_factory=dict)  # tensor input -> shape planned for
+    precision: dict[str, str] | None = None  # MixedPrecision.to_dict() of the plan's compute dtype
 
     @property
     def mesh_spec(self) -> MeshSpec:
@@ -363,6 +364,7 @@ class Plan:
             manual_rows={fqn: ManualRows(d, tuple(r)) for fqn, (d, r) in data.get("manual_rows", {}).items()},
             annotations=dict(data["annotations"]),
             input_shapes={name: list(shape) for name, shape in data["input_shapes"].items()},
+            precision=data.get("precision"),
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})

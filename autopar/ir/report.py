@@ -36,6 +36,12 @@ def render_summary(plan: Plan, width: int) -> str:
     )
     if plan.memory is not None:
         _print_memory(console, plan.memory)
+    if plan.precision is not None:
+        console.print(
+            f"precision: compute in {plan.precision['param_dtype']} (parameters and floating inputs cast "
+            f"where read), master weights, gradients and optimizer state in their own dtype, outputs "
+            f"in {plan.precision['output_dtype']}"
+        )
     console.print(_operators(plan))
     console.print(_redistributions(plan))
     params = Table(title="parameters")

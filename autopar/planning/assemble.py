@@ -137,6 +137,7 @@ def assemble_plan(
         manual_rows=dict(g.captured.annotations.parameter_rows),
         annotations=annotation_record(g.captured),
         input_shapes=input_shapes(g.captured),
+        precision=g.captured.precision.to_dict() if g.captured.precision else None,
     )
     if setting.pipeline is not None:
         result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state))

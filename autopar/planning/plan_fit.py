@@ -60,6 +60,12 @@ def check_plan_fits(plan: Plan, captured: Captured) -> None:
             f"the plan was made for other annotations ({lines}); plan again with these annotations, or "
             "compile without plan="
         )
+    precision = captured.precision.to_dict() if captured.precision else None
+    if precision != plan.precision:
+        raise PlanError(
+            f"the plan was made for precision {plan.precision or 'as built'}, but the model is captured "
+            f"with {precision or 'none'}; plan again, or compile with the plan's precision"
+        )
     shapes = input_shapes(captured)
     for name in sorted(shapes.keys() | plan.input_shapes.keys()):
         if shapes.get(name) != plan.input_shapes.get(name):

@@ -26,7 +26,7 @@ from autopar.ir.arguments import check_instance, check_int, check_number
 from autopar.ir.errors import OptionError, PlanError
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
+from autopar.ir.options import FULL, SELECTIVE, Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan, SolverReport
 from autopar.planning.assemble import PlanSetting, alternatives, assemble_plan
 from autopar.planning.axis_groups import graph_within, merged_axes
@@ -51,6 +51,7 @@ def plan(
     pipeline: Pipeline | None = None,
     memory: Memory | None = None,
     memory_budget: float | None = None,
+    precision: MixedPrecision | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh``: capture, read annotations, solve, report.
 
@@ -65,10 +66,12 @@ def plan(
     (:class:`~autopar.ir.options.Memory`); ``memory_budget`` (bytes per device) makes the
     planner choose sharding, the ZeRO stage and recompute so that the plan fits, or
     raise :class:`~autopar.ir.errors.PlanError` with the least memory it could reach.
+    ``precision`` computes in a lower precision with fp32 master weights
+    (:class:`~autopar.ir.options.MixedPrecision`).
     """
     mesh = MeshSpec.of(mesh)
     t0 = time.perf_counter()
-    captured = capture_for(model, example_args, example_kwargs, mesh, pipeline)
+    captured = capture_for(model, example_args, example_kwargs, mesh, pipeline, precision)
     return plan_captured(
         captured,
         mesh,
@@ -100,8 +103,10 @@ def capture_for(
     example_kwargs: Mapping[str, Any] | None,
     mesh: MeshSpec,
     pipeline: Pipeline | None,
+    precision: MixedPrecision | None = None,
 ) -> Captured:
-    """Capture ``model`` for planning on ``mesh``: one microbatch of the example under a pipeline."""
+    """Capture ``model`` for planning on ``mesh``: one microbatch of the example under a pipeline,
+    traced in ``precision``'s compute dtype when given."""
     if isinstance(example_args, list):
         raise OptionError(
             "example_args is a list: give the positional inputs as a tuple, such as (ids, labels), "
@@ -112,10 +117,12 @@ def capture_for(
         check_instance(example_kwargs, Mapping, "example_kwargs", "a mapping of keyword inputs")
     if pipeline is not None:
         check_instance(pipeline, Pipeline, "pipeline", "an autopar.Pipeline(...)")
+    if precision is not None:
+        check_instance(precision, MixedPrecision, "precision", "autopar.MixedPrecision(...)")
     kwargs = dict(example_kwargs or {})
     if pipeline is not None:
         args, kwargs = microbatch(args, kwargs, pipeline.microbatches)
-    return capture(model, args, kwargs, layout_mesh(mesh, pipeline))
+    return capture(model, args, kwargs, layout_mesh(mesh, pipeline), precision)
 
 
 def plan_captured(

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from autopar.ir.options import MixedPrecision
 from autopar.planning.cost import get_cluster
 from autopar.tools.cli_inputs import (
     USAGE_ERROR,
@@ -59,9 +60,15 @@ def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: di
     console = Console(stderr=True)
     spec = MeshSpec.of(mesh)
     with console.status(f"capturing {type(model).__name__} with torch.export ..."):
-        captured = capture_for(model, args, kwargs, spec, None)
+        captured = capture_for(model, args, kwargs, spec, None, _precision(a))
     with console.status(f"solving the strategy ILP for mesh {spec} ..."):
         return captured, plan_captured(captured, spec, cluster=cluster, memory_budget=budget)
+
+
+def _precision(a: argparse.Namespace) -> MixedPrecision | None:
+    """``--precision bf16``/``fp16``: compute in it with fp32 master weights."""
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    return MixedPrecision(dtypes[a.precision]) if a.precision else None
 
 
 def cmd_plan(a: argparse.Namespace) -> None:
@@ -202,7 +209,13 @@ def cmd_viz(a: argparse.Namespace) -> None:
 
 
 def scaling_table(
-    model: torch.nn.Module, args: tuple, kwargs: dict, devices: Sequence[int], axis: str, cluster: Any
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    devices: Sequence[int],
+    axis: str,
+    cluster: Any,
+    precision: MixedPrecision | None = None,
 ) -> list[dict[str, float]]:
     """Per device count (the first is 1): the predicted step of the example batch (strong
     scaling) and of the batch grown with the devices (weak scaling), planned on ``{axis: n}``."""
@@ -210,9 +223,10 @@ def scaling_table(
 
     rows = []
     for n in devices:
-        strong = autopar.plan(model, args, {axis: n}, example_kwargs=kwargs, cluster=cluster)
+        options = {"cluster": cluster, "precision": precision}
+        strong = autopar.plan(model, args, {axis: n}, example_kwargs=kwargs, **options)
         grown_args, grown_kwargs = torch.utils._pytree.tree_map(lambda t, n=n: _grown(t, n), (args, kwargs))
-        weak = autopar.plan(model, grown_args, {axis: n}, example_kwargs=grown_kwargs, cluster=cluster)
+        weak = autopar.plan(model, grown_args, {axis: n}, example_kwargs=grown_kwargs, **options)
         step, grown = strong.prediction.step_time_s, weak.prediction.step_time_s
         rows.append({"devices": n, "step_s": step, "grown_step_s": grown})
     t1 = rows[0]["step_s"]
@@ -249,7 +263,7 @@ def cmd_scaling(a: argparse.Namespace) -> None:
     devices = sorted({1, *a.devices})  # one device is the reference
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
     with Console(stderr=True).status(f"planning for {len(devices)} device counts ..."):
-        rows = scaling_table(model, args, kwargs, devices, a.axis, get_cluster(a.cluster))
+        rows = scaling_table(model, args, kwargs, devices, a.axis, get_cluster(a.cluster), _precision(a))
     s, g = amdahl_fraction(rows), gustafson_fraction(rows)
     table = Table(title=f"predicted scaling over {a.axis} ({a.cluster})")
     for col in ("devices", "step", "speedup", "efficiency", "grown-batch step", "scaled speedup"):
@@ -328,6 +342,7 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--seq", type=positive_int, default=128, help="hf: models: tokens per sequence")
         p.add_argument("--width", type=positive_int, default=140, help="table width in characters")
+        p.add_argument("--precision", choices=("bf16", "fp16"), help="compute in it, fp32 master weights")
         return p
 
     plan = model_command("plan", "plan a model and print the plan")

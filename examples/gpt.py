@@ -248,6 +248,7 @@ def main() -> None:
     import os
 
     import autopar
+    from autopar.tools.telemetry import StepMeter
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="dp=2,tp=2", help="e.g. dp=4, dp=2,tp=2 or pp=2,dp=2")
@@ -266,6 +267,7 @@ def main() -> None:
     parser.add_argument(
         "--precision", choices=("bf16", "fp16"), help="compute in it, fp32 master weights (MixedPrecision)"
     )
+    parser.add_argument("--telemetry", help="also write each step's measurements here as JSON lines")
     a = parser.parse_args()
     memory = autopar.Memory(
         zero=a.zero, offload_optimizer=a.offload_optimizer, offload_activations=a.offload_activations
@@ -307,10 +309,13 @@ def main() -> None:
     # one fixed batch (the same on every rank) to memorise: the loss must fall fast
     idx = torch.randint(0, config.vocab_size, idx.shape, generator=torch.Generator().manual_seed(1))
     targets = torch.roll(idx, -1, dims=1)
+    # each step's time, tokens/s, MFU, bytes moved and memory beside the plan's prediction
+    meter = StepMeter(dmodel, optimizer, tokens=idx.numel(), jsonl=a.telemetry)
     for step in range(a.steps):
-        loss = dmodel.train_step((idx,), targets, loss_fn)  # forward and backward, every rank gets the loss
-        optimizer.step()
-        optimizer.zero_grad()
+        with meter.step():
+            loss = dmodel.train_step((idx,), targets, loss_fn)  # forward and backward; the loss on every rank
+            optimizer.step()
+            optimizer.zero_grad()
         if rank0:
             print(f"step {step}: loss {loss.item():.4f}")
     dist.destroy_process_group()

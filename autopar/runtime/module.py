@@ -395,6 +395,11 @@ class DistributedModule(torch.nn.Module):
         return tail
 
     @property
+    def loss_programs(self) -> list[DistributedModule]:
+        """The losses ``train_step`` compiled so far (each with its ``plan``), in order of first use."""
+        return list(self._loss_tails.values())
+
+    @property
     def output_layouts(self) -> list[Layout | None]:
         """The planned layout of each leaf of the model's output (None where it has none: not a tensor)."""
         return list(self._output_layouts)

@@ -39,8 +39,12 @@ def test_plan_prints_the_plan_and_saves_it(tmp_path: Path) -> None:
     lines = explained.stdout.splitlines()
     assert lines[0] == "linear_3: aten.linear.default in module 'blocks.0.attn.proj' (anchor)"
     assert sum(line.startswith("  -> operands") for line in lines) == 1 and lines[-1].startswith("  why: ")
+    by_module = autopar("explain", str(out), "blocks.0.mlp")  # a module path: its heavy ops
+    assert by_module.returncode == 0, by_module.stderr
+    assert "in module 'blocks.0.mlp.fc' (anchor)" in by_module.stdout
+    assert "in module 'blocks.0.mlp.proj' (anchor)" in by_module.stdout
     missing = autopar("explain", str(out), "nothere")
-    assert missing.returncode == 2 and "has no node 'nothere'" in missing.stderr
+    assert missing.returncode == 2 and "has no node or module 'nothere'" in missing.stderr
     # viz: the planned graph as Graphviz DOT, modules as clusters, redistributions in red
     dot = tmp_path / "graph.dot"
     drawn = autopar("viz", str(out), "-o", str(dot))
@@ -95,6 +99,7 @@ def test_scaling_reports_amdahl_and_gustafson_and_plots(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "Amdahl (fixed batch): serial fraction" in proc.stdout and "Gustafson" in proc.stdout
+    assert "fits every point within" in proc.stdout or "a poor fit, off by up to" in proc.stdout
     assert "│ 1       │" in proc.stdout and "│ 4       │" in proc.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -183,3 +188,16 @@ def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert "blocks.0" in drawing and 'class="edge moved"' in drawing and "<style>" in drawing
     root = ElementTree.fromstring(drawing.split("\n", 1)[1])  # well-formed XML
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
+
+
+def test_a_scaling_fit_says_how_well_it_fits():
+    from autopar.tools.cli import _fit_words, _misfit, amdahl_fraction
+
+    law = [{"devices": n, "speedup": 1 / (0.2 + 0.8 / n)} for n in (1, 2, 4, 8)]
+    s = amdahl_fraction(law)
+    fit = [1 / (s + (1 - s) / r["devices"]) for r in law]
+    assert abs(s - 0.2) < 1e-9 and _fit_words(_misfit(law, "speedup", fit)) == "fits every point within 0%"
+    dropped = [*law[:3], {"devices": 8, "speedup": 1.5}]  # the speedup falls off a cliff
+    s = amdahl_fraction(dropped)
+    off = _misfit(dropped, "speedup", [1 / (s + (1 - s) / r["devices"]) for r in dropped])
+    assert off > 0.1 and _fit_words(off).startswith("a poor fit, off by up to")

@@ -24,7 +24,6 @@ from autopar.ir.report import render_summary
 FORMAT_VERSION = 4  # 2: pipeline plans; 3: memory plans; 4: the annotations and shapes planned for
 
 # The destination named by a redistribution that is a parameter's gradient sum (no consumer node).
-GRADIENT_SUM = "<gradient sum>"
 
 
 class ChoiceKind(StrEnum):
@@ -267,6 +266,10 @@ class Plan:
     annotations: dict[str, str] = field(default_factory=dict)  # what each annotation asked for, in words
     input_shapes: dict[str, list[int]] = field(default_factory=dict)  # tensor input -> shape planned for
     precision: dict[str, str] | None = None  # MixedPrecision.to_dict() of the plan's compute dtype
+    axis_roles: dict[str, str] = field(default_factory=dict)  # mesh axis -> what it splits, in words
+    parameter_nodes: dict[str, str] = field(default_factory=dict)  # placeholder -> parameter fqn
+    # the file load_plan read it from (not saved): the summary says the solver's line is the saved one
+    loaded_from: str | None = field(default=None, compare=False)
 
     @property
     def mesh_spec(self) -> MeshSpec:
@@ -291,14 +294,17 @@ class Plan:
                 return n
         raise KeyError(f"no node {name!r} in this plan")
 
-    def summary(self, width: int = 140) -> str:
-        """A readable report, ``width`` characters wide: predictions, the heavy ops' layouts,
-        every redistribution (see :func:`autopar.ir.report.render_summary`)."""
-        return render_summary(self, width)
+    def summary(self, width: int = 140, verbose: bool = False) -> str:
+        """A readable report, ``width`` characters wide: predictions, what each mesh axis does, the
+        heavy ops' layouts, the redistributions (``verbose``: every op and redistribution, the
+        internal ones and those moving nothing too; see :func:`autopar.ir.report.render_summary`)."""
+        return render_summary(self, width, verbose)
 
     # --- JSON -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, **asdict(self)}
+        data = asdict(self)
+        data.pop("loaded_from")
+        return {"format": FORMAT_VERSION, **data}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
@@ -365,6 +371,8 @@ class Plan:
             annotations=dict(data["annotations"]),
             input_shapes={name: list(shape) for name, shape in data["input_shapes"].items()},
             precision=data.get("precision"),
+            axis_roles=dict(data.get("axis_roles", {})),
+            parameter_nodes=dict(data.get("parameter_nodes", {})),
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})
@@ -404,6 +412,8 @@ def load_plan(path: str | Path) -> Plan:
     if not isinstance(data, dict):
         raise PlanError(f"{path} is not an autopar plan: it holds a {type(data).__name__}, not a saved Plan")
     try:
-        return Plan.from_dict(data)
+        plan = Plan.from_dict(data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise PlanError(f"{path} is not an autopar plan: missing or malformed field {exc}") from None
+    plan.loaded_from = str(path)
+    return plan

@@ -14,26 +14,35 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+#: The consumer a parameter's gradient sum is recorded with (``Redistribution.dst``).
+GRADIENT_SUM = "<gradient sum>"
+
 if TYPE_CHECKING:
     from autopar.ir.plan import CollectiveStep, MemoryPlan, PipelinePlan, Plan
 
 
-def render_summary(plan: Plan, width: int) -> str:
-    """The report of ``plan`` as text ``width`` characters wide (tables wrap to fit)."""
+LEGEND = (
+    "layouts: one placement per mesh axis, in the mesh's order: R whole on every rank, S(d) split "
+    "along dim d (S(d)xk: each of k equal parts split), P partial sums (a sum over the axis is "
+    "pending), P(max) partial maxima"
+)
+
+
+def render_summary(plan: Plan, width: int, verbose: bool = False) -> str:
+    """The report of ``plan`` as text ``width`` characters wide (tables wrap to fit); without
+    ``verbose``, the layout constraints autopar adds and redistributions moving nothing are
+    left out, and gradient sums are one row per kind of collective."""
     buf = io.StringIO()
     console = Console(file=buf, width=width, record=False, color_system=None)
     p = plan.prediction
+    step = plan.pipeline.step_time_s if plan.pipeline is not None else p.step_time_s
+    per = " per microbatch" if plan.pipeline is not None else ""
     console.print(
-        f"autopar plan on mesh {plan.mesh_spec} ({plan.cluster['name']}): "
-        f"predicted step {p.step_time_s * 1e3:.3f} ms "
-        f"(compute {p.compute_s * 1e3:.3f} ms, communication {p.comm_s * 1e3:.3f} ms, "
-        f"{_format_bytes(p.comm_bytes)} moved per rank)"
+        f"autopar plan on mesh {plan.device_mesh_spec} ({plan.cluster['name']}): predicted step "
+        f"{step * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, communication {p.comm_s * 1e3:.3f} ms"
+        f"{per}; {_format_bytes(p.comm_bytes)} moved per rank{per})"
     )
-    console.print(
-        f"memory per rank: parameters {_format_bytes(p.param_bytes)}, "
-        f"gradients {_format_bytes(p.grad_bytes)}, optimizer {_format_bytes(p.optimizer_bytes)}, "
-        f"activations {_format_bytes(p.activation_bytes)}, total {_format_bytes(p.memory_bytes)}"
-    )
+    _print_memory_per_rank(console, plan)
     if plan.memory is not None:
         _print_memory(console, plan.memory)
     if plan.precision is not None:
@@ -42,8 +51,10 @@ def render_summary(plan: Plan, width: int) -> str:
             f"where read), master weights, gradients and optimizer state in their own dtype, outputs "
             f"in {plan.precision['output_dtype']}"
         )
-    console.print(_operators(plan))
-    console.print(_redistributions(plan))
+    _print_axes(console, plan)
+    console.print(LEGEND)
+    console.print(_operators(plan, verbose))
+    console.print(_redistributions(plan, verbose))
     params = Table(title="parameters")
     params.add_column("parameter")
     params.add_column("layout")
@@ -51,6 +62,8 @@ def render_summary(plan: Plan, width: int) -> str:
         params.add_row(fqn, lay)
     console.print(params)
     s = plan.solver
+    if plan.loaded_from is not None:
+        console.print(f"plan loaded from {plan.loaded_from}; the solver's line is from when it was made:")
     console.print(
         f"solver: {s.roots} choices ({s.tied_blocks} repeated blocks tied), {s.variables} variables, "
         f"{s.constraints} constraints; capture {s.capture_s:.2f} s, build {s.build_s:.2f} s, "
@@ -65,13 +78,54 @@ def render_summary(plan: Plan, width: int) -> str:
     return buf.getvalue()
 
 
-def _operators(plan: Plan) -> Table:
-    """The nodes whose layouts decide the plan (see ``ChoiceKind.summarised``)."""
+def _print_memory_per_rank(console: Console, plan: Plan) -> None:
+    """Memory per rank; under a pipeline, that of the stage holding the most (stages differ)."""
+    p = plan.prediction
+    if plan.pipeline is None:
+        console.print(
+            f"memory per rank: parameters {_format_bytes(p.param_bytes)}, "
+            f"gradients {_format_bytes(p.grad_bytes)}, optimizer {_format_bytes(p.optimizer_bytes)}, "
+            f"activations {_format_bytes(p.activation_bytes)}, total {_format_bytes(p.memory_bytes)}"
+        )
+        return
+    top = max(plan.pipeline.stages, key=lambda s: s.memory_bytes)
+    console.print(
+        f"memory per rank, largest on stage {top.index} (pipeline rank {top.rank}): parameters "
+        f"{_format_bytes(top.param_bytes)}, gradients {_format_bytes(top.grad_bytes)}, optimizer "
+        f"{_format_bytes(top.optimizer_bytes)}, activations {_format_bytes(top.peak_activation_bytes)} "
+        f"({top.in_flight:g} microbatches in flight), total {_format_bytes(top.memory_bytes)}"
+    )
+
+
+def _print_axes(console: Console, plan: Plan) -> None:
+    """One line per mesh axis: what it splits and what it moves; why nothing is split, if so."""
+    moved: dict[str, int] = {}
+    for r in plan.redistributions:
+        for step in (*r.forward, *r.backward):
+            for axis in step.mesh_axes:
+                moved[axis] = moved.get(axis, 0) + step.bytes
+    if plan.pipeline is not None:
+        pp = plan.pipeline
+        console.print(f"axis {pp.axis} ({pp.size}): runs {len(pp.stages)} pipeline stages ({pp.schedule})")
+    for name, size in plan.mesh.items():
+        role = plan.axis_roles.get(name, "")
+        console.print(f"axis {name} ({size}): {role}; moves {_format_bytes(moved.get(name, 0))} per rank")
+    layouts = [lay for n in plan.nodes for lay in n.outputs] + list(plan.parameters.values())
+    if plan.mesh_spec.size > 1 and all(set(lay) <= {"R"} for lay in layouts):
+        console.print(
+            "every op runs whole on every rank: at this size splitting would cost more in "
+            "communication than it saves in compute (a larger batch or model changes that)"
+        )
+
+
+def _operators(plan: Plan, verbose: bool) -> Table:
+    """The nodes whose layouts decide the plan (see ``ChoiceKind.summarised``); without
+    ``verbose``, not the layout constraints autopar adds at block boundaries."""
     table = Table(title="operators", show_lines=False)
     for col in ("module", "op", "operands", "output", "compute"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for n in plan.nodes:
-        if n.kind.summarised:
+        if n.kind.summarised and (verbose or op_label(n.op) != "autopar.layout_constraint"):
             operands = ", ".join(o or "-" for o in n.operands)
             table.add_row(
                 n.module or "<root>",
@@ -83,21 +137,32 @@ def _operators(plan: Plan) -> Table:
     return table
 
 
-def _redistributions(plan: Plan) -> Table:
-    table = Table(title="redistributions")
+def _redistributions(plan: Plan, verbose: bool) -> Table:
+    """Every redistribution; without ``verbose``, not those moving nothing, and the gradient
+    sums one row per kind of collective (how many parameters, their bytes together)."""
+    table = Table(title="redistributions (bytes per rank)")
     for col in ("module", "tensor", "layouts", "forward", "backward", "bytes", "time"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
+    sums: dict[tuple[str, str], list] = {}
     for r in plan.redistributions:
-        steps = [*r.forward, *r.backward]
-        table.add_row(
-            r.module or "<root>",
-            f"{r.src}->{r.dst}",
-            f"{r.have}->{r.need}",
-            _steps(r.forward),
-            _steps(r.backward),
-            _format_bytes(sum(s.bytes for s in steps)),
-            _format_seconds(r.seconds),
-        )
+        nbytes = sum(s.bytes for s in (*r.forward, *r.backward))
+        name = plan.parameter_nodes.get(r.src, r.src)
+        if r.dst == GRADIENT_SUM and not verbose:
+            count, total, seconds, names = sums.get((_steps(r.forward), _steps(r.backward)), (0, 0, 0.0, []))
+            sums[_steps(r.forward), _steps(r.backward)] = [
+                count + 1,
+                total + nbytes,
+                seconds + r.seconds,
+                [*names, name],
+            ]
+        elif nbytes or verbose:
+            tensor = f"{name} (gradient sum)" if r.dst == GRADIENT_SUM else f"{name}->{r.dst}"
+            row = (_steps(r.forward), _steps(r.backward), _format_bytes(nbytes), _format_seconds(r.seconds))
+            table.add_row(r.module or "<root>", tensor, f"{r.have}->{r.need}", *row)
+    for (fwd, bwd), (count, nbytes, seconds, names) in sums.items():
+        shown = ", ".join(names[:2]) + (f" ... {names[-1]}" if len(names) > 2 else "")
+        row = (fwd, bwd, _format_bytes(nbytes), _format_seconds(seconds))
+        table.add_row("gradient sums", f"{count} parameters: {shown}", "", *row)
     return table
 
 
@@ -128,17 +193,25 @@ def _print_pipeline(console: Console, pp: PipelinePlan) -> None:
 
 
 def _print_memory(console: Console, m: MemoryPlan) -> None:
-    how = f"chosen to fit {_format_bytes(m.budget)}" if m.chosen else "as asked"
-    budget = f", budget {_format_bytes(m.budget)}" if m.budget is not None and not m.chosen else ""
+    limit = "no budget" if m.budget is None else f"the budget of {format_budget(m.budget)}"
+    how = f"ZeRO and recompute chosen to fit {limit}" if m.chosen else f"as given; fits {limit}"
     recompute = ", ".join(f"{path} ({policy})" for path, policy in m.recompute.items()) or "none"
     offloaded = (("optimizer", m.offload_optimizer), ("activations", m.offload_activations))
     offload = [what for what, on in offloaded if on]
     console.print(
-        f"memory plan ({how}{budget}): ZeRO-{m.zero} ({len(m.zero_splits)} parameters split), "
+        f"memory plan ({how}): ZeRO-{m.zero} ({len(m.zero_splits)} parameters split), "
         f"recompute: {recompute}; offload: {', '.join(offload) or 'none'} "
         f"(host {_format_bytes(m.host_optimizer_bytes + m.host_activation_bytes)}); "
         f"activations kept {_format_bytes(m.activation_kept_bytes)}"
     )
+
+
+def format_budget(n: float) -> str:
+    """A memory budget in the units it was most likely given in: ``80 GB`` (a round number of
+    decimal gigabytes), ``64 GiB`` (of binary ones), else with binary units."""
+    if n >= 1e9 and round(n / 1e8) * 1e8 == n:
+        return f"{n / 1e9:g} GB"
+    return _format_bytes(n)
 
 
 def _format_bytes(n: float) -> str:

@@ -25,7 +25,6 @@ from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import is_selective_save
 from autopar.ir.options import FULL, Memory, Pipeline
 from autopar.ir.plan import (
-    GRADIENT_SUM,
     Alternative,
     ChoiceKind,
     CollectiveKind,
@@ -38,6 +37,8 @@ from autopar.ir.plan import (
     SolverReport,
 )
 from autopar.ir.printing import format_graph
+from autopar.ir.report import GRADIENT_SUM
+from autopar.planning.axis_roles import axis_roles
 from autopar.planning.cost import Cluster, Collective, CostModel
 from autopar.planning.gradient_sums import planned_edges
 from autopar.planning.laid_out import LaidOutGraph
@@ -138,6 +139,8 @@ def assemble_plan(
         annotations=annotation_record(g.captured),
         input_shapes=input_shapes(g.captured),
         precision=g.captured.precision.to_dict() if g.captured.precision else None,
+        axis_roles=axis_roles(graph, nodes, g.mesh),
+        parameter_nodes=dict(g.captured.params),
     )
     if setting.pipeline is not None:
         result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state))

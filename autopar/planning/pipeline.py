@@ -43,7 +43,8 @@ from autopar.capture.export import BLOCK_PATH, Captured, block_of, module_stack
 from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Pipeline
-from autopar.ir.plan import GRADIENT_SUM, PipelinePlan, Plan, StagePlan
+from autopar.ir.plan import PipelinePlan, Plan, StagePlan
+from autopar.ir.report import GRADIENT_SUM
 from autopar.planning.cost import LinkSpec
 
 

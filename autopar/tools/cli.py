@@ -26,6 +26,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -59,10 +60,13 @@ def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: di
     cluster, budget = get_cluster(a.cluster), a.budget
     console = Console(stderr=True)
     spec = MeshSpec.of(mesh)
+    t0 = time.perf_counter()
     with console.status(f"capturing {type(model).__name__} with torch.export ..."):
         captured = capture_for(model, args, kwargs, spec, None, _precision(a))
+    capture_s = time.perf_counter() - t0
     with console.status(f"solving the strategy ILP for mesh {spec} ..."):
-        return captured, plan_captured(captured, spec, cluster=cluster, memory_budget=budget)
+        plan = plan_captured(captured, spec, cluster=cluster, memory_budget=budget, capture_s=capture_s)
+        return captured, plan
 
 
 def _precision(a: argparse.Namespace) -> MixedPrecision | None:
@@ -75,7 +79,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
     _, plan = _plan(a, model, args, kwargs, a.mesh)
     plan.source = [a.model, *a.options, f"--batch={a.batch}", f"--seq={a.seq}"]  # for `show plan.json`
-    print(plan.summary(width=a.width))
+    print(plan.summary(width=a.width, verbose=a.verbose))
     if a.output:
         plan.save(a.output)
         print(f"plan written to {a.output}")
@@ -120,13 +124,27 @@ def cmd_explain(a: argparse.Namespace) -> None:
     from autopar.ir.plan import load_plan
 
     plan = load_plan(a.plan)
-    try:
-        node = plan.node(a.node)
-    except KeyError:
-        names = ", ".join(n.name for n in plan.nodes[:8])
-        raise UsageError(
-            f"{a.plan} has no node {a.node!r} (its nodes: {names}, ...; see `autopar show`)"
-        ) from None
+    for node in _named(plan, a.node, a.plan):
+        _explain(plan, node)
+
+
+def _named(plan: Any, what: str, path: str) -> list[Any]:
+    """The node called ``what``, else the heavy ops of the module at path ``what`` (and inside it)."""
+    by_name = [n for n in plan.nodes if n.name == what]
+    inside = [
+        n for n in plan.nodes if n.kind.summarised and (n.module == what or n.module.startswith(what + "."))
+    ]
+    if by_name or inside:
+        return by_name or inside
+    names = ", ".join(n.name for n in plan.nodes[:6])
+    raise UsageError(
+        f"{path} has no node or module {what!r} (nodes: {names}, ...; modules such as "
+        f"{plan.nodes[-1].module or '<root>'}; see `autopar show`)"
+    )
+
+
+def _explain(plan: Any, node: Any) -> None:
+    """Print why ``node`` has its strategy: the solver variable's alternatives and their costs."""
     print(f"{node.name}: {node.op} in module '{node.module or '<root>'}' ({node.kind})")
     print(f"  chosen: {_strategy(node.operands, node.outputs)}, compute {_ms(node.compute_s)}")
     if node.name in plan.named_layouts:
@@ -279,32 +297,57 @@ def cmd_scaling(a: argparse.Namespace) -> None:
         )
     console = Console(width=a.width)
     console.print(table)
+    amdahl = [1 / (s + (1 - s) / r["devices"]) for r in rows]
+    gustafson = [r["devices"] - g * (r["devices"] - 1) for r in rows]
+    off_a, off_g = _misfit(rows, "speedup", amdahl), _misfit(rows, "scaled_speedup", gustafson)
+    bound = f", speedup bound {1 / s if s else math.inf:.1f}x" if off_a <= FAIR_FIT else ""
     console.print(
-        f"Amdahl (fixed batch): serial fraction {s:.3f}, speedup bound {1 / s if s else math.inf:.1f}x; "
-        f"Gustafson (batch grown with devices): serial fraction {g:.3f}"
+        f"Amdahl (fixed batch): serial fraction {s:.3f}{bound} ({_fit_words(off_a)}); "
+        f"Gustafson (batch grown with devices): serial fraction {g:.3f} ({_fit_words(off_g)})"
     )
     if a.plot:
-        _plot(rows, s, g, a.plot)
+        title = f"{a.model} over {a.axis} ({a.cluster})"
+        _plot(rows, (s, amdahl, off_a), (g, gustafson, off_g), title, a.plot)
         console.print(f"plot written to {a.plot}")
 
 
-def _plot(rows: Sequence[dict[str, float]], s: float, g: float, path: str) -> None:
+#: A fit off by at most this (relative) at every point is quoted; a worse one is called poor.
+FAIR_FIT = 0.1
+
+
+def _misfit(rows: Sequence[dict[str, float]], key: str, fit: Sequence[float]) -> float:
+    """The largest relative distance between the predicted points and a fit."""
+    return max((abs(f - r[key]) / r[key] for r, f in zip(rows, fit)), default=0.0)
+
+
+def _fit_words(off: float) -> str:
+    if off <= FAIR_FIT:
+        return f"fits every point within {off:.0%}"
+    return f"a poor fit, off by up to {off:.0%}: the plan's steps do not follow this law"
+
+
+def _plot(rows: Sequence[dict[str, float]], amdahl: tuple, gustafson: tuple, title: str, path: str) -> None:
+    """Speedups against device counts (the ticks), each law's fit labelled with how well it fits."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     n = [r["devices"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=100)
     ax.plot(n, n, "k:", label="ideal")
     ax.plot(n, [r["speedup"] for r in rows], "o-", label="fixed batch (predicted)")
-    ax.plot(n, [1 / (s + (1 - s) / k) for k in n], "--", label=f"Amdahl fit, s={s:.3f}")
+    ax.plot(n, amdahl[1], "--", label=f"Amdahl, s={amdahl[0]:.3f} (off by up to {amdahl[2]:.0%})")
     ax.plot(n, [r["scaled_speedup"] for r in rows], "s-", label="grown batch (predicted)")
-    ax.plot(n, [k - g * (k - 1) for k in n], "--", label=f"Gustafson fit, s={g:.3f}")
+    ax.plot(n, gustafson[1], "--", label=f"Gustafson, s={gustafson[0]:.3f} (off by up to {gustafson[2]:.0%})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
+    ax.set_xticks(n, [str(k) for k in n])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
     ax.set_xlabel("devices")
     ax.set_ylabel("speedup")
+    ax.set_title(f"predicted speedup: {title}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -351,6 +394,7 @@ def _parser() -> argparse.ArgumentParser:
         "--budget", type=parse_bytes, help="memory per device, e.g. 80GB (default: the cluster's)"
     )
     plan.add_argument("-o", "--output", type=writable, help="save the plan as JSON here")
+    plan.add_argument("--verbose", action="store_true", help="every op and redistribution in the tables")
     plan.set_defaults(run=cmd_plan)
     show = model_command("show", "print the per-rank program (or a saved plan's graph)")
     show.add_argument("--mesh", type=parse_mesh, default="dp=1", help="e.g. dp=2,tp=2")
@@ -368,7 +412,7 @@ def _parser() -> argparse.ArgumentParser:
         "explain", help="why a node of a saved plan has its layouts, and the alternatives"
     )
     explain.add_argument("plan", help="a plan saved by autopar plan -o")
-    explain.add_argument("node", help="a node name, as `autopar show` prints them")
+    explain.add_argument("node", help="a node name (as `autopar show` prints them) or a module path")
     explain.set_defaults(run=cmd_explain)
     scaling = model_command("scaling", "predicted speedup and efficiency over device counts")
     scaling.add_argument(

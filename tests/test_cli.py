@@ -163,6 +163,7 @@ def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     proc = autopar("viz", *model, "-o", str(page))
     assert proc.returncode == 0, proc.stderr
     text = page.read_text()
+    assert "predicted step" in text and "axis dp: splits" in text and "layouts: one placement" in text
     # self-contained: nothing to fetch (the one URI is SVG's namespace name)
     assert (
         "src=" not in text and "href=" not in text and text.count("http") == text.count("http://www.w3.org/")
@@ -178,7 +179,8 @@ def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     closed = inked(_screenshot(page, tmp_path / "closed.png"))
     opened = inked(_screenshot(page, tmp_path / "opened.png", "#open=blocks,blocks.0"))
     assert closed[1] > 50, "collectives are drawn red"
-    assert opened[0] > 1.3 * closed[0], "opening modules draws their ops"
+    # the page's text above the graph (step, memory, axes, legend) inks both alike
+    assert opened[0] > 1.2 * closed[0], "opening modules draws their ops"
     # .svg: the page's own drawing, standalone
     svg = tmp_path / "graph.svg"
     proc = autopar("viz", *model, "--open", "blocks", "-o", str(svg))

@@ -85,7 +85,8 @@ def _print_memory_per_rank(console: Console, plan: Plan) -> None:
         console.print(
             f"memory per rank: parameters {_format_bytes(p.param_bytes)}, "
             f"gradients {_format_bytes(p.grad_bytes)}, optimizer {_format_bytes(p.optimizer_bytes)}, "
-            f"activations {_format_bytes(p.activation_bytes)}, total {_format_bytes(p.memory_bytes)}"
+            f"activations {_format_bytes(p.activation_bytes)} at their peak, "
+            f"total {_format_bytes(p.memory_bytes)}"
         )
         return
     top = max(plan.pipeline.stages, key=lambda s: s.memory_bytes)
@@ -202,7 +203,7 @@ def _print_memory(console: Console, m: MemoryPlan) -> None:
         f"memory plan ({how}): ZeRO-{m.zero} ({len(m.zero_splits)} parameters split), "
         f"recompute: {recompute}; offload: {', '.join(offload) or 'none'} "
         f"(host {_format_bytes(m.host_optimizer_bytes + m.host_activation_bytes)}); "
-        f"activations kept {_format_bytes(m.activation_kept_bytes)}"
+        f"activations kept from forward to backward {_format_bytes(m.activation_kept_bytes)}"
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.ir.plan import ChoiceKind, Plan
-from autopar.ir.report import op_label, step_label
+from autopar.ir.report import LEGEND, op_label, step_label
 
 STAGE_COLORS = ("#cfe2f3", "#d9ead3", "#fff2cc", "#f4cccc", "#d9d2e9", "#fce5cd", "#d0e0e3", "#ead1dc")
 
@@ -103,9 +103,22 @@ def plan_dot(plan: Plan) -> str:
 def plan_html(plan: Plan, title: str) -> str:
     """The page (see the module docstring)."""
     data = json.dumps(plan_graph(plan)).replace("</", "<\\/")
-    return (
-        _PAGE.replace("__TITLE__", html.escape(title)).replace("__STYLE__", _STYLE).replace("__DATA__", data)
-    )
+    page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__STYLE__", _STYLE)
+    return page.replace("__SUMMARY__", _summary_lines(plan)).replace("__DATA__", data)
+
+
+def _summary_lines(plan: Plan) -> str:
+    """What the page says above the graph: the predicted step and memory, each axis's role, a legend."""
+    p = plan.prediction
+    step = plan.pipeline.step_time_s if plan.pipeline is not None else p.step_time_s
+    memory = max(s.memory_bytes for s in plan.pipeline.stages) if plan.pipeline else p.memory_bytes
+    lines = [
+        f"predicted step {step * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, communication "
+        f"{p.comm_s * 1e3:.3f} ms); memory per rank {memory / 2**20:.1f} MiB",
+        *(f"axis {axis}: {role}" for axis, role in plan.axis_roles.items()),
+        LEGEND + "; red edges insert collectives, boxes are filled by pipeline stage",
+    ]
+    return "".join(f"<div>{html.escape(line)}</div>" for line in lines)
 
 
 def plan_svg(page: str, chromium: str, workdir: Path, opened: str = "") -> str:
@@ -161,6 +174,7 @@ __STYLE__
 </style></head>
 <body>
 <h3>__TITLE__</h3>
+__SUMMARY__
 <div>Click a dashed module box to open it; red edges insert collectives (hover for layouts).
 Open modules: <span id="open"></span> <button id="all">close all</button></div>
 <svg id="graph" xmlns="http://www.w3.org/2000/svg"></svg>

@@ -14,7 +14,6 @@ import copy
 
 import pytest
 import torch
-import transformers
 from torch.func import functional_call
 
 import autopar
@@ -22,26 +21,16 @@ from autopar import OptionError, PlanError
 from autopar.tools.fake_ranks import fake_world
 from autopar.tools.launch import spawn
 from examples import gpt
+from tests import zoo_models
 
-transformers.logging.set_verbosity_error()
 BF16 = autopar.MixedPrecision()
 BF = torch.bfloat16
 
 
 def _llama() -> tuple[torch.nn.Module, dict]:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=96,
-        max_position_embeddings=32,
-        use_cache=False,
-    )
     torch.manual_seed(0)
-    ids = torch.randint(0, 96, (4, 16))
-    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids.clone()}
+    model, _, kwargs = zoo_models.build("llama")
+    return model, kwargs
 
 
 def test_the_program_casts_parameters_inputs_and_outputs():

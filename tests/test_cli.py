@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -188,6 +189,7 @@ def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     drawing = svg.read_text()
     assert drawing.startswith('<?xml version="1.0" encoding="UTF-8"?>\n<svg id="graph"')
     assert "blocks.0" in drawing and 'class="edge moved"' in drawing and "<style>" in drawing
+    assert re.search(r"\+ \d+ ops, \d+ collectives?<", drawing), "a closed block counts its collectives"
     root = ElementTree.fromstring(drawing.split("\n", 1)[1])  # well-formed XML
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
 

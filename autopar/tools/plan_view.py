@@ -4,9 +4,10 @@ The page embeds the plan's nodes and edges as JSON and draws them as SVG with a 
 script: ops in layers from the inputs down, filled by pipeline stage, each showing its output
 layouts; an edge is labelled with the layout it carries, or, where the plan inserts a
 redistribution, drawn red and labelled with its collectives (the layout change on hover).
-Every module with more than one op starts collapsed into one box, so a 32-layer model
-opens as a handful of boxes; clicking a module box opens it one level, and the list at the
-top closes it again (``graph.html#open=blocks`` opens modules from the address).
+Every module with more than one op starts collapsed into one box (which counts the
+collectives inside it), so a 32-layer model opens as a handful of boxes; clicking a module
+box opens it one level, and the list at the top closes it again (``graph.html#open=blocks``
+opens modules from the address).
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ function render() {
     unitOfNode[n.name] = u;
     if (!units.has(u)) {
       const isModule = u.startsWith("module:");
-      units.set(u, { key: u, order: i, module: isModule ? u.slice(7) : null, ops: 0, stage: n.stage,
+      units.set(u, { key: u, order: i, module: isModule ? u.slice(7) : null, ops: 0, inner: 0, stage: n.stage,
                      lines: isModule ? [] : [n.name, n.op, n.out, n.named].filter(x => x) });
     }
     units.get(u).ops += 1;
@@ -225,7 +226,11 @@ function render() {
   const links = new Map();
   for (const e of D.edges) {
     const a = unitOfNode[e.src], b = unitOfNode[e.dst];
-    if (a === undefined || b === undefined || a === b) continue;
+    if (a === undefined || b === undefined) continue;
+    if (a === b) {  // inside one box: a closed module counts the collectives it hides
+      if (e.moved) units.get(a).inner += 1;
+      continue;
+    }
     const k = a + "->" + b;
     const l = links.get(k) || { a, b, moved: false, labels: [], titles: [], layouts: [] };
     if (e.moved) {
@@ -277,7 +282,8 @@ function render() {
     const g = el("g", { class: u.module ? "module" : "op", transform: `translate(${p.x},${p.y})` }, svg);
     const fill = u.stage === null || u.stage === undefined ? "#eeeeee" : D.colors[u.stage % D.colors.length];
     el("rect", { width: W, height: H, rx: u.module ? 8 : 3, fill }, g);
-    const lines = u.module ? [u.module, `+ ${u.ops} ops`] : u.lines;
+    const hidden = u.inner ? `, ${u.inner} collective${u.inner > 1 ? "s" : ""}` : "";
+    const lines = u.module ? [u.module, `+ ${u.ops} ops${hidden}`] : u.lines;
     lines.forEach((t, i) => {
       el("text", { x: 6, y: 14 + i * 13, "font-weight": i === 0 ? "bold" : "normal" }, g).textContent =
         t.length > 28 ? t.slice(0, 27) + "\u2026" : t;

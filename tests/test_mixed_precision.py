@@ -36,7 +36,7 @@ def _llama() -> tuple[torch.nn.Module, dict]:
 def test_the_program_casts_parameters_inputs_and_outputs():
     model, args = gpt.build()
     plan = autopar.plan(model, args, {"dp": 2, "tp": 2}, precision=BF16)
-    assert plan.precision == {"param_dtype": "bfloat16", "output_dtype": "float32"}
+    assert plan.precision == {"param_dtype": "bfloat16", "output_dtype": "float32", "reduce_dtype": None}
     assert "aten._to_copy(p_lm_head_weight, dtype=torch.bfloat16)" in plan.code
     assert "aten._to_copy(p_blocks_0_mlp_fc_weight, dtype=torch.bfloat16)" in plan.code
     assert "aten.to.dtype(div, torch.float32)" in plan.code  # the loss, cast back
@@ -54,6 +54,22 @@ def test_the_cost_and_memory_models_price_fp32_state_and_bf16_compute():
     # activations in bf16 (each layer's bf16 copy of its weights is kept for backward too)
     assert 0.4 * full.activation_bytes < mixed.activation_bytes < 0.55 * full.activation_bytes
     assert mixed.compute_s < full.compute_s / 2  # the cpu-gloo preset's bf16 peak is 6x its fp32 one
+
+
+def test_gradient_sums_are_priced_in_the_reduce_dtype():
+    from autopar.ir.mesh import MeshSpec
+    from autopar.planning.cost import CostModel, get_cluster
+    from autopar.planning.planner import capture_for
+    from autopar.planning.strategy_graph import build_strategy_graph
+
+    model, args = gpt.build()
+    mesh = MeshSpec.of({"dp": 2})
+    for precision, itemsize in ((BF16, 4), (autopar.MixedPrecision(reduce_dtype=torch.bfloat16), 2)):
+        captured = capture_for(model, args, None, mesh, None, precision)
+        g = build_strategy_graph(captured, mesh, CostModel(mesh, get_cluster("cpu-gloo")))
+        params = [n for n in captured.graph.nodes if n.name in captured.params]
+        assert {g.grad_sum_itemsize(n) for n in params} == {itemsize}
+        assert autopar.MixedPrecision.from_dict(precision.to_dict()) == precision
 
 
 def test_a_transformers_llama_traces_in_bf16():
@@ -105,6 +121,7 @@ CASES = {
         torch.float16,
     ),
     "gpt pp2 x dp2": ("gpt", (2, 2), ("pp", "dp"), {"pipeline": autopar.Pipeline(2)}, torch.bfloat16),
+    "gpt dp4 ZeRO-2, sums in bf16": ("gpt", (4,), ("dp",), {"memory": autopar.Memory(zero=2)}, BF),
 }
 
 
@@ -116,17 +133,22 @@ def _world(names: list[str]) -> dict:
         kind, shape, axes, options, dtype = CASES[name]
         torch.manual_seed(0)  # the same model on every rank
         if kind == "gpt":
-            model, args = gpt.build()
+            model, args = gpt.build(**({"batch_size": 8} if "sums" in name else {}))
             kwargs: dict = {}
             if "recompute" in name:
                 autopar.recompute(model.blocks[0])
+            if "sums" in name:  # data parallel, weights used whole: the reducer sums them, in bf16
+                autopar.shard(model, in_strategy=((4, 1), (4, 1)))
+                for module in model.modules():
+                    if isinstance(module, torch.nn.Linear):
+                        autopar.shard(module, parameter_plan={"weight": (1, 1)})
         else:
             model, kwargs = _llama()
             args = ()
         reference = copy.deepcopy(model)
         want = _reference(reference, args, kwargs, dtype)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=axes)
-        precision = autopar.MixedPrecision(param_dtype=dtype)
+        precision = autopar.MixedPrecision(param_dtype=dtype, reduce_dtype=dtype if "sums" in name else None)
         dmodel = autopar.compile(
             model, mesh, args, example_kwargs=kwargs or None, precision=precision, **options
         )
@@ -165,3 +187,21 @@ def test_a_saved_plan_brings_its_precision_to_compile():
         assert "dtype=torch.bfloat16" in dmodel.code
         with pytest.raises(PlanError, match="the plan computes with MixedPrecision"):
             autopar.compile(model, mesh, args, plan=saved, precision=autopar.MixedPrecision(torch.float16))
+
+
+def test_gradients_reduced_in_the_compute_dtype_are_named():
+    """A parameter stored split and gathered in bf16 has its gradient reduce-scattered in bf16:
+    the plan says so unless reduce_dtype is bf16 anyway."""
+    model, kwargs = _llama()
+    ids = torch.randint(0, zoo_models.VOCAB, (16, 64))  # enough to split the batch over dp
+    kwargs = {**kwargs, "input_ids": ids, "labels": ids}
+
+    def warned(precision: autopar.MixedPrecision) -> list[str]:
+        plan = autopar.plan(
+            model, (), {"dp": 2}, example_kwargs=kwargs, precision=precision, cluster="fast-links"
+        )
+        return [w for w in plan.warnings if "stored split are gathered for use in bfloat16" in w]
+
+    (warning,) = warned(BF16)
+    assert "not in their own dtype (reduce_dtype)" in warning
+    assert not warned(autopar.MixedPrecision(reduce_dtype=torch.bfloat16))

@@ -182,30 +182,40 @@ class MixedPrecision:
     optimizer updates, its state fp32 too); the compiled program casts each to
     ``param_dtype`` where it is read, and floating inputs too, so every op computes in
     ``param_dtype``; gradients flow back through the casts and reach the parameters in their
-    own dtype, where data-parallel sums run. Floating outputs are cast to ``output_dtype``,
-    so a loss computed from them (``train_step``'s ``loss_fn``) is computed and returned in
-    fp32. Capture traces the model with ``param_dtype`` parameters, so code that reads a
-    dtype (``x.to(hidden.dtype)``) sees the compute dtype, as it would under FSDP2.
+    own dtype. Their data-parallel sums (and ZeRO-2's reduce-scatters) run in ``reduce_dtype``
+    (None: the parameter's own dtype), each gradient cast to it and the sum back. Floating
+    outputs are cast to ``output_dtype``, so a loss computed from them (``train_step``'s
+    ``loss_fn``) is computed and returned in fp32. Capture traces the model with
+    ``param_dtype`` parameters, so code that reads a dtype (``x.to(hidden.dtype)``) sees the
+    compute dtype, as it would under FSDP2.
     """
 
     param_dtype: torch.dtype = torch.bfloat16
     output_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "output_dtype"):
+        for name in ("param_dtype", "output_dtype", "reduce_dtype"):
             value = getattr(self, name)
-            if value not in PRECISIONS.values():
+            if value not in PRECISIONS.values() and not (name == "reduce_dtype" and value is None):
                 raise OptionError(
                     f"MixedPrecision({name}=...) is one of torch.float32, torch.bfloat16 and "
-                    f"torch.float16, got {value!r}"
+                    f"torch.float16{' (or None)' if name == 'reduce_dtype' else ''}, got {value!r}"
                 )
 
-    def to_dict(self) -> dict[str, str]:
-        return {"param_dtype": _dtype_name(self.param_dtype), "output_dtype": _dtype_name(self.output_dtype)}
+    def to_dict(self) -> dict[str, str | None]:
+        reduce = None if self.reduce_dtype is None else _dtype_name(self.reduce_dtype)
+        names = (_dtype_name(self.param_dtype), _dtype_name(self.output_dtype))
+        return {"param_dtype": names[0], "output_dtype": names[1], "reduce_dtype": reduce}
 
     @classmethod
-    def from_dict(cls, d: dict[str, str]) -> MixedPrecision:
-        return cls(param_dtype=PRECISIONS[d["param_dtype"]], output_dtype=PRECISIONS[d["output_dtype"]])
+    def from_dict(cls, d: dict[str, str | None]) -> MixedPrecision:
+        reduce = d.get("reduce_dtype")
+        return cls(
+            param_dtype=PRECISIONS[d["param_dtype"]],
+            output_dtype=PRECISIONS[d["output_dtype"]],
+            reduce_dtype=None if reduce is None else PRECISIONS[reduce],
+        )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

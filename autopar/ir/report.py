@@ -121,12 +121,16 @@ def _print_axes(console: Console, plan: Plan) -> None:
 
 def _operators(plan: Plan, verbose: bool) -> Table:
     """The nodes whose layouts decide the plan (see ``ChoiceKind.summarised``); without
-    ``verbose``, not the layout constraints autopar adds at block boundaries."""
+    ``verbose``, not what autopar adds: layout constraints at block boundaries, and the casts of
+    parameters to the compute dtype under mixed precision."""
     table = Table(title="operators", show_lines=False)
     for col in ("module", "op", "operands", "output", "compute"):
         table.add_column(col, overflow="fold")
     for n in plan.nodes:
-        if n.kind.summarised and (verbose or op_label(n.op) != "autopar.layout_constraint"):
+        added = op_label(n.op) == "autopar.layout_constraint" or (
+            op_label(n.op) == "_to_copy" and n.args[:1] and n.args[0] in plan.parameter_nodes
+        )
+        if n.kind.summarised and (verbose or not added):
             operands = ", ".join(o or "-" for o in n.operands)
             table.add_row(
                 n.module or "<root>",

@@ -275,14 +275,15 @@ def _gradient_sums(
     found = []
     for node, axes in summed.items():
         layout = g.strategy(node, assignment).outputs[0]
-        size = int(local_bytes(node, layout, g.mesh))
+        size = int(local_bytes(node, layout, g.mesh))  # the parameter's bytes
+        grad_bytes = size * g.grad_sum_itemsize(node) // node.meta["val"].element_size()  # its gradient's
         split = splits.get(node)
         scattered = CollectiveKind.REDUCE_SCATTER if zero == 2 else CollectiveKind.ALL_REDUCE
         bwd = [
             Collective(
                 scattered if split and a == split[0] else CollectiveKind.ALL_REDUCE,
                 (g.mesh.axis_names[a],),
-                size,
+                grad_bytes,
             )
             for a in sorted(axes, key=lambda a: split is not None and a == split[0])
         ]

@@ -49,7 +49,7 @@ def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None)
     flows = g.requires_grad.get(edge.src, False) and grad is not None
     if edge.src.name in g.captured.params and have == need and flows:
         # a parameter's gradient sum waits for the runtime's buckets: bandwidth only
-        bwd, _ = g.cost.backward(have, need, grad, grad_layout(have), shape, itemsize)
+        bwd, _ = g.cost.backward(have, need, grad, grad_layout(have), shape, g.grad_sum_itemsize(edge.src))
         bucketed = sum(g.cost.collective_time(c, latency=False) for c in bwd)
         return t_fwd + g.grad_sum_weight * bucketed
     t_bwd = g.cost.backward(have, need, grad, grad_layout(have), shape, itemsize)[1] if flows else 0.0

@@ -27,7 +27,7 @@ from autopar.ir.errors import OptionError, PlanError
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import FULL, SELECTIVE, Memory, MixedPrecision, Pipeline
-from autopar.ir.plan import Plan, SolverReport
+from autopar.ir.plan import CollectiveKind, Plan, SolverReport
 from autopar.planning.assemble import PlanSetting, alternatives, assemble_plan
 from autopar.planning.axis_groups import graph_within, merged_axes
 from autopar.planning.cost import Cluster, CostModel, get_cluster
@@ -218,7 +218,36 @@ def plan_captured(
         for what in captured.dropped_outputs
     )
     best.warnings.extend(captured.unapplied)
+    if captured.precision is not None:
+        best.warnings.extend(_sums_in_compute_dtype(best, captured.precision))
     return best
+
+
+def _sums_in_compute_dtype(plan: Plan, precision: MixedPrecision) -> list[str]:
+    """Say so where parameters stored split are gathered in the compute dtype: the backward of
+    that gather reduces their gradients in it, not in ``precision.reduce_dtype``."""
+    if precision.reduce_dtype == precision.param_dtype:
+        return []
+    casts = {
+        n.name: n.args[0]
+        for n in plan.nodes
+        if n.op == "aten._to_copy.default" and n.args and n.args[0] in plan.parameter_nodes
+    }
+    reduced = {
+        plan.parameter_nodes[casts[r.src]]
+        for r in plan.redistributions
+        if r.src in casts
+        and any(c.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE) for c in r.backward)
+    }
+    if not reduced:
+        return []
+    names = precision.to_dict()
+    wanted = names["reduce_dtype"] or "their own dtype"
+    return [
+        f"{len(reduced)} parameters stored split are gathered for use in {names['param_dtype']}, so their "
+        f"gradients are reduced in {names['param_dtype']}, not in {wanted} (reduce_dtype), e.g. "
+        f"{sorted(reduced)[0]}; store them whole (shard(parameter_storage=...)) to sum them in {wanted}"
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -107,6 +107,14 @@ class StrategyGraph:
             return 0.0
         return float(c.compute[assignment[c.root]] if c.root else c.compute[0])
 
+    def grad_sum_itemsize(self, param: torch.fx.Node) -> int:
+        """Bytes per element of a parameter's gradient sum: mixed precision's ``reduce_dtype``,
+        else the parameter's own."""
+        val, precision = param.meta["val"], self.captured.precision
+        if precision is not None and precision.reduce_dtype is not None and val.is_floating_point():
+            return precision.reduce_dtype.itemsize
+        return val.element_size()
+
     def layouts(self, assignment: Mapping[str, int]) -> dict[torch.fx.Node, NodeLayouts]:
         """The layouts every node computes with under ``assignment`` (the graph's output node has none)."""
         found = {}

@@ -46,6 +46,10 @@ class GradReducer:
     ``r`` of every parameter in region ``r``), summed over its other axes, then
     reduce-scattered over the split axis; each rank keeps only its region, as the shards'
     gradients, and the full bucket lives only until then.
+
+    With ``reduce_dtype`` (mixed precision's, below the parameters' own) the buckets hold
+    that dtype: each gradient is cast into its bucket, summed there, and the sum is cast back
+    to the parameter's dtype as it is handed out.
     """
 
     def __init__(
@@ -53,8 +57,10 @@ class GradReducer:
         params: list[tuple[torch.nn.Parameter, torch.Tensor, tuple[str, ...]]],
         bucket_bytes: int = BUCKET_BYTES,
         scattered: Mapping[int, ZeroShard] | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.enabled = True
+        self.reduce_dtype = reduce_dtype
         self.waiting: dict[int, int] = {}  # id(p) -> backward passes to accumulate locally first
         self.buckets: list[list[torch.nn.Parameter]] = []
         self.axes: list[tuple[str, ...]] = []
@@ -89,8 +95,8 @@ class GradReducer:
             self.offsets.append(offsets)
         self.sizes = [sum(self.leaf_of[id(p)].numel() for p in b) for b in self.buckets]
         self.flat: list[torch.Tensor | None] = [
-            None if self.split[i] else torch.empty(self.sizes[i], dtype=self.leaf_of[id(b[0])].dtype)
-            for i, b in enumerate(self.buckets)
+            None if self.split[i] else torch.empty(self.sizes[i], dtype=self._dtype(i))
+            for i in range(len(self.buckets))
         ]
         self.pending = [len(b) for b in self.buckets]
         self.launched: list[tuple[int, list]] = []
@@ -99,12 +105,17 @@ class GradReducer:
         self.wrapped = {
             id(p): as_dtensor(self._view(i, p).view_as(self.leaf_of[id(p)]), p.device_mesh, p.placements, p)
             for i, b in enumerate(self.buckets)
-            if not self.split[i]
+            if not self.split[i] and self._dtype(i) == self.leaf_of[id(b[0])].dtype
             for p in b
         }
         for p, leaf, _ in params:
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(lambda leaf, p=p: self._ready(p, leaf))
+
+    def _dtype(self, i: int) -> torch.dtype:
+        """Bucket ``i``'s dtype: the reduce dtype, else its parameters' own."""
+        own = self.leaf_of[id(self.buckets[i][0])].dtype
+        return self.reduce_dtype if self.reduce_dtype is not None and own.is_floating_point else own
 
     def expect(self, passes: int) -> None:
         """Sum each gradient after ``passes`` backward passes reach it (a pipeline's microbatches)."""
@@ -136,7 +147,7 @@ class GradReducer:
         """Copy a ZeRO-2 gradient into its bucket, piece ``r`` into rank ``r``'s region."""
         zero = self.scattered[id(p)]
         if self.flat[i] is None:  # the full bucket exists only during this backward pass
-            self.flat[i] = torch.empty(self.sizes[i], dtype=grad.dtype)
+            self.flat[i] = torch.empty(self.sizes[i], dtype=self._dtype(i))
         regions = self.flat[i].view(zero.n, -1)
         at, size = self.offsets[i][id(p)], grad.numel() // zero.n
         pieces = grad.unflatten(zero.dim, (zero.n, -1)).movedim(zero.dim, 0)
@@ -179,15 +190,18 @@ class GradReducer:
             if zero is not None:
                 region, self.flat[i] = self.regions.pop(i), None
                 for p in self.buckets[i]:
-                    piece = self.scattered[id(p)]
-                    at, shape = self.offsets[i][id(p)], piece.piece(self.leaf_of[id(p)]).shape
-                    piece.set_grad(region[at : at + shape.numel()].view(shape))
+                    piece, leaf = self.scattered[id(p)], self.leaf_of[id(p)]
+                    at, shape = self.offsets[i][id(p)], piece.piece(leaf).shape
+                    piece.set_grad(region[at : at + shape.numel()].view(shape).to(leaf.dtype))
                 continue
             for p in self.buckets[i]:
-                if p.grad is None:
+                summed = self._view(i, p).view_as(self.leaf_of[id(p)])
+                if id(p) not in self.wrapped:  # summed in the reduce dtype: handed out in the parameter's
+                    _deliver(p, summed.to(self.leaf_of[id(p)].dtype))
+                elif p.grad is None:
                     p.grad = self.wrapped[id(p)]
                 else:
-                    p.grad.to_local().add_(self._view(i, p).view_as(self.leaf_of[id(p)]))
+                    p.grad.to_local().add_(summed)
         self.launched = []
         self.pending = [len(b) for b in self.buckets]
 

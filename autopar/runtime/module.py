@@ -32,7 +32,7 @@ from autopar.ir.errors import CompileError, ShapeError
 from autopar.ir.layout import Layout, format_layout, local_shape
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import LAYOUTS, output_layout
-from autopar.ir.options import Memory, Pipeline
+from autopar.ir.options import PRECISIONS, Memory, Pipeline
 from autopar.ir.printing import format_graph
 from autopar.runtime import offload
 from autopar.runtime.checkpoint import keep_checkpoints_plain
@@ -208,9 +208,11 @@ class DistributedModule(torch.nn.Module):
                     axis, dim = memory.zero_splits[fqn]
                     shard = ZeroShard(p, self._leaves[id(p)], axis, dim, self.axis_keys[axis])
                     self.zero_shards[id(p)] = shard
+        precision = self.plan.precision or {}
         self.grad_reducer = GradReducer(
             [(p, self._leaves[id(p)], axes_of.get(id(p), ())) for p in self.parameters() if p.requires_grad],
             scattered=self.zero_shards if self.memory.zero == 2 else None,
+            reduce_dtype=PRECISIONS.get(precision.get("reduce_dtype")),
         )
 
     # --- inputs and outputs ---------------------------------------------------------

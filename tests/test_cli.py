@@ -190,6 +190,11 @@ def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert drawing.startswith('<?xml version="1.0" encoding="UTF-8"?>\n<svg id="graph"')
     assert "blocks.0" in drawing and 'class="edge moved"' in drawing and "<style>" in drawing
     assert re.search(r"\+ \d+ ops, \d+ collectives?<", drawing), "a closed block counts its collectives"
+    # transformers' Llama builds its causal mask in `model` itself: opened, those ops stay in one box
+    llama = ["hf:llama", "num_hidden_layers=1", "hidden_size=32", "intermediate_size=64", "vocab_size=64"]
+    proc = autopar("viz", *llama, "--mesh", "dp=2", "--open", "model", "-o", str(svg))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"\+ \d+ own ops", svg.read_text())
     root = ElementTree.fromstring(drawing.split("\n", 1)[1])  # well-formed XML
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
 

@@ -7,7 +7,8 @@ redistribution, drawn red and labelled with its collectives (the layout change o
 Every module with more than one op starts collapsed into one box (which counts the
 collectives inside it), so a 32-layer model opens as a handful of boxes; clicking a module
 box opens it one level, and the list at the top closes it again (``graph.html#open=blocks``
-opens modules from the address).
+opens modules from the address). An opened module's own ops (in none of its children: a
+causal mask built in the model itself), when more than 8, stay in one box until clicked.
 """
 
 from __future__ import annotations
@@ -191,6 +192,12 @@ for (const n of D.nodes) {
   }
 }
 const closed = new Set(Object.keys(count).filter(p => count[p] > 1));
+// a module's own ops (in no child module: a causal mask built in the model itself), when many,
+// stay folded in one box of their own once the module is opened, until that box is clicked
+const own = {};
+for (const n of D.nodes) if (n.module) own[n.module] = (own[n.module] || 0) + 1;
+const parents = new Set(Object.keys(count).map(p => p.split(".").slice(0, -1).join(".")));
+const ownClosed = new Set(Object.keys(own).filter(m => own[m] > 8 && parents.has(m)));
 // graph.html#open=blocks,blocks.0 opens those modules (a link to a view)
 const wanted = decodeURIComponent(location.hash).match(/^#open=(.*)$/);
 if (wanted) for (const p of wanted[1].split(",")) closed.delete(p);
@@ -200,6 +207,7 @@ function unitOf(n) {
     const p = parts.slice(0, i).join(".");
     if (closed.has(p)) return "module:" + p;
   }
+  if (ownClosed.has(n.module)) return "own:" + n.module;
   return n.name;
 }
 function el(tag, attrs, parent) {
@@ -217,8 +225,9 @@ function render() {
     const u = unitOf(n);
     unitOfNode[n.name] = u;
     if (!units.has(u)) {
-      const isModule = u.startsWith("module:");
-      units.set(u, { key: u, order: i, module: isModule ? u.slice(7) : null, ops: 0, inner: 0, stage: n.stage,
+      const isModule = u.startsWith("module:"), isOwn = u.startsWith("own:");
+      units.set(u, { key: u, order: i, module: isModule ? u.slice(7) : isOwn ? u.slice(4) : null,
+                     own: isOwn, ops: 0, inner: 0, stage: n.stage,
                      lines: isModule ? [] : [n.name, n.op, n.out, n.named].filter(x => x) });
     }
     units.get(u).ops += 1;
@@ -283,12 +292,14 @@ function render() {
     const fill = u.stage === null || u.stage === undefined ? "#eeeeee" : D.colors[u.stage % D.colors.length];
     el("rect", { width: W, height: H, rx: u.module ? 8 : 3, fill }, g);
     const hidden = u.inner ? `, ${u.inner} collective${u.inner > 1 ? "s" : ""}` : "";
-    const lines = u.module ? [u.module, `+ ${u.ops} ops${hidden}`] : u.lines;
+    const lines = u.module ? [u.module, `+ ${u.ops} ${u.own ? "own " : ""}ops${hidden}`] : u.lines;
     lines.forEach((t, i) => {
       el("text", { x: 6, y: 14 + i * 13, "font-weight": i === 0 ? "bold" : "normal" }, g).textContent =
         t.length > 28 ? t.slice(0, 27) + "\u2026" : t;
     });
-    if (u.module) g.addEventListener("click", () => { closed.delete(u.module); render(); });
+    if (u.module) {
+      g.addEventListener("click", () => { (u.own ? ownClosed : closed).delete(u.module); render(); });
+    }
   }
   const open = document.getElementById("open");
   open.innerHTML = "";

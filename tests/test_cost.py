@@ -7,7 +7,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.ir.mesh import MeshSpec
-from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, dtype_name, get_cluster
+from autopar.ir.options import dtype_name
+from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster
 
 R, P = Replicate(), Partial()
 S0, S1 = Shard(0), Shard(1)

@@ -204,8 +204,8 @@ class MixedPrecision:
                 )
 
     def to_dict(self) -> dict[str, str | None]:
-        reduce = None if self.reduce_dtype is None else _dtype_name(self.reduce_dtype)
-        names = (_dtype_name(self.param_dtype), _dtype_name(self.output_dtype))
+        reduce = None if self.reduce_dtype is None else dtype_name(self.reduce_dtype)
+        names = (dtype_name(self.param_dtype), dtype_name(self.output_dtype))
         return {"param_dtype": names[0], "output_dtype": names[1], "reduce_dtype": reduce}
 
     @classmethod
@@ -218,5 +218,6 @@ class MixedPrecision:
         )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in PRECISIONS.items() if d == dtype)
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how plans and ``Cluster.peak_flops`` name a dtype."""
+    return str(dtype).removeprefix("torch.")

@@ -284,6 +284,27 @@ class Plan:
         return MeshSpec((self.pipeline.axis, *self.mesh), (self.pipeline.size, *self.mesh.values()))
 
     @property
+    def step_time_s(self) -> float:
+        """The predicted step: the pipeline schedule's under a pipeline, else the prediction's."""
+        return self.pipeline.step_time_s if self.pipeline is not None else self.prediction.step_time_s
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Predicted bytes on the rank holding the most: under a pipeline, the largest stage's."""
+        if self.pipeline is not None:
+            return max(s.memory_bytes for s in self.pipeline.stages)
+        return self.prediction.memory_bytes
+
+    @property
+    def parameter_casts(self) -> dict[str, str]:
+        """Under mixed precision, each cast of a parameter to the compute dtype: node -> placeholder."""
+        return {
+            n.name: n.args[0]
+            for n in self.nodes
+            if n.op == "aten._to_copy.default" and n.args and n.args[0] in self.parameter_nodes
+        }
+
+    @property
     def parameter_placements(self) -> dict[str, tuple[Placement, ...]]:
         """``{parameter fqn: tuple of DTensor placements, one per mesh axis}``."""
         return {fqn: parse_layout(lay) for fqn, lay in self.parameters.items()}

@@ -35,7 +35,7 @@ def render_summary(plan: Plan, width: int, verbose: bool = False) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, record=False, color_system=None)
     p = plan.prediction
-    step = plan.pipeline.step_time_s if plan.pipeline is not None else p.step_time_s
+    step = plan.step_time_s
     per = " per microbatch" if plan.pipeline is not None else ""
     console.print(
         f"autopar plan on mesh {plan.device_mesh_spec} ({plan.cluster['name']}): predicted step "
@@ -126,10 +126,9 @@ def _operators(plan: Plan, verbose: bool) -> Table:
     table = Table(title="operators", show_lines=False)
     for col in ("module", "op", "operands", "output", "compute"):
         table.add_column(col, overflow="fold")
+    casts = plan.parameter_casts
     for n in plan.nodes:
-        added = op_label(n.op) == "autopar.layout_constraint" or (
-            op_label(n.op) == "_to_copy" and n.args[:1] and n.args[0] in plan.parameter_nodes
-        )
+        added = op_label(n.op) == "autopar.layout_constraint" or n.name in casts
         if n.kind.summarised and (verbose or not added):
             operands = ", ".join(o or "-" for o in n.operands)
             table.add_row(

@@ -28,6 +28,7 @@ import torch
 from autopar.ir.errors import OptionError
 from autopar.ir.layout import Layout, piece_size
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import dtype_name
 from autopar.ir.plan import CollectiveKind
 from autopar.planning.steps import (
     BACKWARD,
@@ -47,11 +48,6 @@ FALLBACK_DTYPE = "float32"
 
 # ``Cluster.devices_per_node`` when all ranks share one host (cpu-gloo): no mesh axis ever crosses a node.
 ONE_HOST = 1 << 20
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: the key used in ``Cluster.peak_flops``."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def plan_captured(
     if best is None:
         for i, choice in enumerate(choices):
             found = _solve_choice(search, choice, constrained=True, ways=len(choices) - i)
-            if found is not None and (best is None or _step_time(found) < _step_time(best)):
+            if found is not None and (best is None or found.step_time_s < best.step_time_s):
                 best = found
         if best is not None and memory.zero is None:
             best.memory = replace(best.memory, chosen=True)
@@ -228,11 +228,7 @@ def _sums_in_compute_dtype(plan: Plan, precision: MixedPrecision) -> list[str]:
     that gather reduces their gradients in it, not in ``precision.reduce_dtype``."""
     if precision.reduce_dtype == precision.param_dtype:
         return []
-    casts = {
-        n.name: n.args[0]
-        for n in plan.nodes
-        if n.op == "aten._to_copy.default" and n.args and n.args[0] in plan.parameter_nodes
-    }
+    casts = plan.parameter_casts
     reduced = {
         plan.parameter_nodes[casts[r.src]]
         for r in plan.redistributions
@@ -273,16 +269,6 @@ def memory_choices(captured: Captured, memory: Memory) -> list[MemoryChoice]:
     if not annotated and blocks:
         recomputes += [dict.fromkeys(blocks, SELECTIVE), dict.fromkeys(blocks, FULL)]
     return [MemoryChoice(zero=z, recompute=r) for r in recomputes for z in zeros]
-
-
-def _step_time(p: Plan) -> float:
-    return p.pipeline.step_time_s if p.pipeline is not None else p.prediction.step_time_s
-
-
-def _peak_bytes(p: Plan) -> float:
-    if p.pipeline is not None:
-        return max(s.memory_bytes for s in p.pipeline.stages)
-    return p.prediction.memory_bytes
 
 
 def _ilp(search: Search, choice: MemoryChoice, limit: float | None = None) -> StrategyILP:
@@ -331,9 +317,9 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways:
         except PipelineFitError:  # no split of the model into stages fits the budget
             return None
         result.alternatives = alternatives(g, ilp.node_costs, ilp.pair_costs, assignment)
-        if _peak_bytes(result) <= budget or limit is None:
-            return result if _peak_bytes(result) <= budget else None
-        limit -= _peak_bytes(result) - budget
+        if result.peak_memory_bytes <= budget or limit is None:
+            return result if result.peak_memory_bytes <= budget else None
+        limit -= result.peak_memory_bytes - budget
     return None
 
 
@@ -366,7 +352,7 @@ def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
             assignments.append(ilp.minimum_memory(time_limit=search.clock.share(), seed=search.seed)[0])
         for assignment in assignments:
             plan = assemble_plan(unbounded, choice, assignment, report)
-            tried.append((_peak_bytes(plan), plan, choice))
+            tried.append((plan.peak_memory_bytes, plan, choice))
     peak, least, choice = min(tried, key=lambda t: t[0])
     p = least.prediction
     parts = {

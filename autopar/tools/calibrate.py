@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.planning.cost import ONE_HOST, Cluster, LinkSpec, dtype_name
+from autopar.ir.options import dtype_name
+from autopar.planning.cost import ONE_HOST, Cluster, LinkSpec
 from autopar.tools.launch import free_port
 
 _MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -112,8 +112,7 @@ def plan_html(plan: Plan, title: str) -> str:
 def _summary_lines(plan: Plan) -> str:
     """What the page says above the graph: the predicted step and memory, each axis's role, a legend."""
     p = plan.prediction
-    step = plan.pipeline.step_time_s if plan.pipeline is not None else p.step_time_s
-    memory = max(s.memory_bytes for s in plan.pipeline.stages) if plan.pipeline else p.memory_bytes
+    step, memory = plan.step_time_s, plan.peak_memory_bytes
     lines = [
         f"predicted step {step * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, communication "
         f"{p.comm_s * 1e3:.3f} ms); memory per rank {memory / 2**20:.1f} MiB",

@@ -99,13 +99,13 @@ class StepMeter:
             seconds = time.perf_counter() - start
         device = "cuda" if cuda else "cpu"  # where the backend reduces (NCCL: on the GPU)
         if profile:
-            self.flops = _sum(float(counter.get_total_flops()), device)
+            self.flops = _reduced(float(counter.get_total_flops()), device)
             self.activations = meter.peak if not cuda else 0
             self.state = max(held.get("total", 0), self._held()["total"])
         memory = torch.cuda.max_memory_allocated() if cuda else self.activations + self.state
         memory = memory if cuda or self.flops is not None else None  # measured from the profile step on
         moved = sum(collectives.comm_counts().values()) - sent
-        record = self._record(_max(seconds, device), moved, memory, profile)
+        record = self._record(_reduced(seconds, device, dist.ReduceOp.MAX), moved, memory, profile)
         self.records.append(record)
         self.steps += 1
         if dist.get_rank() == 0:
@@ -122,10 +122,10 @@ class StepMeter:
         peaks = plan.cluster["peak_flops"]
         peak = peaks.get(dtype, peaks["float32"]) * world
         if plan.pipeline is not None:
-            predicted, moved_plan = plan.pipeline.step_time_s, None
+            predicted, moved_plan = plan.step_time_s, None
             memory_plan = [s.memory_bytes for s in plan.pipeline.stages]
         else:  # the model's program, then the loss's
-            predicted = plan.prediction.step_time_s + sum(p.step_time_s for p in losses)
+            predicted = plan.step_time_s + sum(p.step_time_s for p in losses)
             moved_plan = plan.prediction.comm_bytes + sum(p.comm_bytes for p in losses)
             memory_plan = [plan.prediction.memory_bytes + sum(p.activation_bytes for p in losses)]
         memories = _gather(memory) if memory is not None else None
@@ -175,15 +175,10 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _sum(x: float, device: str) -> float:
+def _reduced(x: float, device: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> float:
+    """``x`` reduced over every rank (summed, or by ``op``)."""
     t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t.item())
-
-
-def _max(x: float, device: str) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 

@@ -31,6 +31,7 @@ from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan, load_plan
 from autopar.planning.cost import Cluster, LinkSpec, get_cluster
 from autopar.planning.planner import plan
+from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.training_state import load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "InitializationError",
     "OptionError",
     "LinkSpec",
+    "LossScaler",
     "Memory",
     "ManualSplit",
     "MixedPrecision",

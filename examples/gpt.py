@@ -311,10 +311,16 @@ def main() -> None:
     targets = torch.roll(idx, -1, dims=1)
     # each step's time, tokens/s, MFU, bytes moved and memory beside the plan's prediction
     meter = StepMeter(dmodel, optimizer, tokens=idx.numel(), jsonl=a.telemetry)
+    scaler = autopar.LossScaler() if a.precision == "fp16" else None  # fp16 gradients underflow unscaled
     for step in range(a.steps):
         with meter.step():
-            loss = dmodel.train_step((idx,), targets, loss_fn)  # forward and backward; the loss on every rank
-            optimizer.step()
+            # forward and backward; the loss on every rank
+            loss = dmodel.train_step((idx,), targets, loss_fn, loss_scaler=scaler)
+            if scaler is None:
+                optimizer.step()
+            else:  # skipped, on every rank, when a gradient overflowed
+                scaler.step(optimizer)
+                scaler.update()
             optimizer.zero_grad()
         if rank0:
             print(f"step {step}: loss {loss.item():.4f}")

@@ -164,9 +164,81 @@ def _world(names: list[str]) -> dict:
     return results
 
 
+SCALER = {"init_scale": 2.0**17, "growth_interval": 2}  # overflows twice, steps, grows, overflows
+SCALED_STEPS = 7
+
+
+def _scaled_reference(microbatches: int) -> tuple[list[float], list[float]]:
+    """One device, fp16 casts by hand, ``torch.amp.GradScaler``: the losses and the scale before each
+    step. Each of ``microbatches`` losses is scaled by ``1/microbatches`` too (a pipeline's mean), so
+    the same overflows come at a scale that many times larger."""
+    torch.manual_seed(0)
+    model, args = gpt.build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", **{**SCALER, "init_scale": SCALER["init_scale"] / microbatches})
+    losses, scales = [], []
+    for _ in range(SCALED_STEPS):
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+        params = {n: p.half() for n, p in model.named_parameters()}
+        loss = functional_call(model, params, tuple(a.half() if a.is_floating_point() else a for a in args))
+        scaler.scale(loss.float()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.float().item())
+    return losses, [s * microbatches for s in scales]
+
+
+def _scaled_world() -> dict[str, tuple[list[float], list[float], int]]:
+    """fp16 with ``autopar.LossScaler`` on 4 ranks: a pipeline through ``train_step``, and ZeRO-1 with
+    the optimizer offloaded through the user's own ``scaler.scale(loss).backward()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results = {}
+    setups = {"pp2 x dp2": ((2, 2), ("pp", "dp")), "dp2 x tp2 ZeRO-1 offload": ((2, 2), ("dp", "tp"))}
+    for name, (shape, axes) in setups.items():
+        torch.manual_seed(0)
+        model, args = gpt.build()
+        options = (
+            {"pipeline": autopar.Pipeline(2)}
+            if "pp" in axes
+            else {"memory": autopar.Memory(zero=1, offload_optimizer=True)}
+        )
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=axes)
+        precision = autopar.MixedPrecision(torch.float16)
+        dmodel = autopar.compile(model, mesh, args, precision=precision, **options)
+        optimizer = dmodel.optimizer(torch.optim.AdamW, lr=1e-3)
+        scaler = autopar.LossScaler(**SCALER)
+        losses, scales = [], []
+        for _ in range(SCALED_STEPS):
+            optimizer.zero_grad()
+            scales.append(scaler.scale_value)
+            if "pp" in axes:
+                loss = dmodel.train_step(args, loss_scaler=scaler)
+            else:
+                loss = dmodel(*dmodel.shard_inputs(*args)[0])
+                scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+        results[name] = (losses, scales, scaler.skipped_steps)
+    return results
+
+
+def _all_worlds(names: list[str]) -> tuple[dict, dict]:
+    return _world(names), _scaled_world()
+
+
 @pytest.mark.slow
 def test_mixed_precision_trains_on_4_gloo_ranks_as_on_one_device_with_the_same_casts():
-    results = spawn(_world, 4, list(CASES))[0]
+    outcomes = spawn(_all_worlds, 4, list(CASES))
+    results, scaled = outcomes[0]
+    # every rank took the same steps and skipped the same: the overflow check is the world's
+    assert all(o[1] == scaled for o in outcomes)
+    for name, (losses, scales, skipped) in scaled.items():
+        want_losses, want_scales = _scaled_reference(2 if "pp" in name else 1)
+        assert scales == want_scales and skipped == 3, name
+        assert losses == pytest.approx(want_losses, rel=1e-3), name
     for name, (loss, want, dtype, worst, dtypes) in results.items():
         assert loss == pytest.approx(want, rel=1e-3), name
         assert dtype == torch.float32 and dtypes == {torch.float32}, name  # fp32 masters and gradients
@@ -205,3 +277,30 @@ def test_gradients_reduced_in_the_compute_dtype_are_named():
     (warning,) = warned(BF16)
     assert "not in their own dtype (reduce_dtype)" in warning
     assert not warned(autopar.MixedPrecision(reduce_dtype=torch.bfloat16))
+
+
+def test_the_loss_scaler_skips_overflowing_steps_backs_off_and_grows():
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    scaler = autopar.LossScaler(init_scale=8.0, growth_interval=2)
+    for grad, stepped, scale in (((1.0, float("inf"), 0.0), False, 4.0), ((8.0, 8.0, 8.0), True, 4.0)):
+        weight.grad = torch.tensor(grad) * scaler.scale_value / 8
+        assert scaler.step(optimizer) is stepped
+        scaler.update()
+        assert scaler.scale_value == scale
+    assert weight.tolist() == [0.5, 0.5, 0.5]  # the skipped step left it alone; the other saw grad 1
+    weight.grad = torch.ones(3) * scaler.scale_value
+    assert not scaler.unscale_(optimizer) and weight.grad.tolist() == [1.0, 1.0, 1.0]
+    assert not scaler.unscale_(optimizer) and weight.grad.tolist() == [1.0, 1.0, 1.0]  # once a step
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.state_dict() == {"scale": 8.0, "good_steps": 0, "skipped_steps": 1}
+    restored = autopar.LossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict()
+    with pytest.raises(OptionError, match="update\\(\\) before step\\(\\)"):
+        restored.update()
+    with pytest.raises(OptionError, match="0 < backoff_factor < 1"):
+        autopar.LossScaler(backoff_factor=2.0)
+    with pytest.raises(OptionError, match="growth_interval=...\\) must be a positive int"):
+        autopar.LossScaler(growth_interval=0)

@@ -37,6 +37,7 @@ from autopar.ir.printing import format_graph
 from autopar.runtime import offload
 from autopar.runtime.checkpoint import keep_checkpoints_plain
 from autopar.runtime.grad_reducer import GradReducer
+from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import as_dtensor, distributed_copy, local_piece
 from autopar.runtime.optimizer import ZeroShard, held_bytes, make_optimizer
@@ -305,6 +306,7 @@ class DistributedModule(torch.nn.Module):
         inputs: Any,
         target: torch.Tensor | None = None,
         loss_fn: LossFn | None = None,
+        loss_scaler: LossScaler | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one global batch; returns the loss, on every rank.
 
@@ -318,7 +320,9 @@ class DistributedModule(torch.nn.Module):
         optimizer afterwards. Under a pipeline the batch runs as microbatches (dim 0 of
         every input and of ``target``) in the planned schedule, each microbatch's loss
         weighted ``1/microbatches``: the loss must be a mean over the batch, and the
-        result is the mean over microbatches.
+        result is the mean over microbatches. With ``loss_scaler`` the backward runs on the
+        loss times its scale (fp16: see :mod:`autopar.runtime.loss_scaler`); the loss returned
+        is not scaled.
         """
         if isinstance(inputs, Mapping):
             args, kwargs = (), dict(inputs)
@@ -331,7 +335,7 @@ class DistributedModule(torch.nn.Module):
             local_args, local_kwargs = self.shard_inputs(*args, **kwargs)
             out = self(*local_args, **local_kwargs)
             loss = _loss_of(out) if tail is None else tail(out, tail.local_target(target, 1))
-            loss.backward()
+            (loss if loss_scaler is None else loss_scaler.scale(loss)).backward()
             return loss.detach()
         m = self.pipeline.pipeline.microbatches
         leaves = dict(zip(self._input_names, self._user_leaves(args, kwargs)))
@@ -339,15 +343,18 @@ class DistributedModule(torch.nn.Module):
             self._check(name, leaves.pop(name))  # constants are the program's own: only tensors cross stages
         local = [self._microbatches(name, t, m) for name, t in leaves.items()]
 
+        # the schedule keeps the first function it is given: the scale is read when it runs
+        self._loss_scale = 1.0 if loss_scaler is None else loss_scaler.scale_value
+
         def microbatch_loss(output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
             out = pytree.tree_unflatten(list(output), self._out_spec)
-            return (_loss_of(out) if tail is None else tail(out, target)) / m
+            return (_loss_of(out) if tail is None else tail(out, target)) * (self._loss_scale / m)
 
         # torch's schedules hand the loss function one target per microbatch; a model that
         # computes its own loss gets placeholders
         local_target = torch.zeros(m) if tail is None else tail.local_target(target, m)
         self.grad_reducer.expect(m)
-        return self.pipeline.step(local, local_target, microbatch_loss, loss_fn)
+        return self.pipeline.step(local, local_target, microbatch_loss, loss_fn) / self._loss_scale
 
     def _microbatches(self, name: str, t: Any, m: int) -> Any:
         """This rank's pieces of the ``m`` microbatches of global input ``t``, concatenated along dim 0."""

@@ -95,7 +95,8 @@ def make_optimizer(
     gradient first (and releases the full gradient after); offload copies gradients to
     the host first and values back after; every shard is gathered last.
     """
-    targets = [shards[id(p)].shard if id(p) in shards else p for p in params if p.requires_grad]
+    trained = [p for p in params if p.requires_grad]
+    targets = [shards[id(p)].shard if id(p) in shards else p for p in trained]
     copies = [HostCopy(t, host) for t in targets] if offload else []
     optimizer = optimizer_class([c.master for c in copies] if offload else targets, **options)
 
@@ -118,6 +119,11 @@ def make_optimizer(
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
     _STANDS_FOR[optimizer] = {id(c.master): c.target for c in copies}
+    # until step() runs its hooks, ZeRO-1 pieces read the full parameter's gradient and host
+    # copies the device one
+    _HOLDERS[optimizer] = [
+        shards[id(p)].param if zero == 1 and id(p) in shards else t for p, t in zip(trained, targets)
+    ]
     if offload:
         _clear_targets_too(optimizer, [c.target for c in copies])
     return optimizer
@@ -141,6 +147,16 @@ def _clear_targets_too(optimizer: torch.optim.Optimizer, targets: list[Any]) -> 
 
 # optimizer -> {id of a host master copy it steps: the DTensor (parameter or ZeRO shard) it stands for}
 _STANDS_FOR: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, Any]] = weakref.WeakKeyDictionary()
+# optimizer made by make_optimizer -> the tensors whose ``grad`` its next step() reads first
+_HOLDERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def gradient_holders(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors whose ``grad`` the next ``optimizer.step()`` uses, as they stand before it runs:
+    its own parameters, or for an optimizer :func:`make_optimizer` built, the full parameters
+    (ZeRO-1), shards (ZeRO-2) and device tensors (offload) its hooks take the gradients from."""
+    held = _HOLDERS.get(optimizer)
+    return held if held is not None else [p for group in optimizer.param_groups for p in group["params"]]
 
 
 @torch.no_grad()

@@ -197,6 +197,16 @@ def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert re.search(r"\+ \d+ own ops", svg.read_text())
     root = ElementTree.fromstring(drawing.split("\n", 1)[1])  # well-formed XML
     assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    # edge labels never overlap: their boxes (at 4.5 px a character: less than they take) are apart
+    boxes = [
+        (float(t.get("x")), float(t.get("y")), 4.5 * len(t.text))
+        for t in root.iter("{http://www.w3.org/2000/svg}text")
+        if t.get("class") in ("elabel", "llabel")
+    ]
+    assert len(boxes) > 20
+    for i, (x, y, w) in enumerate(boxes):
+        for u, v, wu in boxes[i + 1 :]:
+            assert x + w <= u or u + wu <= x or abs(y - v) >= 9, (x, y, u, v)
 
 
 def test_a_scaling_fit_says_how_well_it_fits():

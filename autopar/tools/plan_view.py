@@ -215,6 +215,42 @@ function el(tag, attrs, parent) {
   parent.appendChild(e);
   return e;
 }
+// the x of the edge's cubic (control points half a gap below and above its ends) at height y
+function xAtY(y, [x1, y1, x2, y2], GY) {
+  const at = (t, a, b, c, d) =>
+    (1 - t) ** 3 * a + 3 * (1 - t) ** 2 * t * b + 3 * (1 - t) * t * t * c + t ** 3 * d;
+  const down = y2 >= y1;
+  let lo = 0, hi = 1;
+  for (let i = 0; i < 30; i++) {
+    const mid = (lo + hi) / 2, ym = at(mid, y1, y1 + GY / 2, y2 - GY / 2, y2);
+    if ((ym < y) === down) lo = mid; else hi = mid;
+  }
+  return at(lo, x1, x1, x2, x2);
+}
+// an edge label in a gap between rows the edge crosses (the one above its target first), moved
+// up or down within the gap, or to an earlier gap, until it overlaps no label placed before it;
+// a label with no free place is left off (the edge's hover still shows it)
+function placeLabel(svg, placed, cls, text, [x1, y1, x2, y2, r1, r2], H, GY) {
+  const t = el("text", { class: cls }, svg);
+  t.textContent = text;
+  const w = t.getComputedTextLength() || 6 * text.length, h = 11;
+  const clear = b => placed.every(o => b.x2 < o.x1 || o.x2 < b.x1 || b.y2 < o.y1 || o.y2 < b.y1);
+  const gaps = [];
+  for (let r = Math.max(r1, r2) - 1; r >= Math.min(r1, r2); r--) gaps.push(10 + r * (H + GY) + H + GY / 2);
+  for (const mid of gaps) {
+    for (const dy of [4, -9, 17]) {
+      const y = mid + dy, x = xAtY(y - 4, [x1, y1, x2, y2], GY) + 4;
+      const box = { x1: x, x2: x + w, y1: y - h + 2, y2: y + 2 };
+      if (clear(box)) {
+        placed.push(box);
+        t.setAttribute("x", x);
+        t.setAttribute("y", y);
+        return;
+      }
+    }
+  }
+  t.remove();
+}
 function render() {
   const svg = document.getElementById("graph");
   svg.innerHTML = "";
@@ -272,19 +308,25 @@ function render() {
   }));
   svg.setAttribute("width", width);
   svg.setAttribute("height", 20 + rows.length * (H + GY));
+  const labelled = [];
   for (const l of links.values()) {
     const p = pos[l.a], q = pos[l.b];
     const x1 = p.x + W / 2, y1 = p.y + H, x2 = q.x + W / 2, y2 = q.y;
     const path = el("path", { class: "edge" + (l.moved ? " moved" : ""),
       d: `M${x1},${y1} C${x1},${y1 + GY / 2} ${x2},${y2 - GY / 2} ${x2},${y2}` }, svg);
     el("title", {}, path).textContent = l.moved ? l.titles.join("\\n") : l.layouts.join(", ");
+    const curve = [x1, y1, x2, y2, layer.get(l.a), layer.get(l.b)];
     if (l.moved) {
-      el("text", { class: "elabel", x: (x1 + x2) / 2 + 4, y: (y1 + y2) / 2 }, svg).textContent = l.labels[0] +
-        (l.labels.length > 1 ? ` (+${l.labels.length - 1})` : "");
+      const more = l.labels.length > 1 ? ` (+${l.labels.length - 1})` : "";
+      labelled.push(["elabel", l.labels[0] + more, curve]);
     } else if (new Set(l.layouts).size === 1 && l.layouts[0]) {
-      el("text", { class: "llabel", x: (x1 + x2) / 2 + 4, y: (y1 + y2) / 2 }, svg).textContent = l.layouts[0];
+      labelled.push(["llabel", l.layouts[0], curve]);
     }
   }
+  // collectives first: where two labels would overlap, the layout one moves (or goes)
+  labelled.sort((x, y) => (x[0] === "elabel" ? 0 : 1) - (y[0] === "elabel" ? 0 : 1));
+  const placed = [];
+  for (const [cls, text, curve] of labelled) placeLabel(svg, placed, cls, text, curve, H, GY);
   for (const u of ordered) {
     const p = pos[u.key];
     const g = el("g", { class: u.module ? "module" : "op", transform: `translate(${p.x},${p.y})` }, svg);

@@ -46,9 +46,9 @@ MEASURED = [  # (mesh, annotation style, Memory options, recompute policy of eve
 
 
 def plan_llama(layers: int, mesh: dict[str, int], budgets: list[float | None]) -> list[dict[str, Any]]:
-    from plan_llama7b import llama_2_7b  # this directory is on sys.path when run as a script
+    from plan_scale import llama  # this directory is on sys.path when run as a script
 
-    model = llama_2_7b(layers, torch.bfloat16)
+    model = llama("llama-2-7b", layers, torch.bfloat16)
     ids = torch.zeros(8, 4096, dtype=torch.long, device="meta")
     rows = []
     for budget in budgets:

@@ -1,7 +1,7 @@
 """Planning time on meshes of many axes: the planner must stay within ``time_limit`` on any mesh.
 
 Plans the example GPT (``examples/gpt.py``'s tiny defaults) on meshes of 2 to 6 axes of size 2,
-and a Llama-2-7B shape (``bench/plan_llama7b.py``) on 64 ranks as 2, 4 and 6 axes, all with
+and a Llama-2-7B shape (``bench/plan_scale.py``) on 64 ranks as 2, 4 and 6 axes, all with
 ``time_limit=30`` on the ``h100`` cluster model, and prints per case the wall time (capture
 included), the axes the planner merged to stay within the limit (``autopar.planning.axis_groups``),
 the ILP's size, the solver's status and gap, and the predicted step time.
@@ -19,7 +19,7 @@ import time
 import torch
 
 import autopar
-from bench.plan_llama7b import llama_2_7b
+from bench.plan_scale import llama
 from examples import gpt
 
 TIME_LIMIT = 30.0
@@ -60,7 +60,7 @@ def main() -> None:
         ids = torch.zeros(8, 4096, dtype=torch.long, device="meta")
         for mesh in LLAMA_MESHES:
             kwargs = {"input_ids": ids, "labels": ids}
-            print(json.dumps(_case("llama-2-7b", llama_2_7b(), (), kwargs, mesh)), flush=True)
+            print(json.dumps(_case("llama-2-7b", llama("llama-2-7b"), (), kwargs, mesh)), flush=True)
 
 
 if __name__ == "__main__":

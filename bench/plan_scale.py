@@ -1,0 +1,114 @@
+"""Scale: plan Llama shapes from 7B to 405B for up to 16,384 ranks on this machine.
+
+transformers' ``LlamaForCausalLM`` is built from a config on the ``meta`` device (no memory)
+and planned for the ``h100`` cluster model. Each case prints the wall time with capture
+included, the capture / build / solve split, the ILP's size, the predicted step and the
+memory of the rank holding the most (the largest pipeline stage's, under a pipeline).
+
+Cases (``--case``):
+
+- ``llama-2-7b``: 32 layers, hidden 4096, 32 heads, FFN 11008, vocabulary 32000, fp32,
+  batch 8 x sequence 4096, dp=8 x tp=8. Target: 15 s.
+- ``llama-3-8b``: 32 layers, hidden 4096, 32 / 8 kv heads, FFN 14336, vocabulary 128256,
+  bf16, batch 16 x sequence 8192, dp=8 x tp=8. Target: 10 s, memory search included.
+- ``llama-3-70b``: 80 layers, hidden 8192, 64 / 8 kv heads, FFN 28672, bf16, batch 128 x
+  sequence 8192, pp=8 x dp=8 x tp=8, 1F1B with 16 microbatches.
+- ``llama-3.1-405b``: 126 layers, hidden 16384, 128 / 8 kv heads, FFN 53248, bf16, batch
+  2048 x sequence 8192, pp=16 x dp=128 x tp=8 = 16,384 ranks, 1F1B with 16 microbatches.
+  Target: 60 s.
+
+Run: ``python bench/plan_scale.py --case llama-3-8b`` (``--layers`` for fewer layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+import transformers
+
+import autopar
+
+transformers.logging.set_verbosity_error()
+
+# layers, hidden, heads, kv heads, FFN, vocabulary, dtype
+SHAPES: dict[str, tuple[int, int, int, int, int, int, torch.dtype]] = {
+    "llama-2-7b": (32, 4096, 32, 32, 11008, 32000, torch.float32),
+    "llama-3-8b": (32, 4096, 32, 8, 14336, 128256, torch.bfloat16),
+    "llama-3-70b": (80, 8192, 64, 8, 28672, 128256, torch.bfloat16),
+    "llama-3.1-405b": (126, 16384, 128, 8, 53248, 128256, torch.bfloat16),
+}
+# batch, sequence, mesh, microbatches (None: no pipeline)
+CASES: dict[str, tuple[int, int, dict[str, int], int | None]] = {
+    "llama-2-7b": (8, 4096, {"dp": 8, "tp": 8}, None),
+    "llama-3-8b": (16, 8192, {"dp": 8, "tp": 8}, None),
+    "llama-3-70b": (128, 8192, {"pp": 8, "dp": 8, "tp": 8}, 16),
+    "llama-3.1-405b": (2048, 8192, {"pp": 16, "dp": 128, "tp": 8}, 16),
+}
+
+
+def llama(shape: str, layers: int | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """transformers' ``LlamaForCausalLM`` of ``shape`` (a key of :data:`SHAPES`), on ``meta``."""
+    n, hidden, heads, kv_heads, ffn, vocab, built = SHAPES[shape]
+    config = transformers.LlamaConfig(
+        num_hidden_layers=layers or n,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=ffn,
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        use_cache=False,
+    )
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config).to(dtype or built)
+
+
+def run_case(case: str, layers: int | None = None, **options: Any) -> dict[str, Any]:
+    """Plan ``case`` (a key of :data:`CASES`); its figures as a dict. ``options`` go to ``autopar.plan``."""
+    batch, seq, mesh, microbatches = CASES[case]
+    t0 = time.perf_counter()
+    model = llama(case, layers)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    if microbatches is not None:
+        options.setdefault("pipeline", autopar.Pipeline(microbatches, "1f1b"))
+    plan = autopar.plan(
+        model, (), mesh, example_kwargs={"input_ids": ids, "labels": ids}, cluster="h100", **options
+    )
+    wall = time.perf_counter() - t0
+    s = plan.solver
+    return {
+        "case": case,
+        "wall_s": round(wall, 2),
+        "capture_s": round(s.capture_s, 2),
+        "build_s": round(s.build_s, 2),
+        "solve_s": round(s.solve_s, 2),
+        "ilp_variables": s.variables,
+        "ilp_constraints": s.constraints,
+        "choices": s.roots,
+        "tied_blocks": s.tied_blocks,
+        "gap": s.gap,
+        "status": s.status,
+        "memory_plan": None if plan.memory is None else f"ZeRO-{plan.memory.zero}",
+        "predicted_step_s": round(plan.step_time_s, 4),
+        "peak_memory_GiB": round(plan.peak_memory_bytes / 2**30, 2),
+        "warnings": plan.warnings,
+        "layer_0": {
+            k: v for k, v in plan.parameters.items() if k.startswith("model.layers.0.") and "norm" not in k
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=sorted(CASES), default="llama-2-7b")
+    parser.add_argument("--layers", type=int, help="fewer layers than the shape has")
+    a = parser.parse_args()
+    print(json.dumps(run_case(a.case, a.layers), indent=1))
+
+
+if __name__ == "__main__":
+    main()

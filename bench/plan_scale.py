@@ -67,11 +67,14 @@ def llama(shape: str, layers: int | None = None, dtype: torch.dtype | None = Non
         return transformers.LlamaForCausalLM(config).to(dtype or built)
 
 
-def run_case(case: str, layers: int | None = None, **options: Any) -> dict[str, Any]:
-    """Plan ``case`` (a key of :data:`CASES`); its figures as a dict. ``options`` go to ``autopar.plan``."""
+def run_case(
+    case: str, layers: int | None = None, dtype: torch.dtype | None = None, **options: Any
+) -> dict[str, Any]:
+    """Plan ``case`` (a key of :data:`CASES`; the shape's dtype unless ``dtype``); its figures as a
+    dict. ``options`` go to ``autopar.plan``."""
     batch, seq, mesh, microbatches = CASES[case]
     t0 = time.perf_counter()
-    model = llama(case, layers)
+    model = llama(case, layers, dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     if microbatches is not None:
         options.setdefault("pipeline", autopar.Pipeline(microbatches, "1f1b"))
@@ -106,8 +109,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=sorted(CASES), default="llama-2-7b")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="instead of the shape's")
     a = parser.parse_args()
-    print(json.dumps(run_case(a.case, a.layers), indent=1))
+    dtype = None if a.dtype is None else getattr(torch, a.dtype)
+    print(json.dumps(run_case(a.case, a.layers, dtype), indent=1))
 
 
 if __name__ == "__main__":

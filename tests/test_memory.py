@@ -169,3 +169,39 @@ def test_a_budget_bounds_every_pipeline_stage():
     budget = 0.7 * max(s.memory_bytes for s in free.pipeline.stages)
     plan = autopar.plan(model, (idx,), mesh, pipeline=pipeline, cluster="fast-links", memory_budget=budget)
     assert plan.memory.chosen and max(s.memory_bytes for s in plan.pipeline.stages) <= budget
+
+
+def test_the_memory_search_skips_only_choices_that_cannot_win(monkeypatch):
+    """Pruned by bounds, the search finds the plan solving every choice finds, in fewer solves."""
+    import math
+
+    from autopar.planning import planner
+    from autopar.planning.memory_tables import MemoryTerms
+
+    model, args = _gpt()
+    free = autopar.plan(model, args, DP4).prediction.memory_bytes
+    solves = []
+    solve = planner._solve_choice
+    monkeypatch.setattr(planner, "_solve_choice", lambda *a, **k: solves.append(a[1]) or solve(*a, **k))
+
+    def search(budget: float) -> tuple[float | None, int]:
+        solves.clear()
+        try:
+            plan = autopar.plan(model, args, DP4, memory_budget=budget)
+        except PlanError:
+            return None, len(solves)
+        assert plan.peak_memory_bytes <= budget
+        return plan.step_time_s, len(solves)
+
+    budgets = [f * free for f in (0.7, 0.35)]  # ZeRO-2; ZeRO-2 and full recompute
+    pruned = [search(b) for b in budgets]
+    with monkeypatch.context() as m:  # every bound -inf, every choice's fewest bytes 0: nothing skipped
+        m.setattr(MemoryTerms, "least_seconds", lambda self, c: -math.inf)
+        m.setattr(MemoryTerms, "least_bytes", lambda self, c: 0.0)
+        exhaustive = [search(b) for b in budgets]
+    for (fast, n), (want, n_all) in zip(pruned, exhaustive):
+        assert (fast is None) == (want is None)
+        assert fast is None or fast == pytest.approx(want, rel=1e-9)
+        assert n <= n_all
+    assert sum(n for _, n in pruned) < sum(n for _, n in exhaustive)
+    assert all(t is not None for t, _ in pruned)

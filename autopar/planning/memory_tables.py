@@ -64,15 +64,58 @@ class MemoryTables:
             self.nbytes[choice.root] += values
 
 
-def memory_tables(g: StrategyGraph, choice: MemoryChoice, memory: Memory) -> MemoryTables:
-    """The seconds ``choice`` adds and the bytes per device it holds (see the module docstring)."""
-    tables = MemoryTables(
-        seconds={r: np.zeros(k) for r, k in g.roots.items()},
-        nbytes={r: np.zeros(k) for r, k in g.roots.items()},
-    )
-    _state_terms(g, choice, memory, tables)
-    _activation_terms(g, choice, tables)
-    return tables
+class MemoryTerms:
+    """The terms of every memory choice of one strategy graph, built once per part: the state
+    terms per ZeRO stage and the activation terms per set of recomputed modules (candidates
+    share them), summed per choice by :meth:`of`."""
+
+    def __init__(self, g: StrategyGraph, memory: Memory) -> None:
+        self.g, self.memory = g, memory
+        self._state: dict[int, MemoryTables] = {}
+        self._activations: dict[frozenset, MemoryTables] = {}
+
+    def _empty(self) -> MemoryTables:
+        return MemoryTables(
+            seconds={r: np.zeros(k) for r, k in self.g.roots.items()},
+            nbytes={r: np.zeros(k) for r, k in self.g.roots.items()},
+        )
+
+    def of(self, choice: MemoryChoice) -> MemoryTables:
+        """The seconds ``choice`` adds and the bytes per device it holds (see the module docstring)."""
+        if choice.zero not in self._state:
+            self._state[choice.zero] = self._empty()
+            _state_terms(self.g, choice, self.memory, self._state[choice.zero])
+        key = frozenset(choice.recompute.items())
+        if key not in self._activations:
+            self._activations[key] = self._empty()
+            _activation_terms(self.g, choice, self._activations[key])
+        state, acts = self._state[choice.zero], self._activations[key]
+        return MemoryTables(
+            seconds={r: state.seconds[r] + acts.seconds[r] for r in state.seconds},
+            nbytes={r: state.nbytes[r] + acts.nbytes[r] for r in state.nbytes},
+            seconds_constant=state.seconds_constant + acts.seconds_constant,
+            bytes_constant=state.bytes_constant + acts.bytes_constant,
+        )
+
+    def least_bytes(self, choice: MemoryChoice) -> float:
+        """A lower bound of the estimate under ``choice``: each root at its fewest bytes."""
+        t = self.of(choice)
+        return t.bytes_constant + sum(float(b.min()) for b in t.nbytes.values() if b.size)
+
+    def bytes_at(self, choice: MemoryChoice, assignment: Mapping[str, int]) -> float:
+        """The estimate under ``choice`` of the strategies ``assignment`` picks per root."""
+        t = self.of(choice)
+        return t.bytes_constant + sum(float(b[assignment[r]]) for r, b in t.nbytes.items())
+
+    def least_seconds(self, choice: MemoryChoice) -> float:
+        """The fewest seconds ``choice`` can add: each root at its cheapest."""
+        t = self.of(choice)
+        return t.seconds_constant + sum(float(v.min()) for v in t.seconds.values() if v.size)
+
+    def most_seconds(self, choice: MemoryChoice) -> float:
+        """The most seconds ``choice`` can add: each root at its dearest."""
+        t = self.of(choice)
+        return t.seconds_constant + sum(float(v.max()) for v in t.seconds.values() if v.size)
 
 
 def _state_terms(g: StrategyGraph, choice: MemoryChoice, memory: Memory, tables: MemoryTables) -> None:

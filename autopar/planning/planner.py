@@ -14,10 +14,11 @@ compiled.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,9 +34,9 @@ from autopar.planning.axis_groups import graph_within, merged_axes
 from autopar.planning.cost import Cluster, CostModel, get_cluster
 from autopar.planning.edge_costs import CostTables, cost_tables
 from autopar.planning.memory import MemoryChoice
-from autopar.planning.memory_tables import memory_tables
+from autopar.planning.memory_tables import MemoryTerms
 from autopar.planning.pipeline import PipelineFitError, microbatch
-from autopar.planning.solver import SolverClock, StrategyILP
+from autopar.planning.solver import SolverClock, SolverStats, StrategyILP
 from autopar.planning.strategy_graph import build_strategy_graph
 
 
@@ -182,20 +183,15 @@ def plan_captured(
             budget=memory_budget if memory_budget is not None else cluster.memory_bytes,
         ),
         tables=cost_tables(g),
+        terms=MemoryTerms(g, memory),
         clock=SolverClock(time_limit),
         seed=seed,
     )
     build_s = time.perf_counter() - t1
     choices = memory_choices(captured, memory)
-    # the first candidate without the memory constraint is the fastest plan of all: if it fits, it wins
-    best = _solve_choice(search, choices[0], constrained=False)
-    if best is None:
-        for i, choice in enumerate(choices):
-            found = _solve_choice(search, choice, constrained=True, ways=len(choices) - i)
-            if found is not None and (best is None or found.step_time_s < best.step_time_s):
-                best = found
-        if best is not None and memory.zero is None:
-            best.memory = replace(best.memory, chosen=True)
+    best, searched = _memory_search(search, choices)
+    if best is not None and searched and memory.zero is None:
+        best.memory = replace(best.memory, chosen=True)
     if best is None:
         raise PlanError(_no_fit(search, choices))
     best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
@@ -249,13 +245,58 @@ def _sums_in_compute_dtype(plan: Plan, precision: MixedPrecision) -> list[str]:
 @dataclass(frozen=True, kw_only=True)
 class Search:
     """What every candidate of the memory search is solved and assembled with: the setting
-    (whose ``budget`` is the bytes per device a plan must fit), the ILP's cost tables, the
-    solver's deterministic seconds left (``time_limit`` shared by every solve) and its seed."""
+    (whose ``budget`` is the bytes per device a plan must fit), the ILP's cost tables and
+    each candidate's memory terms, the solver's deterministic seconds left (``time_limit``
+    shared by every solve) and its seed."""
 
     setting: PlanSetting
     tables: CostTables
+    terms: MemoryTerms
     clock: SolverClock
     seed: int
+
+
+# CP-SAT works in integer units: objectives and bounds agree to about this fraction
+_ROUNDING = 1e-6
+
+
+def _memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | None, bool]:
+    """The fastest plan that fits among ``choices``, and whether the budget had to be searched.
+
+    The first choice solved without the memory constraint is the fastest plan of all: if it
+    fits, it wins. Otherwise each choice is solved with the constraint, but only while it
+    could still win. The ILP's objective adds each choice's seconds (ZeRO's gathers,
+    recompute's forward) to the base costs every choice shares, so a choice can do no
+    better than a lower bound of the base optimum (the first solve's bound less the most
+    its choice adds) plus the least its own terms add; a choice whose bound is not below
+    the best objective found is skipped, as is one whose fewest bytes exceed the budget
+    (the constrained ILP would have no solution). Choices are solved by their bound, at equal bounds
+    the one the first solve's layouts fill least first; of plans equally fast the one solved first wins.
+    """
+    first = _solve_choice(search, choices[0], constrained=False)
+    if first is not None and first.plan.peak_memory_bytes <= search.setting.budget:
+        return first.plan, False
+    # no bound when no split into pipeline stages fitted the budget
+    base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
+    # under a pipeline the ILP bounds no memory (a stage's share is known once assembled)
+    unbounded = search.setting.pipeline is not None
+    left = [c for c in choices if unbounded or search.terms.least_bytes(c) <= search.setting.budget]
+
+    def order(c: MemoryChoice) -> tuple[float, float]:
+        # by bound; at equal bounds the one the fastest layouts fill least first: the likeliest to fit
+        held = 0.0 if first is None else search.terms.bytes_at(c, first.assignment)
+        return base + search.terms.least_seconds(c), held
+
+    best: _Solved | None = None
+    for i, choice in enumerate(sorted(left, key=order)):
+        if best is not None and order(choice)[0] >= best.stats.objective * (1 - _ROUNDING):
+            break
+        # shares as if every choice were solved: what a skipped one leaves goes to the later ones,
+        # and a solve whose plan overflows the budget can be solved again (see _solve_choice)
+        found = _solve_choice(search, choice, constrained=True, ways=len(choices) - i)
+        if found is not None and (best is None or found.plan.step_time_s < best.plan.step_time_s):
+            best = found
+    return (None if best is None else best.plan), True
 
 
 def memory_choices(captured: Captured, memory: Memory) -> list[MemoryChoice]:
@@ -274,15 +315,22 @@ def memory_choices(captured: Captured, memory: Memory) -> list[MemoryChoice]:
 def _ilp(search: Search, choice: MemoryChoice, limit: float | None = None) -> StrategyILP:
     """The strategy ILP of ``choice``: the cost tables plus its memory terms, its bytes at most ``limit``."""
     node_costs, pair_costs, constant = search.tables
-    extra = memory_tables(search.setting.graph, choice, search.setting.memory)
+    extra = search.terms.of(choice)
     costs = {r: c + extra.seconds[r] for r, c in node_costs.items()}
     return StrategyILP(
         costs, pair_costs, constant + extra.seconds_constant, (extra.nbytes, extra.bytes_constant), limit
     )
 
 
-def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways: int = 1) -> Plan | None:
-    """The fastest plan under ``choice`` that fits the budget, or None.
+class _Solved(NamedTuple):
+    plan: Plan
+    stats: SolverStats
+    assignment: dict[str, int]
+
+
+def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways: int = 1) -> _Solved | None:
+    """The fastest plan under ``choice`` that fits the budget (with its ILP's report and
+    assignment), or None.
 
     ``constrained`` puts the budget into the ILP; each solve takes a ``ways``-th of the
     solver time left (the candidates still to solve share it). Its memory estimate is per node (see
@@ -295,6 +343,8 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways:
     g, budget = setting.graph, setting.budget
     limit = budget if setting.pipeline is None and constrained else None
     for _ in range(3):
+        if constrained and search.clock.share(ways) <= 0:
+            return None  # time_limit spent: the error names it (_no_fit)
         ilp = _ilp(search, choice, limit)
         solved = ilp.solve(time_limit=search.clock.share(ways), seed=search.seed)
         search.clock.spend(ilp)
@@ -318,7 +368,8 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways:
             return None
         result.alternatives = alternatives(g, ilp.node_costs, ilp.pair_costs, assignment)
         if result.peak_memory_bytes <= budget or limit is None:
-            return result if result.peak_memory_bytes <= budget else None
+            fits = result.peak_memory_bytes <= budget
+            return _Solved(result, stats, assignment) if fits or not constrained else None
         limit -= result.peak_memory_bytes - budget
     return None
 
@@ -330,6 +381,7 @@ def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
     minimising the ILP's memory estimate; the least exact figure among them is reported.
     """
     g, budget = search.setting.graph, search.setting.budget
+    spent = search.clock.share() <= 0
     unbounded = replace(search.setting, budget=None)
     report = SolverReport(
         variables=0,
@@ -372,4 +424,5 @@ def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
         f"no plan fits memory_budget={budget / 2**30:.2f} GiB per device on mesh {g.mesh}: the least "
         f"memory reached is {peak / 2**30:.2f} GiB ({how}; {breakdown}), dominated by {top}; "
         f"use more devices, a smaller batch, or offload"
+        + ("; time_limit ran out before every candidate was solved: raise it" if spent else "")
     )

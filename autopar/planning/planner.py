@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -254,6 +254,7 @@ class Search:
     terms: MemoryTerms
     clock: SolverClock
     seed: int
+    tried: list[tuple[Plan, MemoryChoice]] = field(default_factory=list)  # plans that did not fit
 
 
 # CP-SAT works in integer units: objectives and bounds agree to about this fraction
@@ -278,8 +279,12 @@ def _memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | 
         return first.plan, False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
-    # under a pipeline the ILP bounds no memory (a stage's share is known once assembled)
+    # under a pipeline the ILP bounds no memory (a stage's share is known once assembled): when
+    # neither the fastest plan of the choice holding least (the most ZeRO and recompute) nor its
+    # plan of least estimated memory fits, no other choice is searched
     unbounded = search.setting.pipeline is not None
+    if unbounded and not _last_fits(search, choices[-1]):
+        return None, True
     left = [c for c in choices if unbounded or search.terms.least_bytes(c) <= search.setting.budget]
 
     def order(c: MemoryChoice) -> tuple[float, float]:
@@ -364,25 +369,35 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways:
         )
         try:
             result = assemble_plan(setting, choice, assignment, report)
-        except PipelineFitError:  # no split of the model into stages fits the budget
+        except PipelineFitError:  # no split of the model into stages fits: recorded for the error
+            unfit = assemble_plan(replace(setting, budget=None), choice, assignment, report)
+            search.tried.append((unfit, choice))
             return None
         result.alternatives = alternatives(g, ilp.node_costs, ilp.pair_costs, assignment)
         if result.peak_memory_bytes <= budget or limit is None:
             fits = result.peak_memory_bytes <= budget
+            if not fits:
+                search.tried.append((result, choice))
             return _Solved(result, stats, assignment) if fits or not constrained else None
+        search.tried.append((result, choice))
         limit -= result.peak_memory_bytes - budget
     return None
 
 
-def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
-    """The error when no plan fits: the least memory reached and what dominates it.
+def _last_fits(search: Search, last: MemoryChoice) -> bool:
+    budget = search.setting.budget
+    fastest = _solve_choice(search, last, constrained=False)
+    if fastest is not None and fastest.plan.peak_memory_bytes <= budget:
+        return True
+    return _least_memory(search, last).peak_memory_bytes <= budget
 
-    Candidates: every choice's fastest plan, and the last (least memory) choice's plan
-    minimising the ILP's memory estimate; the least exact figure among them is reported.
-    """
-    g, budget = search.setting.graph, search.setting.budget
-    spent = search.clock.share() <= 0
-    unbounded = replace(search.setting, budget=None)
+
+def _least_memory(search: Search, choice: MemoryChoice) -> Plan:
+    """The plan of ``choice`` minimising the ILP's memory estimate (recorded as tried)."""
+    ilp = _ilp(search, choice)
+    assignment, _ = ilp.minimum_memory(time_limit=search.clock.share(), seed=search.seed)
+    search.clock.spend(ilp)
+    g = search.setting.graph
     report = SolverReport(
         variables=0,
         constraints=0,
@@ -394,25 +409,32 @@ def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
         gap=0.0,
         status="MIN_MEMORY",
     )
-    tried = []
-    for i, choice in enumerate(choices):
-        ilp = _ilp(search, choice)
-        ways = len(choices) - i + 1
-        assignments = [ilp.solve(time_limit=search.clock.share(ways), seed=search.seed)[0]]
-        search.clock.spend(ilp)
-        if choice is choices[-1]:
-            assignments.append(ilp.minimum_memory(time_limit=search.clock.share(), seed=search.seed)[0])
-        for assignment in assignments:
-            plan = assemble_plan(unbounded, choice, assignment, report)
-            tried.append((plan.peak_memory_bytes, plan, choice))
-    peak, least, choice = min(tried, key=lambda t: t[0])
-    p = least.prediction
-    parts = {
-        "parameters": p.param_bytes,
-        "gradients": p.grad_bytes,
-        "optimizer state": p.optimizer_bytes,
-        "activations": p.activation_bytes,
-    }
+    plan = assemble_plan(replace(search.setting, budget=None), choice, assignment, report)
+    search.tried.append((plan, choice))
+    return plan
+
+
+def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
+    """The error when no plan fits: the least memory reached and what dominates it.
+
+    Candidates: the plans the search assembled that did not fit, and the last (least
+    memory) choice's plan minimising the ILP's memory estimate; the least exact figure among
+    them is reported, under a pipeline with the parts of the stage holding the most.
+    """
+    mesh, budget = search.setting.mesh, search.setting.budget
+    spent = search.clock.share() <= 0
+    if not any(choice is choices[-1] and p.solver.status == "MIN_MEMORY" for p, choice in search.tried):
+        _least_memory(search, choices[-1])
+    least, choice = min(search.tried, key=lambda t: t[0].peak_memory_bytes)
+    where = ""
+    if least.pipeline is not None:
+        stage = max(least.pipeline.stages, key=lambda s: s.memory_bytes)
+        where = f" on pipeline stage {stage.index}"
+        held = (stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes, stage.peak_activation_bytes)
+    else:
+        p = least.prediction
+        held = (p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes)
+    parts = dict(zip(("parameters", "gradients", "optimizer state", "activations"), held))
     top = max(parts, key=parts.get)
     how = f"ZeRO-{choice.zero}" + (
         f", recompute of {len(choice.recompute)} modules ({next(iter(choice.recompute.values()))})"
@@ -421,8 +443,8 @@ def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
     )
     breakdown = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
     return (
-        f"no plan fits memory_budget={budget / 2**30:.2f} GiB per device on mesh {g.mesh}: the least "
-        f"memory reached is {peak / 2**30:.2f} GiB ({how}; {breakdown}), dominated by {top}; "
-        f"use more devices, a smaller batch, or offload"
+        f"no plan fits memory_budget={budget / 2**30:.2f} GiB per device on mesh {mesh}: the least "
+        f"memory reached is {least.peak_memory_bytes / 2**30:.2f} GiB{where} ({how}; {breakdown}), "
+        f"dominated by {top}; use more devices, a smaller batch, or offload"
         + ("; time_limit ran out before every candidate was solved: raise it" if spent else "")
     )

@@ -34,6 +34,7 @@ from autopar.passes.context import PassContext
 from autopar.planning.cost import Cluster, CostModel
 from autopar.planning.plan_fit import check_plan_fits
 from autopar.planning.planner import capture_for, layout_mesh, plan_captured
+from autopar.planning.planner import plan as plan_model
 from autopar.runtime import collectives
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import materialize
@@ -74,7 +75,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     under ``seed``, identically on every rank; a meta tensor nothing initialises raises
     :class:`~autopar.ir.errors.InitializationError` naming it and the remedies.
     """
-    if not hasattr(mesh, "get_group"):
+    if isinstance(mesh, int) and not isinstance(mesh, bool) and example_args is not _ON_FIRST_CALL:
+        options = dict(cluster=cluster, time_limit=time_limit, seed=seed, pipeline=pipeline, memory=memory)
+        more = {"memory_budget": memory_budget, "precision": precision}
+        mesh, plan = _searched_mesh(model, mesh, example_args, example_kwargs, plan, {**options, **more})
+        pipeline = precision = None  # the plan brings them
+    if not hasattr(mesh, "get_group") and not isinstance(mesh, int):
         raise CompileError(
             "autopar.compile needs a DeviceMesh with axis names (init_device_mesh(..., mesh_dim_names=...)); "
             "to plan without ranks use autopar.plan"
@@ -140,16 +146,17 @@ def _precision_of(plan: Plan | None, precision: MixedPrecision | None) -> MixedP
     return saved
 
 
-def _plan_once(mesh: Any, make_plan: Callable[[], Plan]) -> Plan:
-    """The plan, solved once: on the mesh's first rank, sent to the others (as plain data)
-    when the mesh spans the job, so the other ranks spend no time in the solver. An error
-    planning there is raised on every rank. Otherwise (one rank, a mesh of part of the
-    job, a fake process group) every rank plans; the solver is deterministic, so they agree.
+def _plan_once(mesh: Any | None, make_plan: Callable[[], Plan]) -> Plan:
+    """The plan, solved once: on the mesh's first rank (rank 0 for ``None``: the whole job),
+    sent to the others (as plain data) when the mesh spans the job, so the other ranks spend
+    no time in the solver. An error planning there is raised on every rank. Otherwise (one
+    rank, a mesh of part of the job, a fake process group) every rank plans; the solver is
+    deterministic, so they agree.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1 or dist.get_backend() == "fake" or mesh.mesh.numel() != world:
+    if world == 1 or dist.get_backend() == "fake" or (mesh is not None and mesh.mesh.numel() != world):
         return make_plan()
-    source = int(mesh.mesh.flatten()[0])
+    source = 0 if mesh is None else int(mesh.mesh.flatten()[0])
     box: list[Any] = [None]
     failure = None
     if dist.get_rank() == source:
@@ -247,6 +254,39 @@ def compile_loss(
     fixed = dict(zip(captured.inputs, module.output_layouts))  # the target, the last input, stays free
     plan = plan_captured(captured, spec, cluster=Cluster.from_dict(module.plan.cluster), fixed_inputs=fixed)
     return build_module(loss, module.stage_mesh, module.stage_mesh, captured, plan)
+
+
+def _searched_mesh(
+    model: torch.nn.Module,
+    devices: int,
+    example_args: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    plan: Plan | None,
+    options: dict[str, Any],
+) -> tuple[Any, Plan]:
+    """For ``compile(model, devices)``: the plan (the mesh searched unless ``plan`` is given) and a
+    ``DeviceMesh`` of its axes over the whole process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise CompileError(
+            f"autopar.compile(model, {devices}) builds its mesh over the process group: call "
+            "torch.distributed.init_process_group first (torchrun), or pass a DeviceMesh"
+        )
+    if dist.get_world_size() != devices:
+        raise CompileError(
+            f"autopar.compile(model, {devices}) asks for {devices} devices, but the process group has "
+            f"{dist.get_world_size()} ranks: pass the world size"
+        )
+    if plan is None:
+        plan = _plan_once(
+            None, lambda: plan_model(model, example_args, devices, example_kwargs=example_kwargs, **options)
+        )
+    spec = plan.device_mesh_spec
+    if spec.size != devices:
+        raise PlanError(f"the plan is for mesh {spec} ({spec.size} devices), not {devices}")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, spec.axis_sizes, mesh_dim_names=spec.axis_names), plan
 
 
 class CompiledOnFirstCall(torch.nn.Module):

@@ -67,24 +67,45 @@ def llama(shape: str, layers: int | None = None, dtype: torch.dtype | None = Non
         return transformers.LlamaForCausalLM(config).to(dtype or built)
 
 
+# the hand meshes of 64 devices the automatic mesh must match or beat (issue 16), 1F1B with 8 microbatches
+HAND_64: list[dict[str, int]] = [
+    {"dp": 64},
+    {"dp": 8, "tp": 8},
+    {"dp": 16, "tp": 4},
+    {"dp": 32, "tp": 2},
+    {"pp": 2, "dp": 4, "tp": 8},
+    {"pp": 4, "dp": 2, "tp": 8},
+]
+
+
 def run_case(
-    case: str, layers: int | None = None, dtype: torch.dtype | None = None, **options: Any
+    case: str,
+    layers: int | None = None,
+    dtype: torch.dtype | None = None,
+    mesh: dict[str, int] | int | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
-    """Plan ``case`` (a key of :data:`CASES`; the shape's dtype unless ``dtype``); its figures as a
-    dict. ``options`` go to ``autopar.plan``."""
-    batch, seq, mesh, microbatches = CASES[case]
+    """Plan ``case`` (a key of :data:`CASES`; the shape's dtype unless ``dtype``, the case's mesh
+    unless ``mesh``: a device count searches it); its figures as a dict. ``options`` go to
+    ``autopar.plan``."""
+    batch, seq, case_mesh, microbatches = CASES[case]
+    mesh = case_mesh if mesh is None else mesh
+    if isinstance(mesh, dict) and "pp" in mesh and microbatches is None:
+        microbatches = 8
     t0 = time.perf_counter()
     model = llama(case, layers, dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    if microbatches is not None:
+    if microbatches is not None and isinstance(mesh, dict) and "pp" in mesh:
         options.setdefault("pipeline", autopar.Pipeline(microbatches, "1f1b"))
     plan = autopar.plan(
         model, (), mesh, example_kwargs={"input_ids": ids, "labels": ids}, cluster="h100", **options
     )
     wall = time.perf_counter() - t0
-    s = plan.solver
+    s, pp = plan.solver, plan.pipeline
     return {
         "case": case,
+        "mesh": str(plan.device_mesh_spec),
+        "pipeline": None if pp is None else f"{pp.schedule} m={pp.microbatches}",
         "wall_s": round(wall, 2),
         "capture_s": round(s.capture_s, 2),
         "build_s": round(s.build_s, 2),
@@ -99,6 +120,7 @@ def run_case(
         "predicted_step_s": round(plan.step_time_s, 4),
         "peak_memory_GiB": round(plan.peak_memory_bytes / 2**30, 2),
         "warnings": plan.warnings,
+        "mesh_candidates": plan.mesh_candidates,
         "layer_0": {
             k: v for k, v in plan.parameters.items() if k.startswith("model.layers.0.") and "norm" not in k
         },
@@ -110,9 +132,15 @@ def main() -> None:
     parser.add_argument("--case", choices=sorted(CASES), default="llama-2-7b")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="instead of the shape's")
+    parser.add_argument("--devices", type=int, help="search the mesh for this many devices")
+    parser.add_argument("--hand", action="store_true", help="plan the hand meshes of 64 devices too")
     a = parser.parse_args()
     dtype = None if a.dtype is None else getattr(torch, a.dtype)
-    print(json.dumps(run_case(a.case, a.layers, dtype), indent=1))
+    print(json.dumps(run_case(a.case, a.layers, dtype, a.devices), indent=1))
+    for mesh in HAND_64 if a.hand else []:
+        row = run_case(a.case, a.layers, dtype, mesh)
+        keys = ("mesh", "pipeline", "wall_s", "predicted_step_s", "peak_memory_GiB")
+        print(json.dumps({k: row[k] for k in keys}))
 
 
 if __name__ == "__main__":

@@ -268,6 +268,8 @@ class Plan:
     precision: dict[str, str] | None = None  # MixedPrecision.to_dict() of the plan's compute dtype
     axis_roles: dict[str, str] = field(default_factory=dict)  # mesh axis -> what it splits, in words
     parameter_nodes: dict[str, str] = field(default_factory=dict)  # placeholder -> parameter fqn
+    # with a device count for a mesh: every mesh searched (mesh, bound_s, outcome, step_s, memory_bytes)
+    mesh_candidates: list[dict[str, Any]] = field(default_factory=list)
     # the file load_plan read it from (not saved): the summary says the solver's line is the saved one
     loaded_from: str | None = field(default=None, compare=False)
 
@@ -394,6 +396,7 @@ class Plan:
             precision=data.get("precision"),
             axis_roles=dict(data.get("axis_roles", {})),
             parameter_nodes=dict(data.get("parameter_nodes", {})),
+            mesh_candidates=[dict(c) for c in data.get("mesh_candidates", [])],
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})

@@ -28,6 +28,19 @@ LEGEND = (
 )
 
 
+def _mesh_candidates(plan: Plan) -> Table:
+    """The meshes searched for a device count, the fastest first, with why each lost."""
+    table = Table(title="meshes searched (the device count given)")
+    for column in ("mesh", "step lower bound", "predicted step", "memory per device", "outcome"):
+        table.add_column(column)
+    rows = sorted(plan.mesh_candidates, key=lambda r: r.get("step_s", float("inf")))
+    for r in rows:
+        step = f"{r['step_s'] * 1e3:.1f} ms" if "step_s" in r else ""
+        held = _format_bytes(r["memory_bytes"]) if "memory_bytes" in r else ""
+        table.add_row(r["mesh"], f"{r['bound_s'] * 1e3:.1f} ms", step, held, r["outcome"])
+    return table
+
+
 def render_summary(plan: Plan, width: int, verbose: bool = False) -> str:
     """The report of ``plan`` as text ``width`` characters wide (tables wrap to fit); without
     ``verbose``, the layout constraints autopar adds and redistributions moving nothing are
@@ -71,6 +84,8 @@ def render_summary(plan: Plan, width: int, verbose: bool = False) -> str:
     )
     if plan.pipeline is not None:
         _print_pipeline(console, plan.pipeline)
+    if plan.mesh_candidates:
+        console.print(_mesh_candidates(plan))
     for line in plan.named_layouts.values():
         console.print(f"layout: {line}", soft_wrap=True)
     for w in plan.warnings:

@@ -35,6 +35,7 @@ from autopar.planning.cost import Cluster, CostModel, get_cluster
 from autopar.planning.edge_costs import CostTables, cost_tables
 from autopar.planning.memory import MemoryChoice
 from autopar.planning.memory_tables import MemoryTerms
+from autopar.planning.mesh_search import search_meshes
 from autopar.planning.pipeline import PipelineFitError, microbatch
 from autopar.planning.solver import SolverClock, SolverStats, StrategyILP
 from autopar.planning.strategy_graph import build_strategy_graph
@@ -43,7 +44,7 @@ from autopar.planning.strategy_graph import build_strategy_graph
 def plan(
     model: torch.nn.Module,
     example_args: Any,
-    mesh: MeshSpec | Mapping[str, int] | Any,
+    mesh: MeshSpec | Mapping[str, int] | int | Any,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     cluster: str | Cluster | None = None,
@@ -56,20 +57,45 @@ def plan(
 ) -> Plan:
     """Plan ``model`` for ``mesh``: capture, read annotations, solve, report.
 
-    ``mesh`` is a ``{axis: size}`` mapping, a :class:`MeshSpec` or a named
-    ``DeviceMesh``; no process group is needed. ``cluster`` is a preset name
-    (default ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the
-    solver in deterministic seconds (about wall seconds on one core), every solve of the
-    memory search included, and sizes the ILP (``autopar.planning.axis_groups``); with the same
-    ``seed`` every call, on every rank, returns the same plan. ``pipeline`` runs a
-    pipeline over one mesh axis (see :mod:`autopar.planning.pipeline`); the example inputs are
-    the whole batch. ``memory`` sets ZeRO, the optimizer's state and offload
-    (:class:`~autopar.ir.options.Memory`); ``memory_budget`` (bytes per device) makes the
-    planner choose sharding, the ZeRO stage and recompute so that the plan fits, or
-    raise :class:`~autopar.ir.errors.PlanError` with the least memory it could reach.
+    ``mesh`` is a ``{axis: size}`` mapping, a :class:`MeshSpec` or a named ``DeviceMesh``; no
+    process group is needed. A number of devices instead searches the mesh too (``pp``, ``dp`` and
+    ``tp`` axes and the pipeline: see :mod:`autopar.planning.mesh_search`; ``pipeline`` then fixes
+    the pipeline of meshes with one, and ``time_limit`` bounds each mesh's planning). ``cluster`` is
+    a preset name (default ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the solver
+    in deterministic seconds (about wall seconds on one core), every solve of the memory search
+    included, and sizes the ILP (``autopar.planning.axis_groups``); with the same ``seed`` every
+    call, on every rank, returns the same plan. ``pipeline`` runs a pipeline over one mesh axis (see
+    :mod:`autopar.planning.pipeline`); the example inputs are the whole batch. ``memory`` sets ZeRO,
+    the optimizer's state and offload (:class:`~autopar.ir.options.Memory`); ``memory_budget``
+    (bytes per device) makes the planner choose sharding, the ZeRO stage and recompute so that the
+    plan fits, or raise :class:`~autopar.ir.errors.PlanError` with the least memory it could reach.
     ``precision`` computes in a lower precision with fp32 master weights
-    (:class:`~autopar.ir.options.MixedPrecision`).
-    """
+    (:class:`~autopar.ir.options.MixedPrecision`)."""
+    if not isinstance(cluster, Cluster):
+        cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+
+        def plan_one(captured: Captured, spec: MeshSpec, p: Pipeline | None, limit: float) -> Plan:
+            return plan_captured(
+                captured,
+                spec,
+                cluster=cluster,
+                time_limit=limit,
+                seed=seed,
+                pipeline=p,
+                memory=memory,
+                memory_budget=memory_budget,
+            )
+
+        return search_meshes(
+            mesh,
+            cluster,
+            _batch(example_args, example_kwargs),
+            pipeline,
+            lambda spec, p: capture_for(model, example_args, example_kwargs, spec, p, precision),
+            plan_one,
+            time_limit,
+        )
     mesh = MeshSpec.of(mesh)
     t0 = time.perf_counter()
     captured = capture_for(model, example_args, example_kwargs, mesh, pipeline, precision)
@@ -84,6 +110,15 @@ def plan(
         memory=memory,
         memory_budget=memory_budget,
     )
+
+
+def _batch(example_args: Any, example_kwargs: Mapping[str, Any] | None) -> int | None:
+    """Dim 0 of the first tensor input: the batch a pipeline cuts into microbatches."""
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    for t in (*args, *(example_kwargs or {}).values()):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return None
 
 
 def layout_mesh(mesh: MeshSpec, pipeline: Pipeline | None) -> MeshSpec:

@@ -2,7 +2,7 @@
 
 ::
 
-    autopar plan MODEL --mesh dp=8,tp=8 [--cluster NAME] [--budget 80GB] [-o plan.json]
+    autopar plan MODEL --mesh dp=8,tp=8|--devices 64 [--cluster NAME] [--budget 80GB] [-o plan.json]
     autopar show MODEL --mesh dp=2,tp=2 | autopar show plan.json
     autopar explain plan.json NODE
     autopar viz MODEL|plan.json -o graph.html|graph.svg|graph.dot
@@ -77,7 +77,23 @@ def _precision(a: argparse.Namespace) -> MixedPrecision | None:
 
 def cmd_plan(a: argparse.Namespace) -> None:
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
-    _, plan = _plan(a, model, args, kwargs, a.mesh)
+    if a.devices:
+        from rich.console import Console
+
+        from autopar.planning.planner import plan as plan_model
+
+        with Console(stderr=True).status(f"searching meshes of {a.devices} devices ..."):
+            plan = plan_model(
+                model,
+                args,
+                a.devices,
+                example_kwargs=kwargs,
+                cluster=a.cluster,
+                memory_budget=a.budget,
+                precision=_precision(a),
+            )
+    else:
+        _, plan = _plan(a, model, args, kwargs, a.mesh)
     plan.source = [a.model, *a.options, f"--batch={a.batch}", f"--seq={a.seq}"]  # for `show plan.json`
     print(plan.summary(width=a.width, verbose=a.verbose))
     if a.output:
@@ -389,7 +405,9 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     plan = model_command("plan", "plan a model and print the plan")
-    plan.add_argument("--mesh", type=parse_mesh, required=True, help="e.g. dp=8,tp=8")
+    where = plan.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mesh", type=parse_mesh, help="e.g. dp=8,tp=8")
+    where.add_argument("--devices", type=positive_int, help="a device count: the mesh is searched too")
     plan.add_argument(
         "--budget", type=parse_bytes, help="memory per device, e.g. 80GB (default: the cluster's)"
     )

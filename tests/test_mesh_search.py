@@ -1,0 +1,61 @@
+"""The automatic mesh (``autopar.plan(model, args, N)``): the search's choice equals the best of
+planning every candidate mesh by hand, ``compile(model, N)`` builds the chosen mesh over the
+process group, and bad device counts are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar import CompileError, OptionError
+from autopar.planning.cost import get_cluster
+from autopar.planning.mesh_search import candidate_meshes
+from autopar.tools.fake_ranks import fake_world
+from examples import gpt
+
+
+def test_the_search_chooses_what_planning_every_mesh_by_hand_chooses():
+    torch.manual_seed(0)
+    model, args = gpt.build(batch_size=8)
+    searched = autopar.plan(model, args, 4, cluster="fast-links")
+    meshes = candidate_meshes(4, get_cluster("fast-links"), 2, 8, None)
+    assert {tuple(m.items()) for m, _ in meshes} == {
+        (("dp", 4),),
+        (("dp", 2), ("tp", 2)),
+        (("tp", 4),),
+        (("pp", 2), ("dp", 2)),
+        (("pp", 2), ("tp", 2)),
+    }
+    by_hand = {}
+    for sizes, pipeline in meshes:  # every candidate, those the bound skipped too
+        plan = autopar.plan(model, args, sizes, cluster="fast-links", pipeline=pipeline)
+        by_hand[(tuple(sizes.items()), pipeline)] = plan.step_time_s
+    assert searched.step_time_s == pytest.approx(min(by_hand.values()), rel=1e-9)
+    rows = searched.mesh_candidates
+    assert len(rows) == len(meshes) and sum(r["outcome"] == "chosen" for r in rows) == 1
+    skipped = [r for r in rows if r["outcome"].startswith("not planned")]
+    assert all(r["bound_s"] >= searched.step_time_s for r in skipped)
+    assert autopar.Plan.from_dict(searched.to_dict()).mesh_candidates == rows
+    said = f"mesh chosen from {len(meshes)} candidates for 4 devices"
+    assert any(w.startswith(said) for w in searched.warnings)
+
+
+def test_compile_with_a_device_count_builds_the_chosen_mesh():
+    torch.manual_seed(0)
+    model, args = gpt.build()
+    with fake_world(4):
+        dmodel = autopar.compile(model, 4, args, cluster="fast-links")
+        assert dmodel.device_mesh.size() == 4
+        assert tuple(dmodel.device_mesh.mesh_dim_names) == dmodel.plan.device_mesh_spec.axis_names
+        with pytest.raises(CompileError, match=r"asks for 8 devices, but the process group has 4 ranks"):
+            autopar.compile(model, 8, args)
+    with pytest.raises(CompileError, match="builds its mesh over the process group"):
+        autopar.compile(model, 4, args)
+
+
+@pytest.mark.parametrize("devices", [0, -4, 2.5])
+def test_a_bad_device_count_is_refused(devices):
+    model, args = gpt.build()
+    with pytest.raises(OptionError):
+        autopar.plan(model, args, devices)

@@ -59,3 +59,12 @@ def test_a_bad_device_count_is_refused(devices):
     model, args = gpt.build()
     with pytest.raises(OptionError):
         autopar.plan(model, args, devices)
+
+
+def test_a_search_where_nothing_fits_names_the_closest_mesh():
+    model, args = gpt.build()
+    with pytest.raises(
+        autopar.MemoryFitError, match=r"no mesh of 4 devices has a plan that fits; the closest, "
+    ) as e:
+        autopar.plan(model, args, 4, memory_budget=10_000)
+    assert "the least memory reached is" in str(e.value) and e.value.least_bytes > 10_000

@@ -21,6 +21,14 @@ class PlanError(AutoparError, RuntimeError):
     """No plan satisfies the annotations, or a saved plan cannot be read."""
 
 
+class MemoryFitError(PlanError):
+    """No plan fits the memory budget; ``least_bytes`` is the least memory per device reached."""
+
+    def __init__(self, message: str, least_bytes: int) -> None:
+        super().__init__(message)
+        self.least_bytes = least_bytes
+
+
 class CompileError(AutoparError, RuntimeError):
     """The plan cannot be turned into a per-rank program, or the program disagrees with the plan."""
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.capture.export import Captured, repeated_blocks
-from autopar.ir.errors import OptionError, PlanError
+from autopar.ir.errors import MemoryFitError, OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import LAYOUT_CONSTRAINT
 from autopar.ir.options import Pipeline
@@ -151,16 +151,24 @@ def search_meshes(
             captures[key] = capture(mesh, c.pipeline)
         try:
             found = plan_captured(captures[key], mesh, c.pipeline, time_limit)
-        except PlanError as e:
-            row["outcome"] = f"no plan: {str(e)[:160]}"
+        except MemoryFitError as e:
+            row.update(outcome=f"no plan fits: the least memory reached is {e.least_bytes / 2**30:.2f} GiB")
+            row["least_bytes"], row["error"] = e.least_bytes, str(e)
+            continue
+        except PlanError as e:  # this mesh cannot run the model as annotated, say
+            row["outcome"] = f"no plan: {e}"
             continue
         row.update(step_s=found.step_time_s, memory_bytes=found.peak_memory_bytes, outcome="planned")
         if best is None or found.step_time_s < best.step_time_s:
             best = found
+    if best is None and not any("least_bytes" in r for r in rows):
+        raise PlanError(f"no mesh of {devices} devices has a plan: " + "; ".join(r["outcome"] for r in rows))
     if best is None:
-        raise PlanError(
-            f"no mesh of {devices} devices has a plan that fits: "
-            + "; ".join(f"{r['mesh']}: {r['outcome']}" for r in rows[:4])
+        closest = min((r for r in rows if "least_bytes" in r), key=lambda r: r["least_bytes"])
+        raise MemoryFitError(
+            f"no mesh of {devices} devices has a plan that fits; the closest, {closest['mesh']}: "
+            f"{closest['error']}",
+            closest["least_bytes"],
         )
     chosen = best.device_mesh_spec
     for row, c in zip(rows, candidates):

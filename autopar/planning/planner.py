@@ -24,7 +24,7 @@ import torch
 
 from autopar.capture.export import Captured, capture, repeated_blocks
 from autopar.ir.arguments import check_instance, check_int, check_number
-from autopar.ir.errors import OptionError, PlanError
+from autopar.ir.errors import MemoryFitError, OptionError, PlanError
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import FULL, SELECTIVE, Memory, MixedPrecision, Pipeline
@@ -228,7 +228,7 @@ def plan_captured(
     if best is not None and searched and memory.zero is None:
         best.memory = replace(best.memory, chosen=True)
     if best is None:
-        raise PlanError(_no_fit(search, choices))
+        raise _no_fit(search, choices)
     best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
     if memory.zero and best.memory is not None and not best.memory.zero_splits:
         best.warnings.append(
@@ -449,7 +449,7 @@ def _least_memory(search: Search, choice: MemoryChoice) -> Plan:
     return plan
 
 
-def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
+def _no_fit(search: Search, choices: list[MemoryChoice]) -> MemoryFitError:
     """The error when no plan fits: the least memory reached and what dominates it.
 
     Candidates: the plans the search assembled that did not fit, and the last (least
@@ -477,9 +477,10 @@ def _no_fit(search: Search, choices: list[MemoryChoice]) -> str:
         else ""
     )
     breakdown = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
-    return (
+    return MemoryFitError(
         f"no plan fits memory_budget={budget / 2**30:.2f} GiB per device on mesh {mesh}: the least "
         f"memory reached is {least.peak_memory_bytes / 2**30:.2f} GiB{where} ({how}; {breakdown}), "
         f"dominated by {top}; use more devices, a smaller batch, or offload"
-        + ("; time_limit ran out before every candidate was solved: raise it" if spent else "")
+        + ("; time_limit ran out before every candidate was solved: raise it" if spent else ""),
+        least.peak_memory_bytes,
     )

@@ -47,7 +47,8 @@ MESHES = [
     ({"d-p": 2}, "mesh axis name 'd-p' must be an identifier"),
     ({3: 2}, "mesh axis name 3 must be an identifier"),
     ([2, 2], "expected a DeviceMesh, a MeshSpec or a mapping like {'dp': 2, 'tp': 4}, got list"),
-    (4, "got int"),
+    (0, "mesh as a device count must be a positive int, got 0"),
+    (2.5, "got float"),
 ]
 
 
@@ -225,7 +226,7 @@ def test_a_time_limit_too_short_for_any_solution_returns_a_plan_and_its_gap():
         (["plan", "hf:gpt2", "--mesh", "dp=2", "--batch", "0"], "argument --batch: '0' is not a count"),
         (["plan", "hf:gpt2", "--mesh", "dp=2,dp=2"], "each axis once"),
         (["plan", "hf:gpt2", "--mesh", "dp=0"], "mesh 'dp=0'"),
-        (["plan", "hf:gpt2"], "the following arguments are required: --mesh"),
+        (["plan", "hf:gpt2"], "one of the arguments --mesh --devices is required"),
         (["plan", "hf:gpt2", "--mesh", "dp=2", "--cluster", "tpu"], "got 'tpu'; presets are"),
         (["plan", "hf:gpt2", "n_layers=1", "--mesh", "dp=2"], "no field 'n_layers'; did you mean n_layer"),
         (["plan", "hf:gpt2", "n_layer", "--mesh", "dp=2"], "model option 'n_layer': expected key=value"),

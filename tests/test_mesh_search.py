@@ -68,3 +68,15 @@ def test_a_search_where_nothing_fits_names_the_closest_mesh():
     ) as e:
         autopar.plan(model, args, 4, memory_budget=10_000)
     assert "the least memory reached is" in str(e.value) and e.value.least_bytes > 10_000
+
+
+def test_a_capture_is_reused_across_meshes_unless_an_annotation_is_lowered_onto_one():
+    from autopar.ir.mesh import MeshSpec
+    from autopar.planning.mesh_search import mesh_free
+    from autopar.planning.planner import capture_for
+
+    model, args = gpt.build()
+    one = MeshSpec.of({"dp": 1, "tp": 1})
+    assert mesh_free(capture_for(model, args, None, one, None))  # block-boundary points pin nothing
+    autopar.shard(model.blocks[0].mlp, in_strategy=(("dp", None, None),))
+    assert not mesh_free(capture_for(model, args, None, one, None))

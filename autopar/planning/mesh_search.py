@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.capture.constraint_op import parse_constraint_spec
 from autopar.capture.export import Captured, repeated_blocks
 from autopar.ir.errors import MemoryFitError, OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
@@ -107,7 +108,11 @@ def whole_compute_s(captured: Captured, cluster: Cluster) -> float:
 def mesh_free(captured: Captured) -> bool:
     """Whether the capture is the same on every mesh: no annotation lowered onto one."""
     a = captured.annotations
-    constrained = any(str(n.target) == LAYOUT_CONSTRAINT for n in captured.graph.nodes)
+    # autopar's own free points at block boundaries pin no layout; a user's constraint does
+    constrained = any(
+        str(n.target) == LAYOUT_CONSTRAINT and parse_constraint_spec(n.args[1])[0] is not None
+        for n in captured.graph.nodes
+    )
     return not (a.parameter_layouts or a.parameter_rows or constrained)
 
 

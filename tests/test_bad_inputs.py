@@ -95,7 +95,10 @@ OPTIONS = [
     (lambda: _plan(seed="x"), "seed must be an int >= 0, got 'x'"),
     (lambda: _plan(seed=1.5), "got 1.5"),
     (lambda: _plan(cluster="tpu-v9"), "got 'tpu-v9'; presets are"),
-    (lambda: _plan(cluster=3), "cluster must be a preset name or an autopar.Cluster, got 3"),
+    (
+        lambda: _plan(cluster=3),
+        r"cluster must be a preset name, a cluster file \(.json, .*\) or an autopar.Cluster, got 3",
+    ),
     (lambda: _plan(pipeline=4), "pipeline must be an autopar.Pipeline"),
     (
         lambda: _plan(args=[torch.randn(4, 8)]),

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -78,6 +81,7 @@ class Cluster:
     devices_per_node: int
     intra_node: LinkSpec
     inter_node: LinkSpec
+    measured_on: str = ""  # the machine `autopar calibrate` measured (a cluster file's); "" for presets
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -98,6 +102,7 @@ class Cluster:
             "devices_per_node": self.devices_per_node,
             "intra_node": dataclasses.asdict(self.intra_node),
             "inter_node": dataclasses.asdict(self.inter_node),
+            "measured_on": self.measured_on,
         }
 
     @classmethod
@@ -110,6 +115,7 @@ class Cluster:
             devices_per_node=int(data["devices_per_node"]),
             intra_node=LinkSpec(**data["intra_node"]),
             inter_node=LinkSpec(**data["inter_node"]),
+            measured_on=str(data.get("measured_on", "")),
         )
 
 
@@ -161,13 +167,50 @@ _PRESETS: dict[str, Cluster] = {
 
 
 def get_cluster(name: str) -> Cluster:
-    """The preset called ``name``; an :class:`~autopar.ir.errors.OptionError` lists the presets otherwise."""
+    """The preset called ``name``, or the cluster file at path ``name`` (``.json``, written by
+    ``autopar calibrate``: see :func:`load_cluster`); an
+    :class:`~autopar.ir.errors.OptionError` lists the presets otherwise."""
+    if isinstance(name, str) and name.endswith(".json"):
+        return load_cluster(name)
     if not isinstance(name, str) or name not in _PRESETS:
         raise OptionError(
-            f"cluster must be a preset name or an autopar.Cluster, got {name!r}; "
-            f"presets are {sorted(_PRESETS)}"
+            f"cluster must be a preset name, a cluster file (.json, from autopar calibrate) or an "
+            f"autopar.Cluster, got {name!r}; presets are {sorted(_PRESETS)}"
         )
     return _PRESETS[name]
+
+
+def this_machine() -> str:
+    """How a cluster file names the machine it was measured on: the host name."""
+    return socket.gethostname()
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """The cluster a file written by ``autopar calibrate`` describes.
+
+    A file that is missing, is not JSON or lacks a field, or that was measured on another
+    machine (its ``measured_on`` is not this host's name: the figures are that machine's)
+    is an :class:`~autopar.ir.errors.OptionError` saying which and what to do.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise OptionError(
+            f"cluster file {path} does not exist; measure this machine with `autopar calibrate -o {path}`"
+        ) from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise OptionError(f"cluster file {path} cannot be read as JSON: {e}") from None
+    try:
+        cluster = Cluster.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise OptionError(f"cluster file {path} is malformed: missing or bad field {e}") from None
+    if cluster.measured_on and cluster.measured_on != this_machine():
+        raise OptionError(
+            f"cluster file {path} was measured on {cluster.measured_on!r}, not on this machine "
+            f"({this_machine()!r}): measure here with `autopar calibrate`, or empty its measured_on "
+            "field to plan with another machine's figures"
+        )
+    return cluster
 
 
 @dataclass(frozen=True)

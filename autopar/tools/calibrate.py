@@ -1,8 +1,8 @@
-"""Calibration of the ``cpu-gloo`` cluster preset: :func:`measure_cpu_gloo` times this host.
+"""Calibration: :func:`measure_cpu_gloo` times this host with gloo ranks all running at once.
 
-Run by ``bench/calibrate_cpu_gloo.py``, never at plan time: the preset in
-:mod:`autopar.planning.cost` holds constants measured once, because every rank must
-compute the same plan.
+Run by ``autopar calibrate -o cluster.json`` (a cluster file that ``plan``/``compile`` take as
+``cluster="cluster.json"``) and by ``bench/calibrate_cpu_gloo.py`` (the ``cpu-gloo`` preset's
+constants), never at plan time: every rank must compute the same plan from the same figures.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.ir.options import dtype_name
-from autopar.planning.cost import ONE_HOST, Cluster, LinkSpec
+from autopar.planning.cost import ONE_HOST, Cluster, LinkSpec, this_machine
 from autopar.tools.launch import free_port
 
 _MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,10 +43,19 @@ def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> 
 
 
 def _matmul_flops(dtype: torch.dtype) -> float:
-    a = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
-    b = torch.randn(_MATMUL_N, _MATMUL_N, dtype=dtype)
+    # The largest square up to _MATMUL_N whose product takes under 50 ms: a dtype the CPU has no
+    # fast kernel for (fp16 on some: 0.3 GFLOP/s) is timed on a small one rather than for minutes.
+    n = 256
+    while n < _MATMUL_N and _one_product_seconds(n, dtype) < 0.05:
+        n *= 2
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     dist.barrier()
-    return 2 * _MATMUL_N**3 / _median_seconds(lambda: torch.mm(a, b), 11)
+    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), 11)
+
+
+def _one_product_seconds(n: int, dtype: torch.dtype) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return _median_seconds(lambda: torch.mm(a, b), 1, warmup=0)
 
 
 def _memory_bandwidth() -> float:
@@ -101,13 +110,15 @@ def _fit_ring_all_reduce(samples: list[tuple[int, float]], world_size: int) -> L
     return LinkSpec(latency_s=max(c0, 0.0) / (2 * (n - 1)), bandwidth_Bps=2 * (n - 1) / n / c1)
 
 
-def measure_cpu_gloo(world_size: int = 2) -> Cluster:
-    """Measure this host as a ``cpu-gloo`` cluster of ``world_size`` ranks (takes ~a minute).
+def measure_cpu_gloo(world_size: int = 2, name: str = "cpu-gloo", measured_on: str = "") -> Cluster:
+    """Measure this host as a cluster called ``name`` of ``world_size`` ranks (takes ~a minute).
 
     Spawns ``world_size`` gloo processes on 127.0.0.1, each with an equal share of the
-    cores. FLOP/s per dtype come from 2048^3 matmuls, memory bandwidth from a 128 MiB
+    cores. FLOP/s per dtype come from square matmuls (2048, or smaller for a dtype slow on this
+    CPU), memory bandwidth from a 128 MiB
     fp32 add (3 buffers moved), both with every rank busy; the link from all_reduce at
     1 KiB..64 MiB fitted to the ring model. Memory per device is physical RAM / world_size.
+    ``measured_on`` names the machine in a cluster file (see :func:`autopar.planning.cost.load_cluster`).
     """
     if world_size < 2:
         raise ValueError(f"measuring collectives needs world_size >= 2, got {world_size}")
@@ -118,11 +129,20 @@ def measure_cpu_gloo(world_size: int = 2) -> Cluster:
         measured = json.loads(Path(out_path).read_text())
     link = _fit_ring_all_reduce(measured["all_reduce"], world_size)
     return Cluster(
-        name="cpu-gloo",
+        name=name,
         peak_flops=measured["peak_flops"],
         memory_bandwidth_Bps=measured["memory_bandwidth_Bps"],
         memory_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // world_size,
         devices_per_node=ONE_HOST,
         intra_node=link,
         inter_node=link,
+        measured_on=measured_on,
     )
+
+
+def write_cluster_file(path: str, ranks: int) -> Cluster:
+    """``autopar calibrate``: measure this host with ``ranks`` gloo ranks at once and write the
+    cluster (named ``calibrated``, marked as this machine's) to ``path`` as JSON."""
+    cluster = measure_cpu_gloo(ranks, name="calibrated", measured_on=this_machine())
+    Path(path).write_text(json.dumps(cluster.to_dict(), indent=1))
+    return cluster

@@ -84,7 +84,7 @@ def parse_counts(text: str) -> list[int]:
 
 
 def cluster_name(name: str) -> str:
-    """``name`` if it is a cluster preset."""
+    """``name`` if it is a cluster preset or a readable cluster file (``.json``) of this machine."""
     from autopar.ir.errors import OptionError
     from autopar.planning.cost import get_cluster
 

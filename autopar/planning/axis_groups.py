@@ -77,7 +77,7 @@ def graph_within(
     budget = ENTRIES_PER_SECOND * time_limit
     sequence = merge_sequence(mesh)
     if sum(size > 1 for size in mesh.axis_sizes) <= 2:
-        whole = build(None)
+        whole = build(_ones_merged(mesh))
         if len(sequence) == 1 or table_entries(whole) <= budget:
             return whole
         sequence = sequence[1:]
@@ -92,6 +92,24 @@ def graph_within(
             return chosen  # the next grouping would grow as much again: it would not fit
         previous = max(entries, 1)
     return chosen
+
+
+def _ones_merged(mesh: MeshSpec) -> AxisGroups | None:
+    """Every axis alone but those of one device, each merged into the group before it (the first
+    into the one after): a size-1 axis splits nothing, so merging it loses no plan, while alone it
+    doubles the strategies of every op it could label (and the ILP with them). None without one."""
+    if mesh.ndim == 1 or all(size > 1 for size in mesh.axis_sizes):
+        return None
+    groups: list[list[int]] = []
+    for a, size in enumerate(mesh.axis_sizes):
+        if size > 1 or not groups:
+            groups.append([a])
+        else:
+            groups[-1].append(a)
+    if len(groups) > 1 and all(mesh.axis_sizes[a] == 1 for a in groups[0]):
+        leading = groups.pop(0)  # size-1 axes before any other join the first axis after them
+        groups[0][:0] = leading
+    return tuple(tuple(g) for g in groups)
 
 
 def merged_axes(mesh: MeshSpec, groups: AxisGroups | None) -> list[str]:

@@ -81,8 +81,8 @@ def candidate_meshes(
 
 
 def _without_ones(sizes: dict[str, int]) -> dict[str, int]:
-    """The axes of more than one device (``dp`` alone for one device): an axis of size 1 only
-    enlarges the ILP."""
+    """The axes of more than one device (``dp`` alone for one device): the names a user would
+    write (the planner merges a size-1 axis into its neighbour anyway)."""
     kept = {a: n for a, n in sizes.items() if n > 1}
     return kept or {"dp": 1}
 

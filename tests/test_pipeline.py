@@ -291,4 +291,32 @@ def test_a_pipelined_llama_carries_its_rotary_tables_and_mask(world_of_8):
     sent = [b for b in program.sent if b.dtype.is_floating_point and not b.requires_grad]
     assert len(sent) >= 2  # the cos and sin tables, computed once in stage 0
     assert "labels" in [b.name for b in program.sent]
-    assert "get_attr" in str(program.program.graph) or "submod" in program.code
+
+
+class _TablesInNoGrad(torch.nn.Module):
+    """Rotary-style tables built under torch.no_grad() in forward and read by every layer:
+    torch.export keeps such a region as a submodule the stage program must carry."""
+
+    def __init__(self, width: int = 16, n_layers: int = 4) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.rand(width))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            positions = torch.arange(x.shape[1], dtype=x.dtype).unsqueeze(-1)
+            table = torch.cos(positions * self.inv_freq)
+        for layer in self.layers:
+            x = torch.relu(layer(x)) * table
+        return x.sum()
+
+
+def test_a_no_grad_region_travels_into_the_stage_that_runs_it(world_of_8):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    dmodel = autopar.compile(_TablesInNoGrad(), mesh, (torch.randn(8, 6, 16),), pipeline=Pipeline(4, "gpipe"))
+    (program,) = dmodel.pipeline.programs
+    assert "submod" in program.code  # the no-grad region, held by stage 0's program
+    tables = [b for b in program.sent if b.dtype.is_floating_point and not b.requires_grad]
+    assert [b.shape for b in tables] == [(6, 16)]  # computed once, sent to the next stage

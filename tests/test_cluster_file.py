@@ -1,19 +1,36 @@
-"""Cluster files: ``autopar calibrate`` measures this machine (gloo ranks all running at once)
-into a JSON file that ``plan``, ``compile`` and ``--cluster`` take; a file that is missing,
-malformed or from another machine is an ``OptionError`` saying which."""
+"""Cluster files: ``autopar calibrate`` measures this machine or a torchrun world (ranks all running
+at once, links per node level and per collective) into a JSON file that ``plan``, ``compile`` and
+``--cluster`` take; a file that is missing, malformed or from another machine is an ``OptionError``
+saying which."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import autopar
 from autopar import OptionError
-from autopar.planning.cost import get_cluster, this_machine
+from autopar.ir.plan import CollectiveKind
+from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster, this_machine
+from autopar.tools.calibrate import fit_ring
 from autopar.tools.cli import main
+from autopar.tools.launch import free_port
 from examples import gpt
+
+_LINK = {"latency_s": 1e-4, "bandwidth_Bps": 1e9}
+
+# The ring formulas of CostModel.collective_time's docstring, written out: seconds of a collective
+# with an input of B bytes per rank over n ranks on a link of latency a and bandwidth b.
+RING = {
+    "all_gather": lambda n, a, b, B: (n - 1) * (a + B / b),
+    "reduce_scatter": lambda n, a, b, B: (n - 1) * a + (n - 1) / n * B / b,
+    "all_to_all": lambda n, a, b, B: (n - 1) * a + (n - 1) / n * B / b,
+    "all_reduce": lambda n, a, b, B: 2 * ((n - 1) * a + (n - 1) / n * B / b),
+}
 
 
 def _write(path: Path, **changes: object) -> str:
@@ -40,6 +57,13 @@ def test_bad_cluster_files_are_refused(tmp_path: Path):
         (str(bad), "cannot be read as JSON"),
         (_write(tmp_path / "partial.json", intra_node=None), "is malformed: missing or bad field"),
         (_write(tmp_path / "other.json", measured_on="gpu-node-17"), "was measured on 'gpu-node-17', not on"),
+        (
+            _write(
+                tmp_path / "kind.json",
+                intra_node={**_LINK, "collectives": {"broadcast": _LINK}},
+            ),
+            "is malformed: missing or bad field link collectives are among",
+        ),
     ]
     for path, message in cases:
         with pytest.raises(OptionError, match=message.replace("(", r"\(")):
@@ -49,12 +73,92 @@ def test_bad_cluster_files_are_refused(tmp_path: Path):
     assert usage.value.code == 2
 
 
+def _cluster(link: LinkSpec) -> Cluster:
+    return Cluster("synthetic", {"float32": 1e9}, 1e9, 2**30, 8, intra_node=link, inter_node=link)
+
+
+def test_each_collective_is_fitted_to_its_own_ring_formula_and_priced_by_it():
+    n, sizes = 4, [1 << k for k in range(10, 25, 2)]
+    # each kind its own figures, as gloo's collectives differ
+    truth = {kind: (30e-6 * (i + 1), 2e9 / (i + 1)) for i, kind in enumerate(RING)}
+    samples = {kind: [(b, RING[kind](n, a, beta, b)) for b in sizes] for kind, (a, beta) in truth.items()}
+    fitted = {kind: fit_ring(kind, samples[kind], n) for kind in RING}
+    for kind, (a, beta) in truth.items():
+        assert fitted[kind].latency_s == pytest.approx(a, rel=1e-6)
+        assert fitted[kind].bandwidth_Bps == pytest.approx(beta, rel=1e-6)
+    # general figures far from every kind's: a kind with figures of its own must not use them
+    link = LinkSpec(latency_s=1.0, bandwidth_Bps=1.0, collectives=fitted)
+    model = CostModel({"x": n}, _cluster(link))
+    for kind in RING:
+        for b, t in samples[kind]:
+            assert model.collective_time(Collective(kind, ("x",), b)) == pytest.approx(t, rel=1e-6)
+        wire_only = model.collective_time(Collective(kind, ("x",), 1 << 20), latency=False)
+        assert wire_only == pytest.approx(RING[kind](n, 0.0, truth[kind][1], 1 << 20), rel=1e-6)
+    # a kind without figures of its own falls back to the link's
+    partial = LinkSpec(1e-4, 1e9, {"all_gather": fitted["all_gather"]})
+    model = CostModel({"x": n}, _cluster(partial))
+    assert model.collective_time(Collective("all_reduce", ("x",), 1 << 20)) == RING["all_reduce"](
+        n, 1e-4, 1e9, 1 << 20
+    )
+
+
+def test_per_collective_figures_round_trip_and_files_without_them_are_unchanged():
+    link = LinkSpec(
+        1e-4, 1e9, {CollectiveKind.ALL_TO_ALL: LinkSpec(2e-4, 5e8), "all_gather": LinkSpec(3e-4, 4e8)}
+    )
+    cluster = _cluster(link)
+    back = Cluster.from_dict(json.loads(json.dumps(cluster.to_dict())))
+    assert back == cluster and hash(back) == hash(cluster)
+    assert back.intra_node.for_collective(CollectiveKind.ALL_TO_ALL) == LinkSpec(2e-4, 5e8)
+    assert back.intra_node.for_collective(CollectiveKind.ALL_REDUCE) is back.intra_node
+    with pytest.raises(TypeError):  # read-only, as peak_flops
+        link.collectives["all_reduce"] = LinkSpec(1.0, 1.0)
+    for name in ("cpu-gloo", "h100", "fast-links"):
+        preset = get_cluster(name).to_dict()
+        assert set(preset["intra_node"]) == set(preset["inter_node"]) == {"latency_s", "bandwidth_Bps"}
+
+
+def _check_calibrated(path: Path, devices_per_node: int) -> None:
+    """The file is this machine's, with both links and all four kinds measured, and plan takes it."""
+    cluster = get_cluster(str(path))
+    assert cluster.measured_on == this_machine() and cluster.name == "calibrated"
+    assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
+    assert cluster.devices_per_node == devices_per_node
+    for link in (cluster.intra_node, cluster.inter_node):
+        assert set(link.collectives) == set(CollectiveKind) and link.bandwidth_Bps > 0
+        assert all(k.latency_s >= 0 and k.bandwidth_Bps > 0 for k in link.collectives.values())
+    model, args = gpt.build()
+    assert autopar.plan(model, args, {"dp": 2, "tp": 2}, cluster=str(path)).cluster["name"] == "calibrated"
+
+
 @pytest.mark.slow
 def test_calibrate_measures_this_machine_into_a_file(tmp_path: Path, capsys):
     path = tmp_path / "cluster.json"
     assert main(["calibrate", "--ranks", "2", "-o", str(path)]) == 0
-    assert f"cluster written to {path}" in capsys.readouterr().out
-    cluster = get_cluster(str(path))
-    assert cluster.measured_on == this_machine() and cluster.name == "calibrated"
-    assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
-    assert cluster.intra_node.bandwidth_Bps > 0
+    out = capsys.readouterr().out
+    assert f"cluster written to {path}" in out
+    assert "inter_node not measured (one node): it repeats the intra_node figures" in out
+    _check_calibrated(path, 1 << 20)
+
+
+@pytest.mark.slow
+def test_calibrate_under_torchrun_measures_each_node_level(tmp_path: Path):
+    """Two torchrun "nodes" of 2 ranks each on this host: links inside and across them."""
+    path, port = tmp_path / "cluster.json", free_port()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k)]
+            + ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            + ["-m", "autopar.tools.cli", "calibrate", "-o", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
+    (out0, err0), (out1, err1) = (node.communicate(timeout=300) for node in nodes)
+    assert [node.returncode for node in nodes] == [0, 0], err0 + err1
+    assert f"cluster written to {path}" in out0 and "not measured" not in out0
+    assert "intra_node, groups of 2" in out0 and "inter_node, groups of 2" in out0
+    assert out1 == ""  # ranks other than 0 exit quietly
+    _check_calibrated(path, 2)

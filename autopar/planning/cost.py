@@ -15,7 +15,6 @@ presets never measure when read, because every rank must compute the same plan.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -53,16 +52,58 @@ FALLBACK_DTYPE = "float32"
 ONE_HOST = 1 << 20
 
 
+def ring_terms(kind: CollectiveKind, n: int) -> tuple[int, float]:
+    """``(hops, share)`` of ``kind``'s ring formula over ``n`` ranks: it takes
+    ``hops * alpha + share * B / beta`` (see :meth:`CostModel.collective_time`). Calibration fits
+    each kind to these same terms, so a fitted kind reproduces its measurements."""
+    if kind == CollectiveKind.ALL_GATHER:
+        return n - 1, n - 1
+    hops, share = n - 1, (n - 1) / n
+    return (2 * hops, 2 * share) if kind == CollectiveKind.ALL_REDUCE else (hops, share)
+
+
 @dataclass(frozen=True)
 class LinkSpec:
-    """One network link: per-message latency and per-rank bandwidth in one direction."""
+    """One network link: per-message latency and per-rank bandwidth in one direction.
+
+    ``collectives`` optionally maps a collective kind (a :class:`CollectiveKind` or its value) to
+    figures of its own, fitted to that kind's ring formula by ``autopar calibrate``;
+    :meth:`for_collective` picks them, falling back to the link's general figures. It is stored
+    read-only and left out of the hash (equality compares it), as ``Cluster.peak_flops`` is.
+    """
 
     latency_s: float
     bandwidth_Bps: float
+    collectives: Mapping[CollectiveKind, LinkSpec] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.bandwidth_Bps <= 0:
             raise OptionError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
+        try:
+            kinds = {CollectiveKind(k): v for k, v in self.collectives.items()}
+        except ValueError:
+            names = sorted(k.value for k in CollectiveKind)
+            raise OptionError(f"link collectives are among {names}, not {list(self.collectives)}") from None
+        if any(not isinstance(v, LinkSpec) or v.collectives for v in kinds.values()):
+            raise OptionError(f"a link's per-collective figures must be plain LinkSpecs, got {kinds}")
+        object.__setattr__(self, "collectives", MappingProxyType(kinds))
+
+    def for_collective(self, kind: CollectiveKind) -> LinkSpec:
+        """The figures that price ``kind``: its own where measured, the link's otherwise."""
+        return self.collectives.get(kind, self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict, without ``collectives`` when there are none (as in files written
+        before there were); :meth:`from_dict` reads it back."""
+        data: dict[str, Any] = {"latency_s": self.latency_s, "bandwidth_Bps": self.bandwidth_Bps}
+        if self.collectives:
+            data["collectives"] = {k.value: v.to_dict() for k, v in self.collectives.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LinkSpec:
+        kinds = {k: cls.from_dict(v) for k, v in data.get("collectives", {}).items()}
+        return cls(float(data["latency_s"]), float(data["bandwidth_Bps"]), kinds)
 
 
 @dataclass(frozen=True)
@@ -100,8 +141,8 @@ class Cluster:
             "memory_bandwidth_Bps": self.memory_bandwidth_Bps,
             "memory_bytes": self.memory_bytes,
             "devices_per_node": self.devices_per_node,
-            "intra_node": dataclasses.asdict(self.intra_node),
-            "inter_node": dataclasses.asdict(self.inter_node),
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
             "measured_on": self.measured_on,
         }
 
@@ -113,8 +154,8 @@ class Cluster:
             memory_bandwidth_Bps=float(data["memory_bandwidth_Bps"]),
             memory_bytes=int(data["memory_bytes"]),
             devices_per_node=int(data["devices_per_node"]),
-            intra_node=LinkSpec(**data["intra_node"]),
-            inter_node=LinkSpec(**data["inter_node"]),
+            intra_node=LinkSpec.from_dict(data["intra_node"]),
+            inter_node=LinkSpec.from_dict(data["inter_node"]),
             measured_on=str(data.get("measured_on", "")),
         )
 
@@ -272,11 +313,12 @@ class CostModel:
     def collective_time(self, c: Collective, latency: bool = True) -> float:
         """Ring alpha-beta time of ``c``; ``c.mesh_axes`` must name exactly one axis.
 
-        With n ranks on the axis, B = ``c.bytes``, alpha/beta the axis link:
-        all_gather (n-1)(alpha + B/beta); reduce_scatter and all_to_all
-        (n-1)alpha + (n-1)/n B/beta; all_reduce twice the reduce_scatter time. n = 1 is free.
-        ``latency=False`` drops the alpha terms: for a collective that travels in a bucket
-        with many others (gradient sums), whose latency is paid once per bucket.
+        With n ranks on the axis, B = ``c.bytes``, alpha/beta the axis link's figures for
+        ``c.kind`` (:meth:`LinkSpec.for_collective`: the kind's own where calibrated, the link's
+        otherwise): all_gather (n-1)(alpha + B/beta); reduce_scatter and all_to_all
+        (n-1)alpha + (n-1)/n B/beta; all_reduce twice the reduce_scatter time (:func:`ring_terms`).
+        n = 1 is free. ``latency=False`` drops the alpha terms: for a collective that travels in
+        a bucket with many others (gradient sums), whose latency is paid once per bucket.
         """
         if len(c.mesh_axes) != 1:
             raise ValueError(f"collective_time prices one mesh axis at a time, got {c.mesh_axes}")
@@ -284,12 +326,10 @@ class CostModel:
         n = self.mesh.axis_sizes[axis]
         if n == 1:
             return 0.0
-        link = self._links[axis]
+        link = self._links[axis].for_collective(c.kind)
+        hops, share = ring_terms(c.kind, n)
         alpha, wire = link.latency_s if latency else 0.0, c.bytes / link.bandwidth_Bps
-        if c.kind == CollectiveKind.ALL_GATHER:
-            return (n - 1) * (alpha + wire)
-        ring = (n - 1) * alpha + (n - 1) / n * wire
-        return 2 * ring if c.kind == CollectiveKind.ALL_REDUCE else ring
+        return hops * alpha + share * wire
 
     def compute_time(self, flops: float, bytes_accessed: float, dtype: torch.dtype) -> float:
         """Roofline: ``max(flops / peak, bytes_accessed / memory_bandwidth)`` on one device."""

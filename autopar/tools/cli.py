@@ -3,7 +3,7 @@
 ::
 
     autopar plan MODEL --mesh dp=8,tp=8|--devices 64 [--cluster NAME|FILE] [--budget 80GB] [-o plan.json]
-    autopar calibrate [--ranks 2] -o cluster.json
+    autopar calibrate [--ranks 2] -o cluster.json   (or: torchrun ... -m autopar.tools.cli calibrate -o F)
     autopar show MODEL --mesh dp=2,tp=2 | autopar show plan.json
     autopar explain plan.json NODE
     autopar viz MODEL|plan.json -o graph.html|graph.svg|graph.dot
@@ -329,16 +329,11 @@ def cmd_scaling(a: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> None:
-    from autopar.tools.calibrate import write_cluster_file
+    from autopar.tools.calibrate import run_calibrate
 
-    c = write_cluster_file(a.output, a.ranks)
-    flops = ", ".join(f"{d} {f / 1e9:.1f}" for d, f in c.peak_flops.items())
-    link = c.intra_node
-    print(
-        f"{a.ranks} ranks at once on {c.measured_on}: GFLOP/s per rank {flops}; memory "
-        f"{c.memory_bandwidth_Bps / 1e9:.2f} GB/s; gloo latency {link.latency_s * 1e6:.0f} us, "
-        f"bandwidth {link.bandwidth_Bps / 1e9:.2f} GB/s\ncluster written to {a.output}"
-    )
+    report = run_calibrate(a.output, a.ranks)
+    if report:  # under torchrun only rank 0 reports
+        print(report)
 
 
 #: A fit off by at most this (relative) at every point is quoted; a worse one is called poor.
@@ -453,8 +448,14 @@ def _parser() -> argparse.ArgumentParser:
     scaling.add_argument("--axis", default="dp", help="the mesh axis the devices form")
     scaling.add_argument("--plot", type=writable, help="write a speedup plot here (.png or .svg)")
     scaling.set_defaults(run=cmd_scaling)
-    calibrate = sub.add_parser("calibrate", help="measure this machine into a cluster file for --cluster")
-    calibrate.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks measured at once")
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="measure compute, memory and each collective per node level into a cluster file for "
+        "--cluster: on --ranks local ranks, or under torchrun on its world (rank 0 writes)",
+    )
+    calibrate.add_argument(
+        "--ranks", type=positive_int, help="local gloo ranks measured at once (default 2; not under torchrun)"
+    )
     calibrate.add_argument("-o", "--output", type=writable, required=True, help="cluster.json")
     calibrate.set_defaults(run=cmd_calibrate)
     return parser

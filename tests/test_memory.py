@@ -175,14 +175,14 @@ def test_the_memory_search_skips_only_choices_that_cannot_win(monkeypatch):
     """Pruned by bounds, the search finds the plan solving every choice finds, in fewer solves."""
     import math
 
-    from autopar.planning import planner
+    from autopar.planning import memory_search
     from autopar.planning.memory_tables import MemoryTerms
 
     model, args = _gpt()
     free = autopar.plan(model, args, DP4).prediction.memory_bytes
     solves = []
-    solve = planner._solve_choice
-    monkeypatch.setattr(planner, "_solve_choice", lambda *a, **k: solves.append(a[1]) or solve(*a, **k))
+    solve = memory_search._solve_choice
+    monkeypatch.setattr(memory_search, "_solve_choice", lambda *a, **k: solves.append(a[1]) or solve(*a, **k))
 
     def search(budget: float) -> tuple[float | None, int]:
         solves.clear()

@@ -14,7 +14,8 @@ captured and planned for one microbatch, which is what a stage runs at a time.
 
 Stages come from ``pipeline_stage`` annotations when there are any (honoured exactly:
 every module with parameters must have one, stage numbers must run 0, 1, ... and follow
-the order of the forward), and otherwise from :func:`partition`: the graph is cut into
+the order of the forward), and otherwise from
+:func:`~autopar.planning.stage_split.partition`: the graph is cut into
 *units* (the repeated blocks with the ops around them, see :func:`units`) and a
 dynamic program picks the contiguous split into stages that minimises Alpa's pipeline
 latency ``Σ t_s + (m − 1) max t_s`` (``t_s``: one microbatch's forward and backward in
@@ -31,7 +32,6 @@ embeddings) is refused: stages hold disjoint parameters.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +46,7 @@ from autopar.ir.options import Pipeline
 from autopar.ir.plan import PipelinePlan, Plan, StagePlan
 from autopar.ir.report import GRADIENT_SUM
 from autopar.planning.cost import LinkSpec
+from autopar.planning.stage_split import UnitCosts, partition
 
 
 def microbatch(args: tuple, kwargs: Mapping[str, Any], microbatches: int) -> tuple[tuple, dict]:
@@ -203,94 +204,6 @@ def units(captured: Captured) -> list[list[torch.fx.Node]]:
             out.append(pending)
             pending = []
     out[-1] += pending
-    return out
-
-
-class PipelineFitError(PlanError):
-    """No split of the model into pipeline stages fits the memory per device."""
-
-
-@dataclass(frozen=True)
-class UnitCosts:
-    """Per unit: seconds of one microbatch (forward and backward), bytes of memory
-    that do not scale with microbatches in flight (parameters, gradients, optimizer
-    state), and activation bytes of one microbatch; per cut ``i`` (before unit ``i``)
-    the seconds of sending what crosses it, forward and backward."""
-
-    seconds: list[float]
-    fixed_bytes: list[float]
-    activation_bytes: list[float]
-    cut_seconds: list[float]
-
-
-def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float) -> list[int]:
-    """Stage of each unit: the contiguous split minimising ``Σ t_s + (m − 1) max t_s``.
-
-    ``t_s`` is a stage's unit seconds plus the cuts at both its ends. Thresholds on the
-    slowest stage are tried in increasing order; for each, a dynamic program finds the
-    split with the least total time (then the least largest memory) whose stages are all
-    at most that slow and fit in ``memory_bytes``; the search stops once the threshold
-    alone rules out beating the best split found. Raises ``PlanError`` when no split fits.
-    """
-    n, m = len(costs.seconds), pipeline.microbatches
-    stages = p * pipeline.virtual_stages
-    if n < stages:
-        raise PlanError(
-            f"the model has {n} pipeline units (repeated blocks, or top-level modules without them) "
-            f"for {stages} stages; use fewer stages or annotate modules with pipeline_stage"
-        )
-    prefix_t = [0.0]
-    prefix_f = [0.0]
-    prefix_a = [0.0]
-    for t, f, a in zip(costs.seconds, costs.fixed_bytes, costs.activation_bytes):
-        prefix_t.append(prefix_t[-1] + t)
-        prefix_f.append(prefix_f[-1] + f)
-        prefix_a.append(prefix_a[-1] + a)
-    cut = [*costs.cut_seconds, 0.0]  # cut[n]: after the last unit, nothing is sent
-
-    def seconds(i: int, j: int) -> float:
-        return prefix_t[j] - prefix_t[i] + (cut[i] if i else 0.0) + cut[j]
-
-    def memory(i: int, j: int, s: int) -> float:
-        flight = pipeline.in_flight(p, s % p) / pipeline.virtual_stages
-        return prefix_f[j] - prefix_f[i] + flight * (prefix_a[j] - prefix_a[i])
-
-    best: tuple[float, float, list[int]] | None = None
-    smallest_peak = math.inf
-    for limit in sorted({seconds(i, j) for i in range(n) for j in range(i + 1, n + 1)}):
-        if best is not None and prefix_t[n] + (m - 1) * limit >= best[0]:
-            break
-        # f[s][j]: (total seconds, largest memory, cut positions) of units [0, j) in s stages
-        f: list[dict[int, tuple[float, float, list[int]]]] = [{0: (0.0, 0.0, [])}]
-        for s in range(stages):
-            row: dict[int, tuple[float, float, list[int]]] = {}
-            for i, (total, peak, cuts) in f[s].items():
-                for j in range(i + 1, n - (stages - s - 1) + 1):
-                    t, mem = seconds(i, j), memory(i, j, s)
-                    smallest_peak = min(smallest_peak, mem)
-                    # a rank holds virtual_stages stages: each gets its share of the device
-                    if t > limit or mem > memory_bytes / pipeline.virtual_stages:
-                        continue
-                    cand = (total + t, max(peak, mem), [*cuts, j])
-                    if j not in row or cand[:2] < row[j][:2]:
-                        row[j] = cand
-            f.append(row)
-        if n in f[stages]:
-            total, peak, cuts = f[stages][n]
-            slowest = max(seconds(i, j) for i, j in zip([0, *cuts[:-1]], cuts))
-            objective = total + (m - 1) * slowest
-            if best is None or (objective, peak) < best[:2]:
-                best = (objective, peak, cuts)
-    if best is None:
-        raise PipelineFitError(
-            f"no split of the model into {stages} pipeline stages fits in {memory_bytes / 2**30:.2f} GiB "
-            f"per device (the smallest stage needs {smallest_peak / 2**30:.2f} GiB); use more devices, "
-            f"fewer microbatches in flight (schedule '1f1b') or a larger cluster memory"
-        )
-    out, start = [], 0
-    for s, stop in enumerate(best[2]):
-        out += [s] * (stop - start)
-        start = stop
     return out
 
 

@@ -14,30 +14,29 @@ compiled.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from autopar.capture.export import Captured, capture, repeated_blocks
+from autopar.capture.export import Captured, capture
 from autopar.ir.arguments import check_instance, check_int, check_number
-from autopar.ir.errors import MemoryFitError, OptionError, PlanError
+from autopar.ir.errors import OptionError, PlanError
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.options import FULL, SELECTIVE, Memory, MixedPrecision, Pipeline
-from autopar.ir.plan import CollectiveKind, Plan, SolverReport
-from autopar.planning.assemble import PlanSetting, alternatives, assemble_plan
+from autopar.ir.options import Memory, MixedPrecision, Pipeline
+from autopar.ir.plan import CollectiveKind, Plan
+from autopar.planning.assemble import PlanSetting
 from autopar.planning.axis_groups import graph_within, merged_axes
 from autopar.planning.cost import Cluster, CostModel, get_cluster
-from autopar.planning.edge_costs import CostTables, cost_tables
-from autopar.planning.memory import MemoryChoice
+from autopar.planning.edge_costs import cost_tables
+from autopar.planning.memory_search import Search, memory_choices, memory_search, no_fit
 from autopar.planning.memory_tables import MemoryTerms
 from autopar.planning.mesh_search import search_meshes
-from autopar.planning.pipeline import PipelineFitError, microbatch
-from autopar.planning.solver import SolverClock, SolverStats, StrategyILP
+from autopar.planning.pipeline import microbatch
+from autopar.planning.solver import SolverClock
 from autopar.planning.strategy_graph import build_strategy_graph
 
 
@@ -224,11 +223,11 @@ def plan_captured(
     )
     build_s = time.perf_counter() - t1
     choices = memory_choices(captured, memory)
-    best, searched = _memory_search(search, choices)
+    best, searched = memory_search(search, choices)
     if best is not None and searched and memory.zero is None:
         best.memory = replace(best.memory, chosen=True)
     if best is None:
-        raise _no_fit(search, choices)
+        raise no_fit(search, choices)
     best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
     if memory.zero and best.memory is not None and not best.memory.zero_splits:
         best.warnings.append(
@@ -275,212 +274,3 @@ def _sums_in_compute_dtype(plan: Plan, precision: MixedPrecision) -> list[str]:
         f"gradients are reduced in {names['param_dtype']}, not in {wanted} (reduce_dtype), e.g. "
         f"{sorted(reduced)[0]}; store them whole (shard(parameter_storage=...)) to sum them in {wanted}"
     ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Search:
-    """What every candidate of the memory search is solved and assembled with: the setting
-    (whose ``budget`` is the bytes per device a plan must fit), the ILP's cost tables and
-    each candidate's memory terms, the solver's deterministic seconds left (``time_limit``
-    shared by every solve) and its seed."""
-
-    setting: PlanSetting
-    tables: CostTables
-    terms: MemoryTerms
-    clock: SolverClock
-    seed: int
-    tried: list[tuple[Plan, MemoryChoice]] = field(default_factory=list)  # plans that did not fit
-
-
-# CP-SAT works in integer units: objectives and bounds agree to about this fraction
-_ROUNDING = 1e-6
-
-
-def _memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | None, bool]:
-    """The fastest plan that fits among ``choices``, and whether the budget had to be searched.
-
-    The first choice solved without the memory constraint is the fastest plan of all: if it
-    fits, it wins. Otherwise each choice is solved with the constraint, but only while it
-    could still win. The ILP's objective adds each choice's seconds (ZeRO's gathers,
-    recompute's forward) to the base costs every choice shares, so a choice can do no
-    better than a lower bound of the base optimum (the first solve's bound less the most
-    its choice adds) plus the least its own terms add; a choice whose bound is not below
-    the best objective found is skipped, as is one whose fewest bytes exceed the budget
-    (the constrained ILP would have no solution). Choices are solved by their bound, at equal bounds
-    the one the first solve's layouts fill least first; of plans equally fast the one solved first wins.
-    """
-    first = _solve_choice(search, choices[0], constrained=False)
-    if first is not None and first.plan.peak_memory_bytes <= search.setting.budget:
-        return first.plan, False
-    # no bound when no split into pipeline stages fitted the budget
-    base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
-    # under a pipeline the ILP bounds no memory (a stage's share is known once assembled): when
-    # neither the fastest plan of the choice holding least (the most ZeRO and recompute) nor its
-    # plan of least estimated memory fits, no other choice is searched
-    unbounded = search.setting.pipeline is not None
-    if unbounded and not _last_fits(search, choices[-1]):
-        return None, True
-    left = [c for c in choices if unbounded or search.terms.least_bytes(c) <= search.setting.budget]
-
-    def order(c: MemoryChoice) -> tuple[float, float]:
-        # by bound; at equal bounds the one the fastest layouts fill least first: the likeliest to fit
-        held = 0.0 if first is None else search.terms.bytes_at(c, first.assignment)
-        return base + search.terms.least_seconds(c), held
-
-    best: _Solved | None = None
-    for i, choice in enumerate(sorted(left, key=order)):
-        if best is not None and order(choice)[0] >= best.stats.objective * (1 - _ROUNDING):
-            break
-        # shares as if every choice were solved: what a skipped one leaves goes to the later ones,
-        # and a solve whose plan overflows the budget can be solved again (see _solve_choice)
-        found = _solve_choice(search, choice, constrained=True, ways=len(choices) - i)
-        if found is not None and (best is None or found.plan.step_time_s < best.plan.step_time_s):
-            best = found
-    return (None if best is None else best.plan), True
-
-
-def memory_choices(captured: Captured, memory: Memory) -> list[MemoryChoice]:
-    """The candidates, the options as given first and least memory last: every ZeRO stage
-    (unless ``memory.zero`` fixes one) with the annotated recompute or, when no module is
-    annotated ``recompute``, no / selective / full recompute of every repeated block."""
-    annotated = dict(captured.annotations.recompute)
-    zeros = [memory.zero] if memory.zero is not None else [0, 1, 2, 3]
-    recomputes: list[Mapping[str, str]] = [annotated]
-    blocks = repeated_blocks(captured.graph)
-    if not annotated and blocks:
-        recomputes += [dict.fromkeys(blocks, SELECTIVE), dict.fromkeys(blocks, FULL)]
-    return [MemoryChoice(zero=z, recompute=r) for r in recomputes for z in zeros]
-
-
-def _ilp(search: Search, choice: MemoryChoice, limit: float | None = None) -> StrategyILP:
-    """The strategy ILP of ``choice``: the cost tables plus its memory terms, its bytes at most ``limit``."""
-    node_costs, pair_costs, constant = search.tables
-    extra = search.terms.of(choice)
-    costs = {r: c + extra.seconds[r] for r, c in node_costs.items()}
-    return StrategyILP(
-        costs, pair_costs, constant + extra.seconds_constant, (extra.nbytes, extra.bytes_constant), limit
-    )
-
-
-class _Solved(NamedTuple):
-    plan: Plan
-    stats: SolverStats
-    assignment: dict[str, int]
-
-
-def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways: int = 1) -> _Solved | None:
-    """The fastest plan under ``choice`` that fits the budget (with its ILP's report and
-    assignment), or None.
-
-    ``constrained`` puts the budget into the ILP; each solve takes a ``ways``-th of the
-    solver time left (the candidates still to solve share it). Its memory estimate is per node (see
-    :mod:`autopar.planning.memory_tables`); the plan's figure is exact (:mod:`autopar.planning.memory`).
-    Where it exceeds the budget, the ILP's limit is lowered by the difference and solved
-    again (twice at most). Under a pipeline the budget bounds each stage (the ILP does
-    not see microbatches in flight).
-    """
-    setting = search.setting
-    g, budget = setting.graph, setting.budget
-    limit = budget if setting.pipeline is None and constrained else None
-    for _ in range(3):
-        if constrained and search.clock.share(ways) <= 0:
-            return None  # time_limit spent: the error names it (_no_fit)
-        ilp = _ilp(search, choice, limit)
-        solved = ilp.solve(time_limit=search.clock.share(ways), seed=search.seed)
-        search.clock.spend(ilp)
-        if solved is None:
-            return None
-        assignment, stats = solved
-        report = SolverReport(
-            variables=stats.variables,
-            constraints=stats.constraints,
-            roots=len(g.roots),
-            tied_blocks=g.tied_blocks,
-            capture_s=0.0,
-            build_s=stats.build_seconds,
-            solve_s=stats.solve_seconds,
-            gap=stats.gap,
-            status=stats.status,
-        )
-        try:
-            result = assemble_plan(setting, choice, assignment, report)
-        except PipelineFitError:  # no split of the model into stages fits: recorded for the error
-            unfit = assemble_plan(replace(setting, budget=None), choice, assignment, report)
-            search.tried.append((unfit, choice))
-            return None
-        result.alternatives = alternatives(g, ilp.node_costs, ilp.pair_costs, assignment)
-        if result.peak_memory_bytes <= budget or limit is None:
-            fits = result.peak_memory_bytes <= budget
-            if not fits:
-                search.tried.append((result, choice))
-            return _Solved(result, stats, assignment) if fits or not constrained else None
-        search.tried.append((result, choice))
-        limit -= result.peak_memory_bytes - budget
-    return None
-
-
-def _last_fits(search: Search, last: MemoryChoice) -> bool:
-    budget = search.setting.budget
-    fastest = _solve_choice(search, last, constrained=False)
-    if fastest is not None and fastest.plan.peak_memory_bytes <= budget:
-        return True
-    return _least_memory(search, last).peak_memory_bytes <= budget
-
-
-def _least_memory(search: Search, choice: MemoryChoice) -> Plan:
-    """The plan of ``choice`` minimising the ILP's memory estimate (recorded as tried)."""
-    ilp = _ilp(search, choice)
-    assignment, _ = ilp.minimum_memory(time_limit=search.clock.share(), seed=search.seed)
-    search.clock.spend(ilp)
-    g = search.setting.graph
-    report = SolverReport(
-        variables=0,
-        constraints=0,
-        roots=len(g.roots),
-        tied_blocks=g.tied_blocks,
-        capture_s=0.0,
-        build_s=0.0,
-        solve_s=0.0,
-        gap=0.0,
-        status="MIN_MEMORY",
-    )
-    plan = assemble_plan(replace(search.setting, budget=None), choice, assignment, report)
-    search.tried.append((plan, choice))
-    return plan
-
-
-def _no_fit(search: Search, choices: list[MemoryChoice]) -> MemoryFitError:
-    """The error when no plan fits: the least memory reached and what dominates it.
-
-    Candidates: the plans the search assembled that did not fit, and the last (least
-    memory) choice's plan minimising the ILP's memory estimate; the least exact figure among
-    them is reported, under a pipeline with the parts of the stage holding the most.
-    """
-    mesh, budget = search.setting.mesh, search.setting.budget
-    spent = search.clock.share() <= 0
-    if not any(choice is choices[-1] and p.solver.status == "MIN_MEMORY" for p, choice in search.tried):
-        _least_memory(search, choices[-1])
-    least, choice = min(search.tried, key=lambda t: t[0].peak_memory_bytes)
-    where = ""
-    if least.pipeline is not None:
-        stage = max(least.pipeline.stages, key=lambda s: s.memory_bytes)
-        where = f" on pipeline stage {stage.index}"
-        held = (stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes, stage.peak_activation_bytes)
-    else:
-        p = least.prediction
-        held = (p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes)
-    parts = dict(zip(("parameters", "gradients", "optimizer state", "activations"), held))
-    top = max(parts, key=parts.get)
-    how = f"ZeRO-{choice.zero}" + (
-        f", recompute of {len(choice.recompute)} modules ({next(iter(choice.recompute.values()))})"
-        if choice.recompute
-        else ""
-    )
-    breakdown = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
-    return MemoryFitError(
-        f"no plan fits memory_budget={budget / 2**30:.2f} GiB per device on mesh {mesh}: the least "
-        f"memory reached is {least.peak_memory_bytes / 2**30:.2f} GiB{where} ({how}; {breakdown}), "
-        f"dominated by {top}; use more devices, a smaller batch, or offload"
-        + ("; time_limit ran out before every candidate was solved: raise it" if spent else ""),
-        least.peak_memory_bytes,
-    )

@@ -359,7 +359,15 @@ class _Builder:
             )
             return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)
         primary = self._primary(call, spec)
-        if (lookup(node.target).anchor or primary is None) and spec.shardable():
+        # An op outside autograd that broadcasts its operands into a larger output (a mask
+        # built from index vectors) decides its own layout: following its small operands,
+        # replicated as factories make them, would compute and keep the whole mask on every rank.
+        grows = (
+            primary is not None
+            and not self.requires_grad.get(node, False)
+            and max(map(math.prod, call.out_shapes), default=0) > sum(map(math.prod, call.shapes))
+        )
+        if (lookup(node.target).anchor or primary is None or grows) and spec.shardable():
             strategies = self._enumerate(call, spec)
             if len(strategies) > 1:
                 return self._priced(call, spec, node.name, strategies, ChoiceKind.ANCHOR)

@@ -1,0 +1,130 @@
+"""Where to cut a pipelined model: the contiguous split of its units into stages.
+
+:func:`partition` splits units (repeated blocks, or top-level modules) into stages given
+each unit's seconds and bytes (:class:`UnitCosts`); :mod:`autopar.planning.pipeline`
+measures the units and plans the schedule around the split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.ir.errors import PlanError
+from autopar.ir.options import Pipeline
+
+
+class PipelineFitError(PlanError):
+    """No split of the model into pipeline stages fits the memory per device."""
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Per unit: seconds of one microbatch (forward and backward), bytes of memory
+    that do not scale with microbatches in flight (parameters, gradients, optimizer
+    state), and activation bytes of one microbatch; per cut ``i`` (before unit ``i``)
+    the seconds of sending what crosses it, forward and backward."""
+
+    seconds: list[float]
+    fixed_bytes: list[float]
+    activation_bytes: list[float]
+    cut_seconds: list[float]
+
+
+def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float) -> list[int]:
+    """Stage of each unit: the contiguous split minimising ``Σ t_s + (m − 1) max t_s``.
+
+    ``t_s`` is a stage's unit seconds plus the cuts at both its ends. For a threshold on
+    the slowest stage, a dynamic program finds the split with the least total time (then
+    the least largest memory) whose stages are all at most that slow and fit in
+    ``memory_bytes`` (:func:`_split_within`). Whether one exists only grows with the
+    threshold, so the least threshold with a split is found by bisection over the stage
+    times; larger ones are then tried in increasing order until the threshold alone rules
+    out beating the best split found. Raises ``PlanError`` when no split fits.
+    """
+    n, m = len(costs.seconds), pipeline.microbatches
+    stages = p * pipeline.virtual_stages
+    if n < stages:
+        raise PlanError(
+            f"the model has {n} pipeline units (repeated blocks, or top-level modules without them) "
+            f"for {stages} stages; use fewer stages or annotate modules with pipeline_stage"
+        )
+    table = _StageTable(costs, pipeline, p, memory_bytes / pipeline.virtual_stages)
+    limits = sorted({table.seconds(i, j) for i in range(n) for j in range(i + 1, n + 1)})
+    low, high = 0, len(limits)  # the first feasible threshold is in limits[low:high], or none is
+    while low < high:
+        mid = (low + high) // 2
+        if _split_within(table, stages, limits[mid]) is None:
+            low = mid + 1
+        else:
+            high = mid
+    best: tuple[float, float, list[int]] | None = None
+    for limit in limits[low:]:
+        if best is not None and table.total + (m - 1) * limit >= best[0]:
+            break
+        found = _split_within(table, stages, limit)
+        if found is None:
+            continue
+        total, peak, cuts = found
+        slowest = max(table.seconds(i, j) for i, j in zip([0, *cuts[:-1]], cuts))
+        if best is None or (total + (m - 1) * slowest, peak) < best[:2]:
+            best = (total + (m - 1) * slowest, peak, cuts)
+    if best is None:
+        smallest = min(
+            table.memory(i, j, s) for s in range(stages) for i in range(n) for j in range(i + 1, n + 1)
+        )
+        raise PipelineFitError(
+            f"no split of the model into {stages} pipeline stages fits in {memory_bytes / 2**30:.2f} GiB "
+            f"per device (the smallest stage needs {smallest / 2**30:.2f} GiB); use more devices, "
+            f"fewer microbatches in flight (schedule '1f1b') or a larger cluster memory"
+        )
+    out, start = [], 0
+    for s, stop in enumerate(best[2]):
+        out += [s] * (stop - start)
+        start = stop
+    return out
+
+
+class _StageTable:
+    """Seconds and bytes of a stage holding units ``[i, j)`` as stage ``s`` (prefix sums), and
+    the bytes a rank allows each of its stages (a rank holds ``virtual_stages`` of them)."""
+
+    def __init__(self, costs: UnitCosts, pipeline: Pipeline, p: int, stage_bytes: float) -> None:
+        self.n, self.stage_bytes = len(costs.seconds), stage_bytes
+        self.prefix_t, self.prefix_f, self.prefix_a = ([0.0] for _ in range(3))
+        for t, f, a in zip(costs.seconds, costs.fixed_bytes, costs.activation_bytes):
+            self.prefix_t.append(self.prefix_t[-1] + t)
+            self.prefix_f.append(self.prefix_f[-1] + f)
+            self.prefix_a.append(self.prefix_a[-1] + a)
+        self.total = self.prefix_t[-1]
+        self.cut = [*costs.cut_seconds, 0.0]  # cut[n]: after the last unit, nothing is sent
+        # microbatches in flight on the rank of each stage, per microbatch of activations
+        self.flight = [
+            pipeline.in_flight(p, s % p) / pipeline.virtual_stages for s in range(p * pipeline.virtual_stages)
+        ]
+
+    def seconds(self, i: int, j: int) -> float:
+        return self.prefix_t[j] - self.prefix_t[i] + (self.cut[i] if i else 0.0) + self.cut[j]
+
+    def memory(self, i: int, j: int, s: int) -> float:
+        return self.prefix_f[j] - self.prefix_f[i] + self.flight[s] * (self.prefix_a[j] - self.prefix_a[i])
+
+
+def _split_within(table: _StageTable, stages: int, limit: float) -> tuple[float, float, list[int]] | None:
+    """(total seconds, largest stage memory, cut positions) of the split into ``stages`` whose
+    stages all take at most ``limit`` and fit, with the least total then the least largest
+    memory; None when there is none."""
+    n = table.n
+    # f[j]: the best (total, peak, cuts) of units [0, j) in the stages so far
+    f: dict[int, tuple[float, float, list[int]]] = {0: (0.0, 0.0, [])}
+    for s in range(stages):
+        row: dict[int, tuple[float, float, list[int]]] = {}
+        for i, (total, peak, cuts) in f.items():
+            for j in range(i + 1, n - (stages - s - 1) + 1):
+                t, mem = table.seconds(i, j), table.memory(i, j, s)
+                if t > limit or mem > table.stage_bytes:
+                    continue
+                cand = (total + t, max(peak, mem), [*cuts, j])
+                if j not in row or cand[:2] < row[j][:2]:
+                    row[j] = cand
+        f = row
+    return f.get(n)

@@ -17,15 +17,19 @@ from examples import gpt
 
 def test_the_search_chooses_what_planning_every_mesh_by_hand_chooses():
     torch.manual_seed(0)
-    model, args = gpt.build(batch_size=8)
+    model, args = gpt.build(batch_size=8, n_layers=4)
     searched = autopar.plan(model, args, 4, cluster="fast-links")
-    meshes = candidate_meshes(4, get_cluster("fast-links"), 2, 8, None)
-    assert {tuple(m.items()) for m, _ in meshes} == {
-        (("dp", 4),),
-        (("dp", 2), ("tp", 2)),
-        (("tp", 4),),
-        (("pp", 2), ("dp", 2)),
-        (("pp", 2), ("tp", 2)),
+    meshes = candidate_meshes(4, get_cluster("fast-links"), 4, 8, None)
+    schedules = {(tuple(m.items()), p and (p.schedule, p.microbatches, p.virtual_stages)) for m, p in meshes}
+    assert schedules == {
+        ((("dp", 4),), None),
+        ((("dp", 2), ("tp", 2)), None),
+        ((("tp", 4),), None),
+        ((("pp", 2), ("dp", 2)), ("1f1b", 8, 1)),
+        ((("pp", 2), ("dp", 2)), ("interleaved-1f1b", 8, 2)),  # 4 blocks: two stages per rank
+        ((("pp", 2), ("tp", 2)), ("1f1b", 8, 1)),
+        ((("pp", 2), ("tp", 2)), ("interleaved-1f1b", 8, 2)),
+        ((("pp", 4), ("dp", 1)), ("1f1b", 8, 1)),  # a stage needs a mesh of its own
     }
     by_hand = {}
     for sizes, pipeline in meshes:  # every candidate, those the bound skipped too

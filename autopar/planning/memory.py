@@ -196,7 +196,11 @@ def _viewed(node: torch.fx.Node) -> torch.fx.Node | None:
 def storage_of(node: torch.fx.Node, index: int) -> tuple[StorageWeakRef, int]:
     """The storage of output ``index`` of ``node`` (shared by its views) and its global bytes."""
     value = _value(node, index)
-    return storage_ref(value), value.untyped_storage().nbytes()
+    nbytes = value.untyped_storage().nbytes()
+    if not isinstance(nbytes, int):
+        # export may leave an input's storage size symbolic while its shape is concrete
+        nbytes = int(value.numel()) * value.element_size()
+    return storage_ref(value), nbytes
 
 
 def held_value(

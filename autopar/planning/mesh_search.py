@@ -7,12 +7,16 @@ Enumerated
     cluster's devices per node (tensor parallelism stays on the fast links) and ``pp`` at
     most the model's repeated blocks; for ``pp > 1`` a 1F1B pipeline of ``4·pp``
     microbatches, or ``2·pp`` or ``pp`` when that does not divide the batch (more
-    microbatches, a smaller bubble), or the ``Pipeline`` the user gave. Axes are ordered
-    ``pp, dp, tp``: tensor parallelism innermost, on the links within a node.
+    microbatches, a smaller bubble), and the interleaved 1F1B of as many microbatches with
+    two stages per rank when the model has at least ``2·pp`` blocks (half the bubble, more
+    sends and more microbatches in flight); or the ``Pipeline`` the user gave. GPipe is not
+    enumerated: its bubble is 1F1B's and it keeps every microbatch in flight. Axes are
+    ordered ``pp, dp, tp``: tensor parallelism innermost, on the links within a node.
 Pruned
     candidates are planned in the order of a lower bound of their step: the whole model's
     compute spread perfectly over every device, times the pipeline's
-    ``(m + pp − 1) / m`` for a pipeline of ``m`` microbatches (its bubble). A candidate
+    ``(m + (pp − 1) / v) / m`` for a pipeline of ``m`` microbatches and ``v`` stages per
+    rank (its bubble). A candidate
     whose bound is not below the best predicted step found is not planned: it cannot win.
 Decided by the ILP
     for each candidate planned, every op's layout on its mesh (which axis splits the batch,
@@ -60,7 +64,10 @@ class MeshCandidate:
         mesh = "×".join(f"{a}={n}" for a, n in self.sizes.items())
         if self.pipeline is None:
             return mesh
-        return f"{mesh}, {self.pipeline.schedule} m={self.pipeline.microbatches}"
+        p = self.pipeline
+        return f"{mesh}, {p.schedule} m={p.microbatches}" + (
+            f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""
+        )
 
 
 def candidate_meshes(
@@ -76,26 +83,30 @@ def candidate_meshes(
             if pp == 1:
                 out.append((sizes, None))
             elif pp <= blocks:
-                out += [(sizes, p) for p in _pipelines(pp, batch, pipeline)]
+                out += [(sizes, p) for p in _pipelines(pp, blocks, batch, pipeline)]
     return out
 
 
 def _without_ones(sizes: dict[str, int]) -> dict[str, int]:
-    """The axes of more than one device (``dp`` alone for one device): the names a user would
-    write (the planner merges a size-1 axis into its neighbour anyway)."""
+    """The axes of more than one device (``dp`` alone for one device, and beside a pipeline
+    axis that holds every device, as each stage needs a mesh): the names a user would write
+    (the planner merges a size-1 axis into its neighbour anyway)."""
     kept = {a: n for a, n in sizes.items() if n > 1}
-    return kept or {"dp": 1}
+    return kept if set(kept) - {"pp"} else {**kept, "dp": 1}
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _pipelines(pp: int, batch: int | None, given: Pipeline | None) -> list[Pipeline]:
+def _pipelines(pp: int, blocks: int, batch: int | None, given: Pipeline | None) -> list[Pipeline]:
     if given is not None:
         return [given]
     counts = [m for m in (4 * pp, 2 * pp, pp) if batch is not None and batch % m == 0]
-    return [Pipeline(counts[0], "1f1b")] if counts else []
+    if not counts:
+        return []
+    one = Pipeline(counts[0], "1f1b")
+    return [one, Pipeline(counts[0], "interleaved-1f1b", 2)] if blocks >= 2 * pp else [one]
 
 
 def whole_compute_s(captured: Captured, cluster: Cluster) -> float:

@@ -143,10 +143,10 @@ class OpCall:
 
     @classmethod
     def of(cls, node: torch.fx.Node) -> OpCall:
-        leaves = pytree.tree_leaves((node.args, node.kwargs))
-        operands = [a for a in leaves if isinstance(a, torch.fx.Node) and _is_tensor(a)]
-        out = node.meta.get("val")
-        outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+        found: list[torch.fx.Node] = []  # every node argument, in order (map_arg is fast)
+        torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+        operands = [a for a in found if _is_tensor(a)]
+        outs = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
         return cls(
             node, operands, [shape_of(a) for a in operands], [tuple(int(s) for s in v.shape) for v in outs]
         )

@@ -65,6 +65,14 @@ def test_a_bad_device_count_is_refused(devices):
         autopar.plan(model, args, devices)
 
 
+def test_a_device_count_no_mesh_of_the_annotations_can_have_is_refused_mesh_by_mesh():
+    model, args = gpt.build(batch_size=8)
+    gpt.annotate(model, "dp-tp")  # needs axes dp and tp: 7 devices make one axis only
+    with pytest.raises(autopar.PlanError, match="no mesh of 7 devices has a plan: ") as e:
+        autopar.plan(model, args, 7)
+    assert "dp=7: no plan: " in str(e.value) and "unknown mesh axis 'tp'" in str(e.value)
+
+
 def test_a_search_where_nothing_fits_names_the_closest_mesh():
     model, args = gpt.build()
     with pytest.raises(

@@ -40,7 +40,7 @@ from typing import Any
 
 from autopar.capture.constraint_op import parse_constraint_spec
 from autopar.capture.export import Captured, repeated_blocks
-from autopar.ir.errors import MemoryFitError, OptionError, PlanError
+from autopar.ir.errors import AnnotationError, MemoryFitError, OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import LAYOUT_CONSTRAINT
 from autopar.ir.options import Pipeline
@@ -109,9 +109,9 @@ def _pipelines(pp: int, blocks: int, batch: int | None, given: Pipeline | None) 
     return [one, Pipeline(counts[0], "interleaved-1f1b", 2)] if blocks >= 2 * pp else [one]
 
 
-def whole_compute_s(captured: Captured, cluster: Cluster) -> float:
-    """Seconds of the whole model's forward and backward on one device of ``cluster``."""
-    one = MeshSpec.of({"dp": 1})
+def whole_compute_s(captured: Captured, one: MeshSpec, cluster: Cluster) -> float:
+    """Seconds of the whole model's forward and backward on one device of ``cluster``
+    (``captured`` was captured for ``one``, a mesh of one device, whose axes its annotations name)."""
     g = build_strategy_graph(captured, one, CostModel(one, cluster))
     return sum(float(c.compute[0]) for c in g.choices.values() if c.compute is not None)
 
@@ -140,9 +140,10 @@ def search_meshes(
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise OptionError(f"mesh as a device count must be a positive int, got {devices!r}")
     t0 = time.perf_counter()
-    whole = capture(MeshSpec.of({"dp": 1, "tp": 1}), None)
+    one = MeshSpec.of({"dp": 1, "tp": 1})
+    whole = capture(one, None)
     reuse = mesh_free(whole)
-    compute = whole_compute_s(whole, cluster)
+    compute = whole_compute_s(whole, one, cluster)
     meshes = candidate_meshes(devices, cluster, len(repeated_blocks(whole.graph)), batch, pipeline)
     if pipeline is not None and pipeline.axis != "pp":
         raise OptionError(
@@ -163,22 +164,25 @@ def search_meshes(
             continue
         key = None if c.pipeline is None else c.pipeline.microbatches
         mesh = MeshSpec.of(c.sizes)
-        if not reuse or key not in captures:
-            captures[key] = capture(mesh, c.pipeline)
         try:
+            if not reuse or key not in captures:
+                captures[key] = capture(mesh, c.pipeline)
             found = plan_captured(captures[key], mesh, c.pipeline, time_limit)
         except MemoryFitError as e:
             row.update(outcome=f"no plan fits: the least memory reached is {e.least_bytes / 2**30:.2f} GiB")
             row["least_bytes"], row["error"] = e.least_bytes, str(e)
             continue
-        except PlanError as e:  # this mesh cannot run the model as annotated, say
+        except (PlanError, AnnotationError) as e:  # this mesh cannot run the model as annotated, say
             row["outcome"] = f"no plan: {e}"
             continue
         row.update(step_s=found.step_time_s, memory_bytes=found.peak_memory_bytes, outcome="planned")
         if best is None or found.step_time_s < best.step_time_s:
             best = found
     if best is None and not any("least_bytes" in r for r in rows):
-        raise PlanError(f"no mesh of {devices} devices has a plan: " + "; ".join(r["outcome"] for r in rows))
+        raise PlanError(
+            f"no mesh of {devices} devices has a plan: "
+            + "; ".join(f"{r['mesh']}: {r['outcome']}" for r in rows)
+        )
     if best is None:
         closest = min((r for r in rows if "least_bytes" in r), key=lambda r: r["least_bytes"])
         raise MemoryFitError(

@@ -330,3 +330,30 @@ def test_a_data_dependent_shape_is_a_clear_capture_error():
         autopar.CaptureError, match=r"aten.index.Tensor in module '<root>' .*depends on the data"
     ):
         autopar.plan(Selected(), (torch.randn(4, 8),), {"dp": 2})
+
+
+class _MaskFromPositions(torch.nn.Module):
+    """Scores masked by a (batch, 1, s, s) mask built inside forward from ``arange``: outside
+    autograd, from factories (replicated), broadcast into something far larger than them."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        positions = torch.arange(s, device=x.device).expand(b, s)
+        mask = positions[:, None, :, None] >= positions[:, None, None, :]
+        h = self.q(x)
+        scores = (h @ h.transpose(1, 2)).unsqueeze(1)
+        return scores.masked_fill(~mask, 0.0).pow(2).mean()
+
+
+def test_a_mask_broadcast_from_factories_is_split_with_the_batch():
+    """Following its replicated operands, the mask would be built whole on every rank (the
+    Llama-3.1-405B plan kept 8 GiB of it per microbatch); it chooses its own layout instead."""
+    with torch.device("meta"):
+        model, x = _MaskFromPositions(), torch.empty(8, 2048, 16)
+    plan = autopar.plan(model, (x,), {"dp": 4})
+    (line,) = [line for line in plan.code.splitlines() if "= aten.ge.Tensor(" in line]
+    assert line.endswith("-> S(0)"), line

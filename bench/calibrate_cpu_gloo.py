@@ -40,6 +40,9 @@ def main() -> None:
         print(f"matmul {dtype:>9}: {flops / 1e9:8.1f} GFLOP/s per rank")
     print(f"memory bandwidth : {cluster.memory_bandwidth_Bps / 1e9:8.2f} GB/s per rank")
     print(f"memory per rank  : {cluster.memory_bytes / 2**30:8.2f} GiB")
+    print(f"op overhead      : {cluster.op_overhead_s * 1e6:8.2f} us per op")
+    print(f"stragglers       : {cluster.straggler_s * 1e3:8.2f} ms waited after 1 s of compute")
+    print(f"ranks per core   : {cluster.ranks_per_core:8.2f}")
     link = cluster.intra_node
     print(f"gloo link        : alpha {link.latency_s * 1e6:.1f} us, beta {link.bandwidth_Bps / 1e9:.3f} GB/s")
 

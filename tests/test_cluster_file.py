@@ -6,8 +6,10 @@ saying which."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import autopar
 from autopar import OptionError
 from autopar.ir.plan import CollectiveKind
 from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster, this_machine
-from autopar.tools.calibrate import fit_ring
+from autopar.tools.calibrate import _straggle, fit_ring
 from autopar.tools.cli import main
 from autopar.tools.launch import free_port
 from examples import gpt
@@ -116,6 +118,38 @@ def test_per_collective_figures_round_trip_and_files_without_them_are_unchanged(
     for name in ("cpu-gloo", "h100", "fast-links"):
         preset = get_cluster(name).to_dict()
         assert set(preset["intra_node"]) == set(preset["inter_node"]) == {"latency_s", "bandwidth_Bps"}
+
+
+def test_files_written_before_the_step_figures_load_with_their_defaults():
+    added = ("op_overhead_s", "straggler_s", "ranks_per_core", "host_link_Bps", "host_memory_bandwidth_Bps")
+    old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
+    cluster = Cluster.from_dict(old)
+    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 1.0, None, None]
+    measured = replace(cluster, op_overhead_s=5e-6, straggler_s=0.01, ranks_per_core=2.0, host_link_Bps=6e10)
+    assert Cluster.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
+    for bad in ({"op_overhead_s": -1.0}, {"ranks_per_core": 0.5}, {"host_link_Bps": 0.0}):
+        with pytest.raises(OptionError):
+            replace(cluster, **bad)
+
+
+def test_a_collective_fit_is_not_dragged_down_by_one_lucky_sample():
+    n, a, b = 4, 1e-3, 1e9
+    samples = [(size, RING["all_gather"](n, a, b, size)) for size in (1 << k for k in range(10, 25, 2))]
+    samples[4] = (samples[4][0], samples[4][1] / 6)  # ranks sharing cores: one call ran at a lucky moment
+    fitted = fit_ring("all_gather", samples, n)
+    assert fitted.latency_s == pytest.approx(a, rel=0.25)
+    assert fitted.bandwidth_Bps == pytest.approx(b, rel=0.25)
+
+
+def test_stragglers_are_fitted_to_the_square_root_of_the_compute_before_a_collective():
+    bursts = (0.001, 0.004, 0.016, 0.064)
+
+    def rank(wait: float) -> dict[str, object]:
+        # each rank's typical burst, and the mean span of burst and all_reduce (1 ms back to back)
+        return {"back_to_back": 1e-3, "bursts": [(t, t + 1e-3 + wait * math.sqrt(t)) for t in bursts]}
+
+    assert _straggle([rank(0.02), rank(0.01)]) == pytest.approx(0.02)  # the step waits for the last
+    assert _straggle([{"back_to_back": 1e-3, "bursts": [(t, t) for t in bursts]}]) == 0.0
 
 
 def _check_calibrated(path: Path, devices_per_node: int) -> None:

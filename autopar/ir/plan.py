@@ -127,7 +127,15 @@ class Redistribution:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Per-rank predictions for one training step (forward + backward)."""
+    """Per-rank predictions for one training step: forward, backward and the optimizer step.
+
+    ``step_time_s = compute_s + comm_s + overhead_s + optimizer_s + wait_s - hidden_comm_s``: the
+    ops' roofline (recompute included), every collective, the ops' launch and dispatch overhead,
+    the optimizer step (with optimizer offload's host copies), the ranks' waits for the slowest at
+    synchronising collectives, less the communication that runs while backward computes
+    (gradient-sum buckets; see :mod:`autopar.planning.step_overheads`). Plans saved before the
+    last four figures existed read them as 0.
+    """
 
     step_time_s: float
     compute_s: float
@@ -137,6 +145,10 @@ class Prediction:
     grad_bytes: int
     optimizer_bytes: int  # the optimizer's fp32 states (see Memory.optimizer_states); 0 when offloaded
     activation_bytes: int  # peak on the device (see autopar.planning.memory)
+    overhead_s: float = 0.0
+    optimizer_s: float = 0.0
+    wait_s: float = 0.0
+    hidden_comm_s: float = 0.0
 
     @property
     def memory_bytes(self) -> int:

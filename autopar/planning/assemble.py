@@ -55,6 +55,15 @@ from autopar.planning.named_layouts import named_layouts
 from autopar.planning.pipeline import PipelineInputs, plan_pipeline
 from autopar.planning.plan_fit import annotation_record, input_shapes
 from autopar.planning.recompute import Region, recompute_regions
+from autopar.planning.step_overheads import (
+    GradSum,
+    StepTerms,
+    Update,
+    program_ops,
+    step_terms,
+    update_seconds,
+    whole_step,
+)
 from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
 from autopar.rules import OpCall, shape_of
 
@@ -80,11 +89,13 @@ class PlanSetting:
 
 @dataclass(frozen=True)
 class _State:
-    """Parameters' and buffers' layouts by fully-qualified name (aliases included), and
-    each one's bytes per rank by placeholder: (itself, its gradient, optimizer state, host)."""
+    """Parameters' and buffers' layouts by fully-qualified name (aliases included), each one's
+    bytes per rank by placeholder: (itself, its gradient, optimizer state, host), and what the
+    optimizer steps of each trained parameter on this rank."""
 
     layouts: dict[str, str]
     held: dict[str, tuple[float, float, float, float]]
+    updates: dict[str, Update]
 
 
 def assemble_plan(
@@ -105,13 +116,21 @@ def assemble_plan(
     nodes = _decisions(g, assignment)
     regions = recompute_regions(graph, choice.recompute, layouts, splits if choice.zero == 3 else ())
     redists, summed = _edge_redistributions(g, laid, regions)
-    redists += _gradient_sums(g, assignment, summed, splits if choice.zero in (1, 2) else {}, choice.zero)
-    compute = sum(d.compute_s for d in nodes) + _recomputed_seconds(g, assignment, regions)
+    sums, grad_sums = _gradient_sums(
+        g, assignment, summed, splits if choice.zero in (1, 2) else {}, choice.zero
+    )
     state = _state(g, assignment, splits, choice.zero, setting.memory)
+    recomputed = _recomputed(g, assignment, regions)
+    ops = program_ops(graph, g.requires_grad, {d.name: d.compute_s for d in nodes}, recomputed, redists)
+    updates = {p: update_seconds(u, setting.cluster, setting.memory) for p, u in state.updates.items()}
+    terms = step_terms(ops, updates, grad_sums, setting.cluster)
+    redists += sums
     acts = activation_memory(laid, regions, setting.memory.offload_activations)
-    comm = sum(r.seconds for r in redists)
+    extras = whole_step(terms)
+    compute = sum(d.compute_s for d in nodes) + sum(recomputed.values())
+    comm = sum(r.seconds for r in redists) + extras.latency_s
     prediction = Prediction(
-        step_time_s=compute + comm,
+        step_time_s=compute + comm + extras.overhead_s + extras.optimizer_s + extras.wait_s - extras.hidden_s,
         compute_s=compute,
         comm_s=comm,
         comm_bytes=int(sum(c.bytes for r in redists for c in (*r.forward, *r.backward))),
@@ -119,6 +138,10 @@ def assemble_plan(
         grad_bytes=int(sum(b[1] for b in state.held.values())),
         optimizer_bytes=int(sum(b[2] for b in state.held.values())),
         activation_bytes=int(acts.peak),
+        overhead_s=extras.overhead_s,
+        optimizer_s=extras.optimizer_s,
+        wait_s=extras.wait_s,
+        hidden_comm_s=extras.hidden_s,
     )
     result = Plan(
         mesh=g.mesh.to_dict(),
@@ -143,7 +166,7 @@ def assemble_plan(
         parameter_nodes=dict(g.captured.params),
     )
     if setting.pipeline is not None:
-        result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state))
+        result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state, terms))
     return result
 
 
@@ -268,18 +291,24 @@ def _gradient_sums(
     summed: Mapping[torch.fx.Node, set[int]],
     splits: Mapping[torch.fx.Node, Split],
     zero: int,
-) -> list[Redistribution]:
-    """Each parameter's gradient sum over ``summed`` axes, bucketed (bandwidth only); with a
+) -> tuple[list[Redistribution], dict[str, GradSum]]:
+    """Each parameter's gradient sum over ``summed`` axes, and how the runtime buckets it; with a
     ZeRO-1/2 split (``splits``), ZeRO-2 reduce-scatters along the split axis and the updated
-    shards are all-gathered after the optimizer step."""
-    found = []
+    shards are all-gathered after the optimizer step.
+
+    A sum's redistribution is priced at bandwidth only: its latency is paid once per bucket
+    (:func:`~autopar.planning.step_overheads.bucket_times`). The gathers run one per shard, each
+    paying its latency.
+    """
+    found, grad_sums = [], {}
+    position = {node: i for i, node in enumerate(g.captured.graph.nodes)}
     for node, axes in summed.items():
         layout = g.strategy(node, assignment).outputs[0]
         size = int(local_bytes(node, layout, g.mesh))  # the parameter's bytes
         grad_bytes = size * g.grad_sum_itemsize(node) // node.meta["val"].element_size()  # its gradient's
         split = splits.get(node)
         scattered = CollectiveKind.REDUCE_SCATTER if zero == 2 else CollectiveKind.ALL_REDUCE
-        bwd = [
+        sums = [
             Collective(
                 scattered if split and a == split[0] else CollectiveKind.ALL_REDUCE,
                 (g.mesh.axis_names[a],),
@@ -287,9 +316,11 @@ def _gradient_sums(
             )
             for a in sorted(axes, key=lambda a: split is not None and a == split[0])
         ]
+        gathers = []
         if split is not None:  # the updated shards, gathered after the optimizer step
             n = g.mesh.axis_sizes[split[0]]
-            bwd.append(Collective(CollectiveKind.ALL_GATHER, (g.mesh.axis_names[split[0]],), size // n))
+            gathers.append(Collective(CollectiveKind.ALL_GATHER, (g.mesh.axis_names[split[0]],), size // n))
+        wire = sum(g.cost.collective_time(c, latency=False) for c in sums)
         found.append(
             Redistribution(
                 src=node.name,
@@ -300,26 +331,35 @@ def _gradient_sums(
                 have=format_layout(layout),
                 need=format_layout(layout),
                 forward=(),
-                backward=_steps(g, bwd),
-                seconds=sum(g.cost.collective_time(c, latency=False) for c in bwd),  # bucketed
+                backward=_steps(g, [*sums, *gathers]),
+                seconds=wire + sum(g.cost.collective_time(c) for c in gathers),
             )
         )
-    return found
+        grad_sums[node.name] = GradSum(
+            param=node.name,
+            group=(tuple(sorted(axes)), split[0] if split and zero == 2 else None),
+            leaf_bytes=size,
+            wire_s=wire,
+            latency_s=sum(g.cost.collective_time(replace(c, bytes=0)) for c in sums),
+            first_use=min(node.users, key=position.__getitem__).name,
+        )
+    return found, grad_sums
 
 
-def _recomputed_seconds(
+def _recomputed(
     g: StrategyGraph, assignment: Mapping[str, int], regions: Mapping[torch.fx.Node, Region]
-) -> float:
-    """The forward run again in backward: a third of forward + backward of each recomputed op
-    that carries a gradient (under the selective policy, but matrix products and attention)."""
-    return sum(
-        g.compute_seconds(node, assignment) / 3.0
+) -> dict[str, float]:
+    """The ops run again in backward, with the seconds that takes: a third of forward + backward of
+    each recomputed op that carries a gradient (under the selective policy, but matrix products
+    and attention)."""
+    return {
+        node.name: g.compute_seconds(node, assignment) / 3.0
         for node, (_, policy) in regions.items()
         if (c := g.choices.get(node)) is not None
         and c.compute is not None
         and g.requires_grad.get(node)
         and (policy == FULL or not is_selective_save(node.target))
-    )
+    }
 
 
 def _state(
@@ -332,6 +372,7 @@ def _state(
     """Every parameter's and buffer's layout and bytes per rank under ZeRO stage ``zero``."""
     layouts: dict[str, str] = {}
     held: dict[str, tuple[float, float, float, float]] = {}
+    updates: dict[str, Update] = {}
     by_name = {n.name: n for n in g.choices}
     for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
         node = by_name[name]
@@ -345,9 +386,12 @@ def _state(
         if manual is not None:  # every rank holds its rows padded to the largest count
             local *= len(manual.rows) * max(manual.rows) / sum(manual.rows)
         grad = name in g.captured.params and bool(g.requires_grad.get(node))
-        b = state_bytes(local, node.meta["val"].element_size(), n, zero, memory, grad)
+        itemsize = node.meta["val"].element_size()
+        b = state_bytes(local, itemsize, n, zero, memory, grad)
         held[name] = (b.param, b.grad, b.optimizer, b.host)
-    return _State(layouts=layouts, held=held)
+        if grad:  # the optimizer steps its shard under ZeRO, the whole local parameter otherwise
+            updates[name] = Update(elements=local / itemsize / (n if zero else 1), itemsize=itemsize)
+    return _State(layouts=layouts, held=held, updates=updates)
 
 
 def _warnings(g: StrategyGraph) -> list[str]:
@@ -390,6 +434,7 @@ def _pipeline_inputs(
     layouts: Mapping[torch.fx.Node, NodeLayouts],
     acts: ActivationMemory,
     state: _State,
+    terms: StepTerms,
 ) -> PipelineInputs:
     """What the pipeline's stages are planned from (per microbatch, on one stage's mesh)."""
     return PipelineInputs(
@@ -406,6 +451,8 @@ def _pipeline_inputs(
         activation_bytes=acts.by_node,
         state_bytes=state.held,
         flows=g.requires_grad,
+        terms=terms,
+        ranks_per_core=setting.cluster.ranks_per_core,
     )
 
 

@@ -8,7 +8,8 @@ link (latency alpha, per-rank one-direction bandwidth beta) of that axis: inside
 node or across nodes. :meth:`CostModel.redistribute` turns a layout change into the
 collectives DTensor would issue and prices them. ``docs/cost_model.md`` has the maths.
 
-Presets come from :func:`get_cluster`. ``"cpu-gloo"`` holds constants measured once by
+The hardware's figures are :class:`~autopar.planning.cluster.Cluster`'s. Presets come from
+:func:`get_cluster`. ``"cpu-gloo"`` holds constants measured once by
 ``bench/calibrate_cpu_gloo.py`` (which calls :func:`autopar.tools.calibrate.measure_cpu_gloo`);
 presets never measure when read, because every rank must compute the same plan.
 """
@@ -20,10 +21,8 @@ import json
 import math
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any
 
 import torch
 
@@ -32,6 +31,7 @@ from autopar.ir.layout import Layout, piece_size
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import dtype_name
 from autopar.ir.plan import CollectiveKind
+from autopar.planning.cluster import FALLBACK_DTYPE, ONE_HOST, Cluster, LinkSpec
 from autopar.planning.steps import (
     BACKWARD,
     ISSUE_ORDER,
@@ -45,12 +45,6 @@ from autopar.planning.steps import (
     walk,
 )
 
-# Dtypes without an entry of their own in ``Cluster.peak_flops`` are priced as this one.
-FALLBACK_DTYPE = "float32"
-
-# ``Cluster.devices_per_node`` when all ranks share one host (cpu-gloo): no mesh axis ever crosses a node.
-ONE_HOST = 1 << 20
-
 
 def ring_terms(kind: CollectiveKind, n: int) -> tuple[int, float]:
     """``(hops, share)`` of ``kind``'s ring formula over ``n`` ranks: it takes
@@ -62,110 +56,14 @@ def ring_terms(kind: CollectiveKind, n: int) -> tuple[int, float]:
     return (2 * hops, 2 * share) if kind == CollectiveKind.ALL_REDUCE else (hops, share)
 
 
-@dataclass(frozen=True)
-class LinkSpec:
-    """One network link: per-message latency and per-rank bandwidth in one direction.
-
-    ``collectives`` optionally maps a collective kind (a :class:`CollectiveKind` or its value) to
-    figures of its own, fitted to that kind's ring formula by ``autopar calibrate``;
-    :meth:`for_collective` picks them, falling back to the link's general figures. It is stored
-    read-only and left out of the hash (equality compares it), as ``Cluster.peak_flops`` is.
-    """
-
-    latency_s: float
-    bandwidth_Bps: float
-    collectives: Mapping[CollectiveKind, LinkSpec] = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        if self.latency_s < 0 or self.bandwidth_Bps <= 0:
-            raise OptionError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
-        try:
-            kinds = {CollectiveKind(k): v for k, v in self.collectives.items()}
-        except ValueError:
-            names = sorted(k.value for k in CollectiveKind)
-            raise OptionError(f"link collectives are among {names}, not {list(self.collectives)}") from None
-        if any(not isinstance(v, LinkSpec) or v.collectives for v in kinds.values()):
-            raise OptionError(f"a link's per-collective figures must be plain LinkSpecs, got {kinds}")
-        object.__setattr__(self, "collectives", MappingProxyType(kinds))
-
-    def for_collective(self, kind: CollectiveKind) -> LinkSpec:
-        """The figures that price ``kind``: its own where measured, the link's otherwise."""
-        return self.collectives.get(kind, self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict, without ``collectives`` when there are none (as in files written
-        before there were); :meth:`from_dict` reads it back."""
-        data: dict[str, Any] = {"latency_s": self.latency_s, "bandwidth_Bps": self.bandwidth_Bps}
-        if self.collectives:
-            data["collectives"] = {k.value: v.to_dict() for k, v in self.collectives.items()}
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LinkSpec:
-        kinds = {k: cls.from_dict(v) for k, v in data.get("collectives", {}).items()}
-        return cls(float(data["latency_s"]), float(data["bandwidth_Bps"]), kinds)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The hardware the plan runs on; every per-device figure is for one rank.
-
-    ``peak_flops`` maps dtype names (see :func:`dtype_name`) to FLOP/s and must hold
-    ``"float32"``, the fallback for dtypes it does not list. It is stored read-only;
-    it is left out of the hash (equality still compares it) so a Cluster can key caches.
-    """
-
-    name: str
-    peak_flops: Mapping[str, float] = field(hash=False)
-    memory_bandwidth_Bps: float
-    memory_bytes: int
-    devices_per_node: int
-    intra_node: LinkSpec
-    inter_node: LinkSpec
-    measured_on: str = ""  # the machine `autopar calibrate` measured (a cluster file's); "" for presets
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
-        if FALLBACK_DTYPE not in self.peak_flops:
-            raise OptionError(f"cluster {self.name!r}: peak_flops must have a {FALLBACK_DTYPE!r} entry")
-        if min(self.peak_flops.values()) <= 0 or self.memory_bandwidth_Bps <= 0:
-            raise OptionError(f"cluster {self.name!r}: peak FLOP/s and memory bandwidth must be positive")
-        if self.memory_bytes <= 0 or self.devices_per_node < 1:
-            raise OptionError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict; :meth:`from_dict` reads it back."""
-        return {
-            "name": self.name,
-            "peak_flops": dict(self.peak_flops),
-            "memory_bandwidth_Bps": self.memory_bandwidth_Bps,
-            "memory_bytes": self.memory_bytes,
-            "devices_per_node": self.devices_per_node,
-            "intra_node": self.intra_node.to_dict(),
-            "inter_node": self.inter_node.to_dict(),
-            "measured_on": self.measured_on,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
-        return cls(
-            name=str(data["name"]),
-            peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
-            memory_bandwidth_Bps=float(data["memory_bandwidth_Bps"]),
-            memory_bytes=int(data["memory_bytes"]),
-            devices_per_node=int(data["devices_per_node"]),
-            intra_node=LinkSpec.from_dict(data["intra_node"]),
-            inter_node=LinkSpec.from_dict(data["inter_node"]),
-            measured_on=str(data.get("measured_on", "")),
-        )
-
-
 _PRESETS: dict[str, Cluster] = {
     # Measured on 2026-11-22 by bench/calibrate_cpu_gloo.py with world_size=2 on a 2-core
     # Intel Xeon (KVM guest, AVX-512 + AMX), 24 GiB RAM, torch 2.13.0+cpu: one thread per
     # rank, both ranks busy at once, gloo over 127.0.0.1. Each figure is the median of
     # three runs on an otherwise idle host (docs/cost_model.md lists all three); alpha
     # varied 117-340 µs and bf16 FLOP/s 0.41-0.98e12 between runs. Re-run the script to refresh.
+    # op_overhead_s and straggler_s: the same script on 2026-11-24, median of three idle runs
+    # (2.45 / 3.34 / 3.96 µs per op; 9.15 / 6.46 / 16.5 ms waited after 1 s of compute).
     "cpu-gloo": Cluster(
         name="cpu-gloo",
         peak_flops={"float32": 132e9, "bfloat16": 838e9, "float16": 144e9},
@@ -174,6 +72,8 @@ _PRESETS: dict[str, Cluster] = {
         devices_per_node=ONE_HOST,
         intra_node=LinkSpec(latency_s=211e-6, bandwidth_Bps=1.28e9),
         inter_node=LinkSpec(latency_s=211e-6, bandwidth_Bps=1.28e9),
+        op_overhead_s=3.34e-6,
+        straggler_s=9.15e-3,
     ),
     # Nodes of 8 H100-80GB SXM5 (DGX/HGX H100). Vendor peaks, not achievable rates:
     # - FLOP/s, HBM: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100),
@@ -183,6 +83,11 @@ _PRESETS: dict[str, Cluster] = {
     #   each way. Latency ~3 µs is a typical NCCL small-message figure, not a vendor spec.
     # - Across nodes: one ConnectX-7 NDR 400 Gb/s InfiniBand port per GPU (NVIDIA DGX H100
     #   datasheet / user guide) -> 50e9 B/s; ~10 µs latency is again a typical, assumed figure.
+    # - Host: PCIe Gen5 x16 per GPU, 128 GB/s both ways (H100 datasheet) -> 64e9 B/s each way; two
+    #   Xeon Platinum 8480C per DGX H100, 8 channels of DDR5-4800 each (Intel ARK): 614 GB/s per
+    #   node, a GPU's share 76.8e9 B/s.
+    # - ~5 µs per op is a typical kernel launch with PyTorch's dispatch, assumed. Stragglers are
+    #   not known without measuring (autopar calibrate does): 0.
     "h100": Cluster(
         name="h100",
         peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
@@ -191,10 +96,14 @@ _PRESETS: dict[str, Cluster] = {
         devices_per_node=8,
         intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=450e9),
         inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=50e9),
+        op_overhead_s=5e-6,
+        host_link_Bps=64e9,
+        host_memory_bandwidth_Bps=76.8e9,
     ),
     # Not a machine: slow compute and fast links, so that splitting pays even for the tiny
     # models of tests and benchmarks, whose plans then exercise real communication (with the
-    # measured cpu-gloo figures the solver keeps such models on one rank).
+    # measured cpu-gloo figures the solver keeps such models on one rank). No op overhead and no
+    # stragglers, so that its predictions are the operators' and collectives' alone.
     "fast-links": Cluster(
         name="fast-links",
         peak_flops={"float32": 1e9},

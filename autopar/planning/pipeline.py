@@ -47,6 +47,7 @@ from autopar.ir.plan import PipelinePlan, Plan, StagePlan
 from autopar.ir.report import GRADIENT_SUM
 from autopar.planning.cost import LinkSpec
 from autopar.planning.stage_split import UnitCosts, partition
+from autopar.planning.step_overheads import StepTerms, hidden_sends
 
 
 def microbatch(args: tuple, kwargs: Mapping[str, Any], microbatches: int) -> tuple[tuple, dict]:
@@ -210,29 +211,42 @@ def units(captured: Captured) -> list[list[torch.fx.Node]]:
 # --------------------------------------------------------------------------- predictions
 
 
+@dataclass
+class Crossing:
+    """What crosses one stage boundary per microbatch: values forward, their gradients backward
+    (bytes and tensors each)."""
+
+    forward_bytes: float = 0.0
+    forward_tensors: int = 0
+    backward_bytes: float = 0.0
+    backward_tensors: int = 0
+
+
 def _crossing_bytes(
     graph: torch.fx.Graph,
     position: Mapping[torch.fx.Node, int],
     n: int,
     value_bytes: Mapping[torch.fx.Node, tuple[float, bool]],
-) -> list[tuple[float, int]]:
-    """Per cut ``i`` in ``0..n-1`` (before position ``i``): bytes sent across it per
-    microbatch (forward values plus backward gradients) and the number of tensors.
+) -> list[Crossing]:
+    """Per cut ``i`` in ``0..n-1`` (before position ``i``): what is sent across it per microbatch.
 
     A value crosses every cut between its position and its last use; model outputs are
     used at the last position. ``value_bytes`` gives each value's local bytes and
-    whether a gradient flows back.
+    whether a gradient flows back (its gradient then crosses backward).
     """
-    cuts = [[0.0, 0] for _ in range(n)]
+    cuts = [Crossing() for _ in range(n)]
     output = next(node for node in graph.nodes if node.op == "output")
     for node, (nbytes, grad) in value_bytes.items():
         if node not in position:
             continue
         last = max((n - 1 if u is output else position.get(u, -1) for u in node.users), default=-1)
-        for cut in range(position[node] + 1, last + 1):
-            cuts[cut][0] += nbytes * (2 if grad else 1)
-            cuts[cut][1] += 2 if grad else 1
-    return [(b, k) for b, k in cuts]
+        for c in cuts[position[node] + 1 : last + 1]:
+            c.forward_bytes += nbytes
+            c.forward_tensors += 1
+            if grad:
+                c.backward_bytes += nbytes
+                c.backward_tensors += 1
+    return cuts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +258,8 @@ class PipelineInputs:
     bytes on one rank, ``activation_bytes`` what each node keeps for backward,
     ``state_bytes`` each parameter's and buffer's bytes on one rank (itself, its
     gradient, its optimizer state: see :mod:`autopar.planning.memory`), ``flows`` which
-    nodes carry a gradient.
+    nodes carry a gradient, ``terms`` the step's overheads, optimizer step and gradient-sum
+    buckets (:mod:`autopar.planning.step_overheads`), ``ranks_per_core`` the cluster's.
     """
 
     captured: Captured
@@ -256,10 +271,17 @@ class PipelineInputs:
     activation_bytes: Mapping[str, float]
     state_bytes: Mapping[str, tuple[float, ...]]
     flows: Mapping[torch.fx.Node, bool]
+    terms: StepTerms
+    ranks_per_core: float = 1.0
 
-    def p2p_seconds(self, crossing: tuple[float, int]) -> float:
-        """Seconds of sending ``(bytes, tensors)`` across a stage boundary."""
-        nbytes, tensors = crossing
+    def p2p_seconds(self, crossing: Crossing) -> float:
+        """Seconds of sending everything that crosses a stage boundary, both ways."""
+        return self.send_seconds(crossing.forward_bytes, crossing.forward_tensors) + self.send_seconds(
+            crossing.backward_bytes, crossing.backward_tensors
+        )
+
+    def send_seconds(self, nbytes: float, tensors: int) -> float:
+        """Seconds of sending ``tensors`` tensors of ``nbytes`` in all across a stage boundary."""
         return tensors * self.p2p_link.latency_s + nbytes / self.p2p_link.bandwidth_Bps
 
     def held(self, node: torch.fx.Node) -> tuple[float, float, float]:
@@ -286,9 +308,14 @@ class _NodeCosts:
     grad_sums: dict[str, tuple[float, int]]
 
     @classmethod
-    def of(cls, plan: Plan) -> _NodeCosts:
+    def of(cls, plan: Plan, terms: StepTerms) -> _NodeCosts:
+        """The costs of ``plan``'s nodes, each op's overhead and recompute (``terms``) included."""
         decisions = {d.name: d for d in plan.nodes}
-        seconds = {name: d.compute_s for name, d in decisions.items()}
+        recompute = terms.recompute_s
+        seconds = {
+            name: d.compute_s + terms.op_s.get(name, 0.0) + recompute.get(name, 0.0)
+            for name, d in decisions.items()
+        }
         comm_bytes: dict[str, int] = {}
         grad_sums: dict[str, tuple[float, int]] = {}
         for r in plan.redistributions:
@@ -306,7 +333,7 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
     """The :class:`~autopar.ir.plan.PipelinePlan` of a solved ``plan`` (planned per microbatch)."""
     pipeline, captured = inputs.pipeline, inputs.captured
     p, n_stages, m = pipeline.size(inputs.mesh), pipeline.stages(inputs.mesh), pipeline.microbatches
-    costs = _NodeCosts.of(plan)
+    costs = _NodeCosts.of(plan, inputs.terms)
     value_bytes = inputs.value_bytes()
     automatic = not captured.annotations.stages
     if automatic:
@@ -323,9 +350,20 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
     stage_of = complete_stages(captured, anchors, n_stages)
     cuts = _crossing_bytes(captured.graph, stage_of, n_stages, value_bytes)
     stages = tuple(_stage_plan(inputs, costs, stage_of, cuts, s) for s in range(n_stages))
-    busiest = max(sum(st.seconds + st.p2p_seconds for st in stages if st.rank == r) for r in range(p))
-    sums = max(sum(st.grad_sum_seconds for st in stages if st.rank == r) for r in range(p))
-    step = busiest * (m + (p - 1) / pipeline.virtual_stages) + sums
+    busiest = max(
+        sum(
+            st.seconds + st.p2p_seconds + _waits(inputs, st, stage_of) - _hidden_sends(inputs, st, cuts)
+            for st in stages
+            if st.rank == r
+        )
+        for r in range(p)
+    )
+    after = max(_after_backward(inputs, stages, stage_of, r) for r in range(p))
+    # ranks sharing cores lend each other the time they wait: the step takes no less than the
+    # average rank's work, nor than the schedule with each rank sped up by the cores waiting ones leave
+    work = m * sum(st.seconds for st in stages) / p
+    critical = busiest * (m + (p - 1) / pipeline.virtual_stages)
+    step = max(critical / inputs.ranks_per_core, work) + after
     return PipelinePlan(
         axis=pipeline.axis,
         size=p,
@@ -338,6 +376,41 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
         bubble_fraction=pipeline.bubble_fraction(p),
         step_time_s=step,
     )
+
+
+def _hidden_sends(inputs: PipelineInputs, stage: StagePlan, cuts: list[Crossing]) -> float:
+    """Seconds per microbatch of ``stage``'s sends that run while it computes (see
+    :func:`~autopar.planning.step_overheads.hidden_sends`): each hides behind the next
+    microbatch's forward (a third of the stage's seconds) or backward (two thirds) at most."""
+    s, pipeline = stage.index, inputs.pipeline
+    m = pipeline.microbatches
+    forward = cuts[s + 1] if s + 1 < len(cuts) else Crossing()  # activations to the next stage
+    backward = cuts[s] if s else Crossing()  # gradients to the previous one
+    hidden = hidden_sends(pipeline.schedule, pipeline.size(inputs.mesh), stage.rank, m) * (
+        min(inputs.send_seconds(forward.forward_bytes, forward.forward_tensors), stage.seconds / 3)
+        + min(inputs.send_seconds(backward.backward_bytes, backward.backward_tensors), 2 * stage.seconds / 3)
+    )
+    return hidden / m
+
+
+def _waits(inputs: PipelineInputs, stage: StagePlan, stage_of: Mapping[torch.fx.Node, int]) -> float:
+    """Seconds per microbatch ``stage``'s ranks wait for the slowest at its synchronising points:
+    its collectives, and the receives that start its forward and its backward."""
+    forward, backward = inputs.terms.segments({n.name for n, s in stage_of.items() if s == stage.index})
+    return inputs.terms.waits([*forward, *backward])
+
+
+def _after_backward(
+    inputs: PipelineInputs, stages: tuple[StagePlan, ...], stage_of: Mapping[torch.fx.Node, int], rank: int
+) -> float:
+    """Seconds pipeline coordinate ``rank`` spends after its last backward: its gradient sums (the
+    buckets' latency added, what runs during that backward taken off) and its optimizer step, with
+    the wait for the slowest rank that ends it."""
+    mine = {node.name for node, s in stage_of.items() if s % inputs.pipeline.size(inputs.mesh) == rank}
+    buckets = inputs.terms.bucket_times(mine)
+    sums = sum(st.grad_sum_seconds for st in stages if st.rank == rank) + buckets.latency_s - buckets.hidden_s
+    optimizer = sum(t for name, t in inputs.terms.update_s.items() if name in mine)
+    return sums + optimizer + inputs.terms.waits([optimizer])  # which ends at the step's end or a gather
 
 
 def _automatic_anchors(
@@ -353,7 +426,8 @@ def _automatic_anchors(
     fixed_b = [0.0] * len(cut_units)
     act = [0.0] * len(cut_units)
     for node, i in placed.items():
-        seconds[i] += costs.seconds.get(node.name, 0.0) + costs.grad_sums.get(node.name, (0.0, 0))[0] / m
+        once = costs.grad_sums.get(node.name, (0.0, 0))[0] + inputs.terms.update_s.get(node.name, 0.0)
+        seconds[i] += costs.seconds.get(node.name, 0.0) + once / m  # once a step: spread over microbatches
         fixed_b[i] += sum(inputs.held(node))
         act[i] += inputs.activation_bytes.get(node.name, 0.0)
     cuts = _crossing_bytes(captured.graph, placed, len(cut_units), value_bytes)
@@ -371,14 +445,14 @@ def _stage_plan(
     inputs: PipelineInputs,
     costs: _NodeCosts,
     stage_of: Mapping[torch.fx.Node, int],
-    cuts: list[tuple[float, int]],
+    cuts: list[Crossing],
     s: int,
 ) -> StagePlan:
     """Stage ``s``: its nodes' costs and bytes, and what crosses its boundaries (``cuts``)."""
     pipeline = inputs.pipeline
     p, n_stages = pipeline.size(inputs.mesh), len(cuts)
     nodes = [node for node in inputs.captured.graph.nodes if stage_of.get(node) == s]
-    sent = [cuts[s] if s else (0.0, 0), cuts[s + 1] if s + 1 < n_stages else (0.0, 0)]
+    sent = [cuts[s] if s else Crossing(), cuts[s + 1] if s + 1 < n_stages else Crossing()]
     param_b, grad_b, optimizer_b = (sum(column) for column in zip(*map(inputs.held, nodes)))
     modules = list(dict.fromkeys(_unit_name(n) for n in nodes if n.op == "call_function"))
     return StagePlan(
@@ -390,7 +464,7 @@ def _stage_plan(
         grad_sum_seconds=sum(costs.grad_sums.get(node.name, (0.0, 0))[0] for node in nodes),
         comm_bytes=sum(costs.comm_bytes.get(node.name, 0) for node in nodes),
         grad_sum_bytes=sum(costs.grad_sums.get(node.name, (0.0, 0))[1] for node in nodes),
-        p2p_bytes=int(sum(c[0] for c in sent)),
+        p2p_bytes=int(sum(c.forward_bytes + c.backward_bytes for c in sent)),
         param_bytes=int(param_b),
         grad_bytes=int(grad_b),
         optimizer_bytes=int(optimizer_b),

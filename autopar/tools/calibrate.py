@@ -10,6 +10,7 @@ torchrun on its world, otherwise on ranks spawned on this host.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -29,6 +30,10 @@ from autopar.tools.launch import init_restartable_process_group, spawn
 _MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MATMUL_N = 2048
 _MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
+_CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
+_FIT_ROUNDS = 20  # reweightings of fit_ring's least squares (it settles in a few)
+_BURSTS = (2, 8, 32, 128)  # 256 x 256 fp32 products per burst timed for straggling
+_BURST_REPEATS = 9
 # 1 KiB .. 16 MiB input per rank: the small ones fix latency, the large ones bandwidth; larger
 # buffers add little to the fit but seconds to a run (an all_gather's output is n times its input).
 _COLLECTIVE_BYTES = tuple(1 << k for k in range(10, 25, 2))
@@ -50,15 +55,32 @@ def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> 
     return statistics.median(times)
 
 
+def _together_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Seconds per call of ``fn`` when every rank calls it ``repeats`` times at once: the wall time
+    from a barrier to the barrier after the last rank's last call. On ranks sharing cores the
+    scheduler runs them unevenly, and the first to finish hands its share to the others, as in a
+    step whose ranks meet at a collective: a rank's own median would flatter the unlucky ones'."""
+    fn()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - start) / repeats
+
+
 def _matmul_flops(dtype: torch.dtype) -> float:
     # The largest square up to _MATMUL_N whose product takes under 50 ms: a dtype the CPU has no
     # fast kernel for (fp16 on some: 0.3 GFLOP/s) is timed on a small one rather than for minutes.
     n = 256
     while n < _MATMUL_N and _one_product_seconds(n, dtype) < 0.05:
         n *= 2
+    # every rank the same size, so that all of them compute until the barrier
+    size = torch.tensor(n)
+    dist.all_reduce(size, op=dist.ReduceOp.MIN)
+    n = int(size)
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    dist.barrier()
-    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), 11)
+    return 2 * n**3 / _together_seconds(lambda: torch.mm(a, b), 11)
 
 
 def _one_product_seconds(n: int, dtype: torch.dtype) -> float:
@@ -68,9 +90,64 @@ def _one_product_seconds(n: int, dtype: torch.dtype) -> float:
 
 def _memory_bandwidth() -> float:
     x, y, out = (torch.rand(_MEMORY_NUMEL) for _ in range(3))
-    dist.barrier()
     # add reads two buffers and writes one
-    return 3 * x.nbytes / _median_seconds(lambda: torch.add(x, y, out=out), 11)
+    return 3 * x.nbytes / _together_seconds(lambda: torch.add(x, y, out=out), 11)
+
+
+def _op_overhead() -> float:
+    """Seconds per executed op, besides its arithmetic: a chain of :data:`_CHAIN` products of 4 x 4
+    matrices that need gradients, forward and backward, runs three ops per link (a product
+    forward, two backward), each too small for its arithmetic to count; launch, dispatch and the
+    autograd engine's bookkeeping are what is timed, as a training step's ops pay them."""
+    weights = [torch.randn(4, 4, requires_grad=True) for _ in range(_CHAIN)]
+    x = torch.randn(4, 4)
+
+    def chain() -> None:
+        y = x
+        for w in weights:
+            y = y @ w
+        y.sum().backward()
+
+    return _together_seconds(chain, 25) / (3 * _CHAIN)
+
+
+def _straggling() -> dict[str, Any]:
+    """How long a synchronising collective waits for its slowest rank after the ranks compute apart.
+
+    Every rank computes bursts of :data:`_BURSTS` products (about 1 to 80 ms on a rank sharing a
+    core), each followed by a one-element all_reduce over the world, and returns its typical burst
+    (the median), the mean span of burst and all_reduce (a step adds spans up), and the
+    all_reduce's time back to back; :func:`_straggle` turns every rank's into the figure.
+    """
+    a, one = torch.randn(256, 256), torch.zeros(1)
+    back_to_back = _median_seconds(lambda: dist.all_reduce(one), 11)
+    bursts = []
+    for products in _BURSTS:
+        own, spans = [], []
+        for _ in range(_BURST_REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(products):
+                torch.mm(a, a)
+            computed = time.perf_counter()
+            dist.all_reduce(one)
+            own.append(computed - start)
+            spans.append(time.perf_counter() - start)
+        bursts.append((statistics.median(own), statistics.mean(spans)))
+    return {"back_to_back": back_to_back, "bursts": bursts}
+
+
+def _straggle(per_rank: list[dict[str, Any]]) -> float:
+    """``Cluster.straggler_s`` from every rank's :func:`_straggling`: a burst's wait is the slowest
+    rank's mean span less its typical burst (what the cost model prices) and the all_reduce back to
+    back (what its latency prices); fitted to ``straggler_s * sqrt(burst / 1 s)`` by least squares,
+    0 where the ranks never wait."""
+    b2b = max(r["back_to_back"] for r in per_rank)
+    rows = []
+    for bursts in zip(*(r["bursts"] for r in per_rank)):
+        burst = max(own for own, _ in bursts)
+        rows.append((burst, max(span for _, span in bursts) - burst - b2b))
+    return max(0.0, sum(wait * math.sqrt(t) for t, wait in rows) / sum(t for t, _ in rows))
 
 
 def _collective_call(
@@ -122,15 +199,20 @@ def _level_groups(world: int, per_node: int) -> dict[str, list[list[int]]]:
 def _measure_world(per_node: int) -> dict[str, Any] | None:
     """Measure from every rank of an initialised gloo world of nodes of ``per_node`` ranks each.
 
-    All ranks time compute and memory at once, each with its node's share of the cores, as they
-    contend in a real run; then collectives on each level's groups (:func:`_level_groups`). Rank
-    0 returns the slowest rank's figures (:func:`_slowest`), the others None.
+    All ranks time compute, memory, the per-op overhead and their waits for stragglers at once,
+    each with its node's share of the cores, as they contend in a real run; then collectives on
+    each level's groups (:func:`_level_groups`). Rank 0 returns the slowest rank's figures
+    (:func:`_slowest`), the others None.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     mine: dict[str, Any] = {
         "peak_flops": {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
         "memory_bandwidth_Bps": _memory_bandwidth(),
+        "op_overhead_s": _op_overhead(),
+        "straggling": _straggling(),
+        # one thread each where ranks outnumber cores (above): they take turns on them
+        "ranks_per_core": max(1.0, per_node / (os.cpu_count() or 1)),
         "memory_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // per_node,
         "host": this_machine(),
         "ranks": {},
@@ -157,6 +239,9 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "peak_flops": {d: min(r["peak_flops"][d] for r in per_rank) for d in first["peak_flops"]},
         "memory_bandwidth_Bps": min(r["memory_bandwidth_Bps"] for r in per_rank),
+        "op_overhead_s": max(r["op_overhead_s"] for r in per_rank),
+        "straggler_s": _straggle([r["straggling"] for r in per_rank]),
+        "ranks_per_core": max(r["ranks_per_core"] for r in per_rank),
         "memory_bytes": min(r["memory_bytes"] for r in per_rank),
         "hosts": [r["host"] for r in per_rank],
         "world": len(per_rank),
@@ -175,22 +260,27 @@ def fit_ring(kind: CollectiveKind | str, samples: Sequence[tuple[int, float]], n
     """The link whose ring formula for ``kind`` over ``n`` ranks (:func:`ring_terms`: time =
     hops alpha + share B/beta) best fits the ``(B, seconds)`` samples.
 
-    Least squares on relative error, so microsecond small-message times weigh as much as the
-    large ones that fix the bandwidth; a negative latency is clamped to 0. Samples that lie on
-    such a formula are reproduced exactly by ``CostModel.collective_time``.
+    Least squares on the error relative to the fitted time, so microsecond small-message times
+    weigh as much as the large ones that fix the bandwidth; a negative latency is clamped to 0.
+    Relative to the fitted time, not the measured one: a sample that came out fast by chance (on
+    ranks sharing cores, a call now and then runs at a lucky moment) would otherwise weigh the
+    more the faster it was, and drag the latency down to it. Samples that lie on such a formula
+    are reproduced exactly by ``CostModel.collective_time``.
     """
-    # t = c0 + c1 * B; minimise sum ((c0 + c1 B) / t - 1)^2 via the 2x2 normal equations.
-    rows = [(1 / t, b / t) for b, t in samples]
-    s00 = sum(u * u for u, _ in rows)
-    s01 = sum(u * v for u, v in rows)
-    s11 = sum(v * v for _, v in rows)
-    r0 = sum(u for u, _ in rows)
-    r1 = sum(v for _, v in rows)
-    det = s00 * s11 - s01 * s01
-    c0 = (r0 * s11 - r1 * s01) / det
-    c1 = (r1 * s00 - r0 * s01) / det
-    if c1 <= 0:
-        raise RuntimeError(f"{kind} time does not grow with size, cannot fit bandwidth: {samples}")
+    # t = c0 + c1 * B; minimise sum w (c0 + c1 B - t)^2 with w = 1 / fitted^2, reweighting from
+    # w = 1 / t^2 (the relative error to the measurement) until the fit settles.
+    fitted = [t for _, t in samples]
+    for _ in range(_FIT_ROUNDS):
+        w = [1 / f**2 for f in fitted]
+        s00, s01 = sum(w), sum(wi * b for wi, (b, _) in zip(w, samples))
+        s11 = sum(wi * b * b for wi, (b, _) in zip(w, samples))
+        r0 = sum(wi * t for wi, (_, t) in zip(w, samples))
+        r1 = sum(wi * b * t for wi, (b, t) in zip(w, samples))
+        det = s00 * s11 - s01 * s01
+        c0, c1 = (r0 * s11 - r1 * s01) / det, (r1 * s00 - r0 * s01) / det
+        if c1 <= 0:
+            raise RuntimeError(f"{kind} time does not grow with size, cannot fit bandwidth: {samples}")
+        fitted = [max(c0, 0.0) + c1 * b for b, _ in samples]
     hops, share = ring_terms(CollectiveKind(kind), n)
     return LinkSpec(latency_s=max(c0, 0.0) / hops, bandwidth_Bps=share / c1)
 
@@ -222,6 +312,9 @@ def _cluster(
         memory_bytes=measured["memory_bytes"],
         devices_per_node=devices_per_node,
         measured_on=measured_on,
+        op_overhead_s=measured["op_overhead_s"],
+        straggler_s=measured["straggler_s"],
+        ranks_per_core=measured["ranks_per_core"],
         **links,
     )
     return cluster, notes
@@ -295,7 +388,9 @@ def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: 
     nodes = "one node" if cluster.devices_per_node == ONE_HOST else f"nodes of {cluster.devices_per_node}"
     lines = [
         f"{measured['world']} ranks at once ({nodes}) on {', '.join(sorted(set(measured['hosts'])))}: "
-        f"GFLOP/s per rank {flops}; memory {cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s"
+        f"GFLOP/s per rank {flops}; memory {cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s; "
+        f"{cluster.op_overhead_s * 1e6:.1f} us per op; "
+        f"a collective waits {cluster.straggler_s * 1e3:.1f} ms for stragglers after 1 s of compute"
     ]
     for level, ranks in measured["ranks"].items():
         kinds = "; ".join(

@@ -1,0 +1,159 @@
+"""The hardware a plan is priced for: :class:`Cluster`, its links (:class:`LinkSpec`), as JSON.
+
+Every per-device figure is for one rank; times are in seconds, sizes in bytes, bandwidths in bytes
+per second. :mod:`autopar.planning.cost` holds the presets and prices compute and communication
+with these figures; ``autopar calibrate`` (:mod:`autopar.tools.calibrate`) measures them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from autopar.ir.errors import OptionError
+from autopar.ir.plan import CollectiveKind
+
+# Dtypes without an entry of their own in ``Cluster.peak_flops`` are priced as this one.
+FALLBACK_DTYPE = "float32"
+
+# ``Cluster.devices_per_node`` when all ranks share one host (cpu-gloo): no mesh axis ever crosses a node.
+ONE_HOST = 1 << 20
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One network link: per-message latency and per-rank bandwidth in one direction.
+
+    ``collectives`` optionally maps a collective kind (a :class:`CollectiveKind` or its value) to
+    figures of its own, fitted to that kind's ring formula by ``autopar calibrate``;
+    :meth:`for_collective` picks them, falling back to the link's general figures. It is stored
+    read-only and left out of the hash (equality compares it), as ``Cluster.peak_flops`` is.
+    """
+
+    latency_s: float
+    bandwidth_Bps: float
+    collectives: Mapping[CollectiveKind, LinkSpec] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth_Bps <= 0:
+            raise OptionError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
+        try:
+            kinds = {CollectiveKind(k): v for k, v in self.collectives.items()}
+        except ValueError:
+            names = sorted(k.value for k in CollectiveKind)
+            raise OptionError(f"link collectives are among {names}, not {list(self.collectives)}") from None
+        if any(not isinstance(v, LinkSpec) or v.collectives for v in kinds.values()):
+            raise OptionError(f"a link's per-collective figures must be plain LinkSpecs, got {kinds}")
+        object.__setattr__(self, "collectives", MappingProxyType(kinds))
+
+    def for_collective(self, kind: CollectiveKind) -> LinkSpec:
+        """The figures that price ``kind``: its own where measured, the link's otherwise."""
+        return self.collectives.get(kind, self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict, without ``collectives`` when there are none (as in files written
+        before there were); :meth:`from_dict` reads it back."""
+        data: dict[str, Any] = {"latency_s": self.latency_s, "bandwidth_Bps": self.bandwidth_Bps}
+        if self.collectives:
+            data["collectives"] = {k.value: v.to_dict() for k, v in self.collectives.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LinkSpec:
+        kinds = {k: cls.from_dict(v) for k, v in data.get("collectives", {}).items()}
+        return cls(float(data["latency_s"]), float(data["bandwidth_Bps"]), kinds)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The hardware the plan runs on; every per-device figure is for one rank.
+
+    ``peak_flops`` maps dtype names (see :func:`dtype_name`) to FLOP/s and must hold
+    ``"float32"``, the fallback for dtypes it does not list. It is stored read-only;
+    it is left out of the hash (equality still compares it) so a Cluster can key caches.
+
+    ``op_overhead_s`` is what one executed op costs besides its roofline time (launch and
+    dispatch). ``straggler_s`` is how long a synchronising collective waits for the slowest rank
+    after the ranks computed apart for one second; after ``t`` seconds it waits
+    ``straggler_s * sqrt(t)`` (ranks drift apart like a random walk: on shared cores by the
+    scheduler's slices). ``ranks_per_core`` is how many ranks share one core's worth of compute
+    where a host runs more ranks than it has cores (4 ranks on 2 cores: 2), else 1: a rank whose
+    neighbours wait then runs up to that many times faster. ``autopar calibrate`` measures these;
+    a file written before they existed reads 0, 0 and 1.
+    ``host_link_Bps`` is one rank's bandwidth to host memory, one direction (optimizer offload's
+    copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
+    host gets (the offloaded update); None for both where the device is the host (CPU ranks):
+    a copy is then memory traffic and the host update runs at ``memory_bandwidth_Bps``.
+    """
+
+    name: str
+    peak_flops: Mapping[str, float] = field(hash=False)
+    memory_bandwidth_Bps: float
+    memory_bytes: int
+    devices_per_node: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    measured_on: str = ""  # the machine `autopar calibrate` measured (a cluster file's); "" for presets
+    op_overhead_s: float = 0.0
+    straggler_s: float = 0.0
+    ranks_per_core: float = 1.0
+    host_link_Bps: float | None = None
+    host_memory_bandwidth_Bps: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        if FALLBACK_DTYPE not in self.peak_flops:
+            raise OptionError(f"cluster {self.name!r}: peak_flops must have a {FALLBACK_DTYPE!r} entry")
+        if min(self.peak_flops.values()) <= 0 or self.memory_bandwidth_Bps <= 0:
+            raise OptionError(f"cluster {self.name!r}: peak FLOP/s and memory bandwidth must be positive")
+        if self.memory_bytes <= 0 or self.devices_per_node < 1:
+            raise OptionError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
+        host = (self.host_link_Bps, self.host_memory_bandwidth_Bps)
+        if min(self.op_overhead_s, self.straggler_s) < 0 or any(b is not None and b <= 0 for b in host):
+            raise OptionError(
+                f"cluster {self.name!r}: op_overhead_s and straggler_s must be >= 0, host bandwidths positive"
+            )
+        if self.ranks_per_core < 1:
+            raise OptionError(f"cluster {self.name!r}: ranks_per_core must be at least 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict; :meth:`from_dict` reads it back."""
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bandwidth_Bps": self.memory_bandwidth_Bps,
+            "memory_bytes": self.memory_bytes,
+            "devices_per_node": self.devices_per_node,
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+            "measured_on": self.measured_on,
+            "op_overhead_s": self.op_overhead_s,
+            "straggler_s": self.straggler_s,
+            "ranks_per_core": self.ranks_per_core,
+            "host_link_Bps": self.host_link_Bps,
+            "host_memory_bandwidth_Bps": self.host_memory_bandwidth_Bps,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
+        """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
+        ``straggler_s``, ``ranks_per_core``, the host's) are optional, so files written before them
+        still load."""
+        host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
+        return cls(
+            name=str(data["name"]),
+            peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
+            memory_bandwidth_Bps=float(data["memory_bandwidth_Bps"]),
+            memory_bytes=int(data["memory_bytes"]),
+            devices_per_node=int(data["devices_per_node"]),
+            intra_node=LinkSpec.from_dict(data["intra_node"]),
+            inter_node=LinkSpec.from_dict(data["inter_node"]),
+            measured_on=str(data.get("measured_on", "")),
+            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+            straggler_s=float(data.get("straggler_s", 0.0)),
+            ranks_per_core=float(data.get("ranks_per_core", 1.0)),
+            host_link_Bps=None if host_link is None else float(host_link),
+            host_memory_bandwidth_Bps=None if host_memory is None else float(host_memory),
+        )

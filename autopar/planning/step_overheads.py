@@ -1,0 +1,354 @@
+"""What a training step spends besides the operators' roofline and the layout changes between them.
+
+Each term is priced from the :class:`~autopar.planning.cluster.Cluster`'s figures and models
+what the runtime does (``docs/cost_model.md``, "The whole step"):
+
+* **op overhead**: every op the program executes costs ``Cluster.op_overhead_s`` (launch and
+  dispatch) on top of its roofline time: once in forward, :data:`BACKWARD_OPS_PER_OP` times in
+  backward when a gradient flows through it, once more when a recompute region runs it again
+  (:func:`op_seconds`);
+* **the optimizer step**: a memory-bound update of each rank's optimizer shard, plus its ops; under
+  optimizer offload the gradients' copies to the host, the update there, and the copies back
+  (:func:`update_seconds`);
+* **gradient-sum buckets**: the runtime's :class:`~autopar.runtime.grad_reducer.GradReducer` packs
+  gradient sums into buckets (:func:`buckets`, the same packing), pays each collective's latency
+  once per bucket, and launches each bucket asynchronously as soon as backward completes its
+  gradients; only what backward cannot hide is exposed (:func:`bucket_times`);
+* **stragglers**: ranks drift apart while they compute, and a synchronous collective waits for
+  the last (:meth:`StepTerms.waits`, at the meeting points of :meth:`StepTerms.segments`);
+* **pipeline sends**: torch's schedules wait for some sends only after the next microbatch's
+  compute (:func:`hidden_sends`).
+
+:func:`whole_step` adds them up for a plan without a pipeline; :mod:`autopar.planning.pipeline`
+for each stage and rank. The planner's ILP prices none of them: the plan's prediction does, and
+the memory and mesh searches compare plans by it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from autopar.ir.options import Memory
+from autopar.ir.plan import Redistribution
+from autopar.planning.cluster import Cluster
+
+# A matrix product's backward runs two (the operand's and the weight's gradients); elementwise
+# ops run one or two. Each backward op costs what a forward op does.
+BACKWARD_OPS_PER_OP = 2
+# Ops torch's for-loop Adam/AdamW runs per parameter tensor (torch's CPU default: a dispatch mode
+# counted 692 ops for the example GPT's 67 tensors); a foreach or fused optimizer runs fewer.
+OPTIMIZER_OPS_PER_TENSOR = 10
+# The share of an op's priced compute that runs in backward: the strategy graph prices an op a
+# gradient flows through at three times its forward (its backward computes two products per one).
+BACKWARD_SHARE = 2 / 3
+# GradReducer's bucket size (autopar.runtime.grad_reducer.BUCKET_BYTES; a test keeps them equal).
+BUCKET_BYTES = 25 * 2**20
+FP32_BYTES = 4
+
+
+def op_seconds(cluster: Cluster, grad: bool, recomputed: bool) -> float:
+    """Overhead of one op of the program per microbatch: its forward, its backward ops where a
+    gradient flows, its second forward where it is recomputed."""
+    ops = 1 + (BACKWARD_OPS_PER_OP if grad else 0) + (1 if recomputed else 0)
+    return ops * cluster.op_overhead_s
+
+
+@dataclass(frozen=True)
+class Update:
+    """What the optimizer steps for one parameter on one rank: ``elements`` of its shard (the whole
+    local parameter without ZeRO), held in ``itemsize`` bytes each, as is its gradient."""
+
+    elements: float
+    itemsize: int
+
+
+def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
+    """Seconds of the optimizer step for one parameter (0 for one it does not step).
+
+    On the device, the update reads the parameter, its gradient and ``memory.optimizer_states``
+    fp32 states and writes the parameter and the states, at ``memory_bandwidth_Bps``. Offloaded,
+    the gradient is copied to an fp32 host copy, the update runs there on fp32 values (at
+    ``host_memory_bandwidth_Bps``) and the parameter is copied back (:func:`copy_seconds`). Each
+    tensor the optimizer touches also costs its ops' overhead.
+    """
+    if update.elements <= 0:
+        return 0.0
+    e, item, k = update.elements, update.itemsize, memory.optimizer_states
+    ops = OPTIMIZER_OPS_PER_TENSOR * cluster.op_overhead_s
+    if not memory.offload_optimizer:
+        return e * (3 * item + 2 * FP32_BYTES * k) / cluster.memory_bandwidth_Bps + ops
+    host_bandwidth = cluster.host_memory_bandwidth_Bps or cluster.memory_bandwidth_Bps
+    host_update = e * FP32_BYTES * (3 + 2 * k) / host_bandwidth
+    copies = copy_seconds(e * item, e * FP32_BYTES, cluster) + copy_seconds(e * FP32_BYTES, e * item, cluster)
+    return copies + host_update + ops + 2 * cluster.op_overhead_s  # the two copies are ops too
+
+
+def copy_seconds(source_bytes: float, target_bytes: float, cluster: Cluster) -> float:
+    """One copy between the device and the host: ``source_bytes`` over the host link, or, where the
+    device is the host (``host_link_Bps`` None), the source read and the target written in memory."""
+    if cluster.host_link_Bps is not None:
+        return source_bytes / cluster.host_link_Bps
+    return (source_bytes + target_bytes) / cluster.memory_bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class GradSum:
+    """One parameter's gradient sum, as the runtime buckets it.
+
+    ``group`` is what a bucket shares: the mesh axes summed over and ZeRO-2's split axis (None
+    without); ``leaf_bytes`` the parameter's local bytes (what buckets are filled by);
+    ``wire_s`` the sum's bandwidth time and ``latency_s`` the latency of its group's collectives,
+    paid once per bucket; ``first_use`` the first op that reads the parameter: its gradient is
+    complete once backward has run that op's backward.
+    """
+
+    param: str
+    group: tuple[tuple[int, ...], int | None]
+    leaf_bytes: float
+    wire_s: float
+    latency_s: float
+    first_use: str
+
+
+def buckets(sums: Sequence[GradSum]) -> list[list[GradSum]]:
+    """``sums`` (in the order the runtime lists parameters) packed as GradReducer packs them.
+
+    Parameters are taken in reverse order, grouped by ``group`` (groups in order of first
+    appearance), and each group cut into buckets: a new one at the group's first parameter and
+    wherever the next would take the bucket past :data:`BUCKET_BYTES`.
+    """
+    groups: dict[tuple, list[GradSum]] = {}
+    for s in reversed(sums):
+        groups.setdefault(s.group, []).append(s)
+    found: list[list[GradSum]] = []
+    for group in groups.values():
+        size = 0.0
+        for k, s in enumerate(group):
+            if k == 0 or size + s.leaf_bytes > BUCKET_BYTES:
+                found.append([])
+                size = 0.0
+            found[-1].append(s)
+            size += s.leaf_bytes
+    return found
+
+
+@dataclass(frozen=True)
+class BucketTimes:
+    """The buckets of a backward pass: ``latency_s``, what their collectives' latencies add to the
+    sums' wire time (once per bucket and axis); ``hidden_s``, how much of all that communication
+    runs while backward still computes."""
+
+    latency_s: float
+    hidden_s: float
+
+
+def bucket_times(
+    sums: Sequence[GradSum], order: Sequence[str], backward_s: Mapping[str, float]
+) -> BucketTimes:
+    """The gradient-sum buckets of ``sums`` on the timeline of one backward pass.
+
+    ``order`` lists the ops in forward order and ``backward_s`` each one's seconds in backward (its
+    gradient compute, its recompute, the collectives its backward waits for). A bucket is launched
+    (asynchronously) when backward has completed its last gradient; buckets run one after another.
+    When the last bucket is launched the runtime waits for all of them before backward goes on, so
+    the step's backward lasts ``backward + end of the last bucket - its launch``, and everything
+    else of the buckets' time is hidden.
+    """
+    packed = buckets(sums)
+    if not packed:
+        return BucketTimes(0.0, 0.0)
+    position = {name: i for i, name in enumerate(order)}
+    # backward seconds run before the backward of op i finishes: the ops from i to the last
+    after = [0.0] * (len(order) + 1)
+    for i in reversed(range(len(order))):
+        after[i] = after[i + 1] + backward_s.get(order[i], 0.0)
+    # a use outside ``order`` (none is expected) counts as the first op: complete at the end
+    launches = sorted(
+        (max(after[position.get(s.first_use, 0)] for s in b), sum(s.wire_s for s in b) + b[0].latency_s)
+        for b in packed
+    )
+    end = 0.0
+    for launch, seconds in launches:
+        end = max(end, launch) + seconds
+    total = sum(seconds for _, seconds in launches)
+    exposed = end - launches[-1][0]
+    return BucketTimes(latency_s=sum(b[0].latency_s for b in packed), hidden_s=max(0.0, total - exposed))
+
+
+def hidden_sends(schedule: str, size: int, rank: int, microbatches: int) -> int:
+    """How many of a stage's forward sends (and as many backward sends) torch's schedule waits for
+    only after the next microbatch's compute, of ``microbatches`` each (stage on pipeline
+    coordinate ``rank`` of ``size``).
+
+    ``1f1b``: the warm-up forwards but the last, and the cool-down backwards but the last
+    (``min(m, size - rank) - 1`` each); the sends of the steady phase go with a receive that is
+    waited for at once. ``gpipe`` and ``interleaved-1f1b`` wait for sends at the end of a phase or
+    step: every send but the last hides behind later compute.
+    """
+    if schedule == "1f1b":
+        return min(microbatches, size - rank) - 1
+    return microbatches - 1
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One op of the program, per microbatch: ``compute_s`` its priced compute (forward and
+    backward), ``grad`` whether a gradient flows through it, ``recompute_s`` what recomputing it
+    costs; its operands' collectives in forward and backward (``forward_syncs``, ``backward_syncs``:
+    how many, each a point where the ranks meet) and the backward ones' seconds. ``runs`` is False
+    for the graph's output, which executes nothing but has collectives of its own (a loss summed
+    over ranks)."""
+
+    name: str
+    compute_s: float
+    grad: bool
+    recompute_s: float = 0.0
+    forward_syncs: int = 0
+    backward_syncs: int = 0
+    backward_comm_s: float = 0.0
+    runs: bool = True
+
+    @property
+    def forward_s(self) -> float:
+        """Its forward's compute."""
+        return self.compute_s * (1 - BACKWARD_SHARE) if self.grad else self.compute_s
+
+    @property
+    def backward_s(self) -> float:
+        """Its backward's compute (its recompute included), without the collectives."""
+        return (BACKWARD_SHARE * self.compute_s if self.grad else 0.0) + self.recompute_s
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """This module's terms for one plan: per op (per microbatch) and per parameter placeholder.
+
+    ``ops`` are in forward order; ``op_s`` is each op's overhead (:func:`op_seconds`), ``update_s``
+    each parameter's optimizer step, ``grad_sums`` each summed gradient, in the order the runtime
+    lists parameters; ``straggler_s`` is ``Cluster.straggler_s`` (see :meth:`waits`).
+    """
+
+    ops: tuple[OpTime, ...]
+    op_s: Mapping[str, float]
+    update_s: Mapping[str, float]
+    grad_sums: Mapping[str, GradSum]
+    straggler_s: float  # the cluster's
+
+    @property
+    def recompute_s(self) -> dict[str, float]:
+        """What recomputing each recomputed op costs."""
+        return {op.name: op.recompute_s for op in self.ops if op.recompute_s}
+
+    def _kept(self, names: Collection[str] | None) -> list[OpTime]:
+        return [op for op in self.ops if names is None or op.name in names]
+
+    def bucket_times(self, names: Collection[str] | None = None) -> BucketTimes:
+        """:func:`bucket_times` of the backward of the ops and parameters in ``names`` (all when
+        None): one pipeline rank's, whose runtime sums its own parameters after its own backward."""
+        ops = self._kept(names)
+        sums = [s for p, s in self.grad_sums.items() if names is None or p in names]
+        backward = {op.name: op.backward_s + op.backward_comm_s for op in ops}
+        return bucket_times(sums, [op.name for op in ops], backward)
+
+    def segments(self, names: Collection[str] | None = None) -> tuple[list[float], list[float]]:
+        """The compute between consecutive synchronising points of the forward, and of the backward,
+        of the ops in ``names`` (all when None), first and last stretch included: where
+        :meth:`waits` charges the ranks' drift."""
+        ops = self._kept(names)
+        forward, backward = [0.0], [0.0]
+        for op in ops:  # an op's operands are gathered before it runs
+            forward += [0.0] * op.forward_syncs
+            forward[-1] += op.forward_s
+        for op in reversed(ops):  # its backward runs before its operands' backward collectives
+            backward[-1] += op.backward_s
+            backward += [0.0] * op.backward_syncs
+        return forward, backward
+
+    def waits(self, stretches: Iterable[float]) -> float:
+        """What the ranks wait for the slowest at the synchronising points that end ``stretches``
+        of compute: ``straggler_s`` after one second, growing as the square root of the stretch
+        (the ranks drift apart like a random walk)."""
+        return self.straggler_s * sum(math.sqrt(t) for t in stretches if t > 0)
+
+
+@dataclass(frozen=True)
+class StepExtras:
+    """The terms of this module in one training step (not pipelined), in seconds."""
+
+    overhead_s: float  # the ops' overhead
+    optimizer_s: float  # the optimizer step, offload's copies included
+    latency_s: float  # the gradient-sum buckets' latency
+    hidden_s: float  # communication hidden behind backward
+    wait_s: float  # waiting for the slowest rank at synchronising points
+
+
+def whole_step(terms: StepTerms) -> StepExtras:
+    """The extras of a step of the whole program. The forward's last stretch of compute runs on
+    into the backward; the backward's last ends where the gradient-sum buckets are waited for, if
+    there are any, and the optimizer step is a stretch of its own (ending at ZeRO's first gather or
+    at the end of the step, whose time is the slowest rank's); without buckets it runs on into it."""
+    forward, backward = terms.segments()
+    buckets = terms.bucket_times()
+    optimizer = sum(terms.update_s.values())
+    stretches = [*forward[:-1], forward[-1] + backward[0], *backward[1:]]
+    if terms.grad_sums:
+        stretches.append(optimizer)
+    else:
+        stretches[-1] += optimizer
+    return StepExtras(
+        overhead_s=sum(terms.op_s.values()),
+        optimizer_s=optimizer,
+        latency_s=buckets.latency_s,
+        hidden_s=buckets.hidden_s,
+        wait_s=terms.waits(stretches),
+    )
+
+
+def program_ops(
+    graph: torch.fx.Graph,
+    flows: Mapping[torch.fx.Node, bool],
+    compute_s: Mapping[str, float],
+    recompute_s: Mapping[str, float],
+    redistributions: Iterable[Redistribution],
+) -> list[OpTime]:
+    """The :class:`OpTime` of every op of ``graph`` (``getitem`` picks an output, it runs nothing)
+    and of its output, from each one's priced compute, whether a gradient flows through it
+    (``flows``), its recompute, and the collectives of the redistributions into it (a parameter's
+    gradient sum goes to no op)."""
+    syncs: dict[str, tuple[int, int, float]] = {}  # op -> its operands' forward, backward collectives
+    for r in redistributions:
+        f, b, seconds = syncs.get(r.dst, (0, 0, 0.0))
+        syncs[r.dst] = (f + len(r.forward), b + len(r.backward), seconds + sum(c.seconds for c in r.backward))
+    return [
+        OpTime(
+            n.name,
+            compute_s.get(n.name, 0.0),
+            bool(flows.get(n)),
+            recompute_s.get(n.name, 0.0),
+            *syncs.get(n.name, (0, 0, 0.0)),
+            runs=n.op != "output",
+        )
+        for n in graph.nodes
+        if (n.op == "call_function" and n.target is not operator.getitem) or n.op == "output"
+    ]
+
+
+def step_terms(
+    ops: Sequence[OpTime],
+    update_s: Mapping[str, float],
+    grad_sums: Mapping[str, GradSum],
+    cluster: Cluster,
+) -> StepTerms:
+    """The :class:`StepTerms` of ``ops`` (in forward order) and of the parameters' updates and sums."""
+    return StepTerms(
+        ops=tuple(ops),
+        op_s={op.name: op_seconds(cluster, op.grad, op.recompute_s > 0) for op in ops if op.runs},
+        update_s=dict(update_s),
+        grad_sums=dict(grad_sums),
+        straggler_s=cluster.straggler_s,
+    )

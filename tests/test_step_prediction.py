@@ -1,0 +1,149 @@
+"""The whole step in the prediction: op overhead, the optimizer step (offload's copies included),
+gradient-sum buckets (latency once per bucket, hidden behind backward as the runtime does),
+ZeRO gathers one per shard, stragglers, pipeline sends and ranks sharing cores
+(``autopar/planning/step_overheads.py``, docs/cost_model.md "The whole step")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+import autopar
+from autopar.ir.report import GRADIENT_SUM
+from autopar.planning.cost import get_cluster
+from autopar.planning.step_overheads import (
+    BUCKET_BYTES,
+    FP32_BYTES,
+    OPTIMIZER_OPS_PER_TENSOR,
+    GradSum,
+    OpTime,
+    Update,
+    bucket_times,
+    buckets,
+    hidden_sends,
+    step_terms,
+    update_seconds,
+    whole_step,
+)
+from autopar.runtime import grad_reducer
+from examples import gpt
+
+BASE = get_cluster("fast-links")
+MIB = 2**20
+
+
+def _sum(param: str, group: int = 0, mib: float = 1.0, wire: float = 1.0, first_use: str = "a") -> GradSum:
+    return GradSum(param, ((group,), None), mib * MIB, wire, 0.5, first_use)
+
+
+def test_buckets_are_packed_as_the_runtime_packs_them():
+    assert BUCKET_BYTES == grad_reducer.BUCKET_BYTES
+    sums = [_sum("p0", mib=10), _sum("p1", group=1), _sum("p2", mib=10), _sum("p3", mib=10)]
+    # reversed, grouped by axes (groups in order of first appearance), cut past 25 MiB
+    assert [[s.param for s in b] for b in buckets(sums)] == [["p3", "p2"], ["p0"], ["p1"]]
+
+
+def test_a_bucket_is_hidden_behind_the_backward_that_follows_its_launch_but_the_last_never():
+    order = ["a", "b", "c"]  # forward order: backward runs c, b, a, each 2 s
+    backward = dict.fromkeys(order, 2.0)
+    early = _sum("late_param", group=1, wire=1.0, first_use="c")  # complete after 2 s
+    late = _sum("first_param", group=0, wire=1.0, first_use="a")  # complete at the end, 6 s
+    times = bucket_times([late, early], order, backward)
+    assert times.latency_s == 1.0  # one latency per bucket
+    # the early bucket (1.5 s) runs from 2 s to 3.5 s, hidden; the last one (1.5 s) is all exposed
+    assert times.hidden_s == pytest.approx(1.5)
+    # a last bucket launched while the early one still runs waits for it: less is hidden
+    slow = replace(early, wire_s=5.0)  # 5.5 s from 2 s: ends at 7.5 s, 1.5 s past the backward
+    assert bucket_times([late, slow], order, backward).hidden_s == pytest.approx(5.5 + 1.5 - 3.0)
+
+
+def test_the_optimizer_step_is_memory_bound_and_offload_adds_its_copies():
+    update = Update(elements=1e6, itemsize=4)
+    memory = autopar.Memory(optimizer_states=2)
+    cluster = replace(BASE, op_overhead_s=1e-6)
+    ops = OPTIMIZER_OPS_PER_TENSOR * 1e-6
+    # parameter read and written, gradient read, two states read and written
+    device = update_seconds(update, cluster, memory)
+    assert device == pytest.approx(1e6 * 4 * (3 + 4) / cluster.memory_bandwidth_Bps + ops)
+    offload = replace(memory, offload_optimizer=True)
+    host_update = 1e6 * FP32_BYTES * 7 / cluster.memory_bandwidth_Bps
+    # the device is the host: each copy reads its source and writes its target
+    copies = 2 * 1e6 * (4 + FP32_BYTES) / cluster.memory_bandwidth_Bps
+    assert update_seconds(update, cluster, offload) == pytest.approx(copies + host_update + ops + 2e-6)
+    gpu = replace(cluster, host_link_Bps=1e9, host_memory_bandwidth_Bps=1e8)
+    expected = 2 * 4e6 / 1e9 + 1e6 * FP32_BYTES * 7 / 1e8 + ops + 2e-6
+    assert update_seconds(update, gpu, offload) == pytest.approx(expected)
+    assert update_seconds(Update(0.0, 4), cluster, memory) == 0.0  # frozen
+
+
+def test_stragglers_are_waited_for_at_each_synchronising_point():
+    ops = [
+        OpTime("a", 3.0, grad=True, forward_syncs=1, backward_syncs=1, backward_comm_s=0.5),
+        OpTime("b", 6.0, grad=True, forward_syncs=2),
+        OpTime("output", 0.0, grad=False, runs=False),
+    ]
+    cluster = replace(BASE, straggler_s=0.1, op_overhead_s=1e-3)
+    terms = step_terms(ops, {"w": 4.0}, {}, cluster)
+    # forward: sync, a (1 s), sync, sync, b (2 s); backward: b (4 s), a (2 s), sync
+    assert terms.segments() == ([0.0, 1.0, 0.0, 2.0], [6.0, 0.0])
+    extras = whole_step(terms)
+    # without buckets, the backward's last stretch runs on into the optimizer step
+    assert extras.wait_s == pytest.approx(0.1 * (1 + math.sqrt(2 + 6) + math.sqrt(4)))
+    assert extras.overhead_s == pytest.approx(2 * 3 * 1e-3)  # the output runs no op
+    assert extras.optimizer_s == 4.0
+    summed = step_terms(ops, {"w": 4.0}, {"w": _sum("w", first_use="a")}, cluster)
+    assert whole_step(summed).wait_s == pytest.approx(0.1 * (1 + math.sqrt(8) + 0 + math.sqrt(4)))
+
+
+def _plan(cluster, **options):
+    model, args = gpt.build()
+    return autopar.plan(model, args, {"dp": 2}, cluster=cluster, **options)
+
+
+def test_a_plan_adds_up_its_step_and_prices_each_term():
+    cluster = replace(BASE, op_overhead_s=1e-4, straggler_s=1e-2)
+    plan = _plan(cluster)
+    p = plan.prediction
+    parts = p.compute_s + p.comm_s + p.overhead_s + p.optimizer_s + p.wait_s - p.hidden_comm_s
+    assert p.step_time_s == pytest.approx(parts)
+    assert p.optimizer_s > 0 and p.wait_s > 0
+    ops = [n for n in plan.nodes if n.op.startswith("aten.")]
+    assert len(ops) < p.overhead_s / 1e-4 <= 3 * len(ops)  # forward, and backward where a gradient flows
+    plain = _plan(BASE).prediction  # a cluster without the new figures: none of the new terms
+    assert plain.overhead_s == plain.wait_s == 0.0
+    # the gradient sums (all in one bucket) pay their latency once: one all_reduce over dp
+    sums = [r for r in plan.redistributions if r.dst == GRADIENT_SUM]
+    edges = sum(r.seconds for r in plan.redistributions)
+    assert len(sums) > 1 and p.comm_s == pytest.approx(edges + 2 * 1 * BASE.intra_node.latency_s)
+
+
+def test_zero_gathers_pay_their_latency_one_shard_at_a_time():
+    cluster = replace(BASE, intra_node=replace(BASE.intra_node, latency_s=1e-2))
+    plan = _plan(cluster, memory=autopar.Memory(zero=2, zero_threshold=0))
+    for r in (r for r in plan.redistributions if r.dst == GRADIENT_SUM):
+        gathers = [c for c in r.backward if c.kind == "all_gather"]
+        sums = [c for c in r.backward if c.kind != "all_gather"]
+        latencies = sum(1e-2 for _ in sums) * 1  # reduce_scatter over 2 ranks: one hop each
+        assert len(gathers) == 1 and gathers[0].seconds > 1e-2
+        assert r.seconds == pytest.approx(sum(c.seconds for c in r.backward) - latencies)
+
+
+def test_pipeline_sends_hide_behind_the_next_compute_where_torch_waits_later():
+    assert [hidden_sends("1f1b", 4, r, 8) for r in range(4)] == [3, 2, 1, 0]
+    assert hidden_sends("1f1b", 4, 0, 2) == 1  # fewer microbatches than warm-up slots
+    assert hidden_sends("gpipe", 4, 2, 8) == hidden_sends("interleaved-1f1b", 4, 2, 8) == 7
+
+
+def test_ranks_sharing_cores_fill_the_pipeline_bubble():
+    model, args = gpt.build(batch_size=8, n_layers=4)
+    pipeline = autopar.Pipeline(4, "1f1b")
+    alone = autopar.plan(model, args, {"pp": 2, "dp": 2}, cluster=BASE, pipeline=pipeline).pipeline
+    shared = autopar.plan(
+        model, args, {"pp": 2, "dp": 2}, cluster=replace(BASE, ranks_per_core=2.0), pipeline=pipeline
+    ).pipeline
+    assert shared.stages == alone.stages
+    work = 4 * sum(st.seconds for st in alone.stages) / 2  # the average rank's compute
+    assert work < shared.step_time_s < alone.step_time_s
+    assert alone.step_time_s > 1.2 * work  # the bubble of 1F1B over 2 ranks and 4 microbatches

@@ -1,8 +1,8 @@
 """The memory search's terms of the ILP: per root and strategy, the seconds and bytes a memory choice adds.
 
 Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers again in
-backward (ZeRO-2's reduce-scatter and all-gather cost what the all-reduce does);
-recomputed ops run their forward again. Bytes: each parameter's state
+backward (ZeRO-2's reduce-scatter and all-gather cost what the all-reduce does, but for the
+gathers' latency, paid per shard); recomputed ops run their forward again. Bytes: each parameter's state
 (:func:`~autopar.planning.memory.state_bytes`, split over the axes it is replicated on),
 and each op's saved values in the layouts of its strategy, each value counted at its
 first saver; inside a recompute region only what the region keeps, plus the first
@@ -167,7 +167,8 @@ def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTabl
         tables.add_bytes(c, np.array(values))
         if region is not None and g.requires_grad.get(node) and c.compute is not None:
             if region[1] == FULL or not is_selective_save(node.target):
-                tables.add_seconds(c, c.compute / 3.0)  # forward again: a third of forward + backward
+                # forward again: a third of forward + backward, and one more op's overhead
+                tables.add_seconds(c, c.compute / 3.0 + g.cost.cluster.op_overhead_s)
 
 
 def _saved_items(
@@ -203,10 +204,13 @@ def _saved_items(
 
 def _zero_seconds(g: StrategyGraph, zero: int, split: tuple[int, int] | None, local: float) -> float:
     """Seconds ZeRO adds for one parameter: an all-gather of its shard (ZeRO-1 after the step,
-    ZeRO-3 again in backward); ZeRO-2 trades the all-reduce for a reduce-scatter and an all-gather."""
-    if split is None or zero not in (1, 3):
+    ZeRO-3 again in backward); ZeRO-2 trades the all-reduce for a reduce-scatter and an all-gather
+    of as many bytes. The gathers after the step run one per shard, each paying its latency."""
+    if split is None or zero == 0:
         return 0.0
     axis = g.mesh.axis_names[split[0]]
     shard = int(local / g.mesh.axis_sizes[split[0]])
     gather = Collective(CollectiveKind.ALL_GATHER, (axis,), shard)
-    return g.grad_sum_weight * g.cost.collective_time(gather, latency=False)
+    wire = g.cost.collective_time(gather, latency=False)
+    latency = g.cost.collective_time(gather) - wire
+    return g.grad_sum_weight * {1: wire + latency, 2: latency, 3: wire}[zero]

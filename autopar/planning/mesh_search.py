@@ -150,7 +150,7 @@ def search_meshes(
             f"with a device count the pipeline axis is called 'pp', got Pipeline(axis={pipeline.axis!r})"
         )
     candidates = sorted(
-        (MeshCandidate(sizes, p, compute / devices * _bubble(sizes, p)) for sizes, p in meshes),
+        (MeshCandidate(sizes, p, compute / devices * _bubble(sizes, p, cluster)) for sizes, p in meshes),
         key=lambda c: c.bound_s,
     )
     captures: dict[int | None, Captured] = {None: whole}
@@ -202,8 +202,10 @@ def search_meshes(
     return best
 
 
-def _bubble(sizes: dict[str, int], pipeline: Pipeline | None) -> float:
+def _bubble(sizes: dict[str, int], pipeline: Pipeline | None, cluster: Cluster) -> float:
+    """The factor a pipeline's bubble puts on a step at the least: ranks sharing a core fill
+    each other's bubbles (``Cluster.ranks_per_core``), down to no bubble at all."""
     if pipeline is None:
         return 1.0
     m, p = pipeline.microbatches, sizes["pp"]
-    return (m + (p - 1) / pipeline.virtual_stages) / m
+    return max((m + (p - 1) / pipeline.virtual_stages) / m / cluster.ranks_per_core, 1.0)

@@ -32,6 +32,7 @@ _MATMUL_N = 2048
 _MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
 _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _FIT_ROUNDS = 20  # reweightings of fit_ring's least squares (it settles in a few)
+_STALLED = 2.0  # a collective this many times slower than its fit stalled (fit_ring leaves it out)
 _BURSTS = (2, 8, 32, 128)  # 256 x 256 fp32 products per burst timed for straggling
 _BURST_REPEATS = 9
 # 1 KiB .. 16 MiB input per rank: the small ones fix latency, the large ones bandwidth; larger
@@ -264,11 +265,32 @@ def fit_ring(kind: CollectiveKind | str, samples: Sequence[tuple[int, float]], n
     weigh as much as the large ones that fix the bandwidth; a negative latency is clamped to 0.
     Relative to the fitted time, not the measured one: a sample that came out fast by chance (on
     ranks sharing cores, a call now and then runs at a lucky moment) would otherwise weigh the
-    more the faster it was, and drag the latency down to it. Samples that lie on such a formula
-    are reproduced exactly by ``CostModel.collective_time``.
+    more the faster it was, and drag the latency down to it. A call that stalled instead (slower
+    than one of more bytes, or :data:`_STALLED` times its fit) is left out, down to 3 samples.
+    Samples that lie on such a formula are reproduced exactly by ``CostModel.collective_time``.
     """
-    # t = c0 + c1 * B; minimise sum w (c0 + c1 B - t)^2 with w = 1 / fitted^2, reweighting from
-    # w = 1 / t^2 (the relative error to the measurement) until the fit settles.
+    kept = sorted(samples)
+    while True:
+        fit = _fit_relative(kept)
+        if fit is not None:
+            c0, c1 = fit
+            ratio, worst = max((t / (max(c0, 0.0) + c1 * b), i) for i, (b, t) in enumerate(kept))
+            if ratio <= _STALLED:
+                break
+        else:  # time does not grow with size: the call most slower than a larger one stalled
+            ratio, worst = max((t / min(u for _, u in kept[i:]), i) for i, (_, t) in enumerate(kept))
+        if len(kept) <= 3 or ratio <= 1.0:
+            raise RuntimeError(f"{kind} time does not grow with size, cannot fit bandwidth: {samples}")
+        del kept[worst]
+    hops, share = ring_terms(CollectiveKind(kind), n)
+    return LinkSpec(latency_s=max(c0, 0.0) / hops, bandwidth_Bps=share / c1)
+
+
+def _fit_relative(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """``(c0, c1)`` of t = c0 + c1 B fitted to the samples relative to the fitted time (see
+    :func:`fit_ring`); None where the slope comes out not positive."""
+    # minimise sum w (c0 + c1 B - t)^2 with w = 1 / fitted^2, reweighting from w = 1 / t^2 (the
+    # relative error to the measurement) until the fit settles.
     fitted = [t for _, t in samples]
     for _ in range(_FIT_ROUNDS):
         w = [1 / f**2 for f in fitted]
@@ -279,10 +301,9 @@ def fit_ring(kind: CollectiveKind | str, samples: Sequence[tuple[int, float]], n
         det = s00 * s11 - s01 * s01
         c0, c1 = (r0 * s11 - r1 * s01) / det, (r1 * s00 - r0 * s01) / det
         if c1 <= 0:
-            raise RuntimeError(f"{kind} time does not grow with size, cannot fit bandwidth: {samples}")
+            return None
         fitted = [max(c0, 0.0) + c1 * b for b, _ in samples]
-    hops, share = ring_terms(CollectiveKind(kind), n)
-    return LinkSpec(latency_s=max(c0, 0.0) / hops, bandwidth_Bps=share / c1)
+    return c0, c1
 
 
 def _fit_link(samples: dict[str, list[tuple[int, float]]], n: int) -> LinkSpec:

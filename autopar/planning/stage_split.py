@@ -50,10 +50,17 @@ def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float)
         )
     table = _StageTable(costs, pipeline, p, memory_bytes / pipeline.virtual_stages)
     limits = sorted({table.seconds(i, j) for i in range(n) for j in range(i + 1, n + 1)})
+    splits: dict[float, tuple[float, float, list[int]] | None] = {}  # the bisection's, kept for the scan
+
+    def within(limit: float) -> tuple[float, float, list[int]] | None:
+        if limit not in splits:
+            splits[limit] = _split_within(table, stages, limit)
+        return splits[limit]
+
     low, high = 0, len(limits)  # the first feasible threshold is in limits[low:high], or none is
     while low < high:
         mid = (low + high) // 2
-        if _split_within(table, stages, limits[mid]) is None:
+        if within(limits[mid]) is None:
             low = mid + 1
         else:
             high = mid
@@ -61,7 +68,7 @@ def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float)
     for limit in limits[low:]:
         if best is not None and table.total + (m - 1) * limit >= best[0]:
             break
-        found = _split_within(table, stages, limit)
+        found = within(limit)
         if found is None:
             continue
         total, peak, cuts = found

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -42,6 +43,14 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The result is saved. Leave without the interpreter's finalisation: a gloo worker thread
+    # still holding a finished collective's tensors (the group object outlives
+    # destroy_process_group while anything references it) aborts the process when it
+    # releases them after Python is torn down ("terminate called without an active
+    # exception", SIGABRT, seen once in CI after every rank had saved its result).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:

@@ -12,6 +12,7 @@ and every ``constrain`` call appears in the graph as an
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -91,6 +92,7 @@ def repeated_blocks(graph: torch.fx.Graph) -> list[str]:
     return list(dict.fromkeys(b for n in graph.nodes if n.op == "call_function" and (b := block_of(n))))
 
 
+@functools.cache  # a large model asks for its few thousand paths millions of times
 def _clean_path(path: str) -> str:
     # strict-mode style paths look like L['self'].h[0].attn; normalise to h.0.attn
     path = re.sub(r"^L\['self'\]\.?", "", path)

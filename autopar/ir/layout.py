@@ -15,6 +15,7 @@ mesh means "dimension 0 split over axis 0, replicated over axis 1"; a partial ma
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -41,6 +42,7 @@ def replicated(mesh: MeshSpec) -> Layout:
     return (REPLICATE,) * mesh.ndim
 
 
+@functools.cache  # plans print the same few layouts hundreds of thousands of times
 def format_layout(layout: Layout) -> str:
     """Short form, e.g. ``S(0)R`` (see module docstring)."""
     out = []

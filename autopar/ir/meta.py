@@ -17,12 +17,17 @@ Only passes write them (the planner returns layouts as data, see
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import functools
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from autopar.ir.layout import Layout
+
+T = TypeVar("T")
 
 LAYOUTS = "autopar.layouts"
 GRADS = "autopar.grads"
@@ -101,3 +106,24 @@ def write_layouts(node: torch.fx.Node, layouts: NodeLayouts) -> None:
 def output_layout(node: torch.fx.Node) -> Layout:
     """The layout of ``node``'s first output, as written on the node."""
     return node.meta[LAYOUTS][1][0]
+
+
+def per_node(fn: Callable[[torch.fx.Node], T]) -> Callable[[torch.fx.Node], T]:
+    """``fn``, a function of a node's target, arguments and values alone, computed once per node
+    while those stay the very objects they were (a pass that rewrites the node, or gives it or
+    an operand a new ``val``, gets a fresh result). Planning a large model reads the same
+    facts of each op hundreds of thousands of times."""
+    results: weakref.WeakKeyDictionary[torch.fx.Node, tuple[tuple, T]] = weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def cached(node: torch.fx.Node) -> T:
+        inputs = (node.target, node.args, node.kwargs, node.meta.get("val"))
+        inputs += tuple(a.meta.get("val") for a in node.all_input_nodes)
+        hit = results.get(node)
+        if hit is not None and len(hit[0]) == len(inputs) and all(x is y for x, y in zip(hit[0], inputs)):
+            return hit[1]
+        result = fn(node)
+        results[node] = (inputs, result)
+        return result
+
+    return cached

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import Layout, grad_layout
 from autopar.planning.laid_out import LaidOutGraph
+from autopar.rules.op_call import OpCall
 
 Edge = tuple[torch.fx.Node, torch.fx.Node, int]  # (producer, consumer, operand slot)
 
@@ -46,8 +47,7 @@ def edges(laid: LaidOutGraph) -> list[tuple[Edge, Layout, Layout, Layout | None]
                 need = grad_layout(have)
                 found.append(((src, node, slot), have, need, need))
         elif node.op == "call_function" and node in layouts and node.target is not operator.getitem:
-            operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _tensor(a)]
-            mine = layouts[node]
+            mine, operands = layouts[node], OpCall.of(node).operands
             for slot, (src, need, grad) in enumerate(zip(operands, mine.operands, mine.grads)):
                 if need is not None:
                     found.append(((src, node, slot), layouts[src].output, need, grad))

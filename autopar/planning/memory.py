@@ -25,6 +25,7 @@ as data (:class:`~autopar.planning.laid_out.LaidOutGraph`), never from ``node.me
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Iterable, Mapping
@@ -36,7 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir.layout import Layout, local_fraction, local_shape
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import NodeLayouts
+from autopar.ir.meta import NodeLayouts, per_node
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
 from autopar.ir.options import SELECTIVE, Memory
 from autopar.ir.strided import is_split
@@ -174,6 +175,7 @@ def source_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
         node = viewed
 
 
+@per_node
 def _viewed(node: torch.fx.Node) -> torch.fx.Node | None:
     """The operand ``node`` is a view of (or returns unchanged), if any."""
     if node.op != "call_function":
@@ -364,11 +366,12 @@ def activation_memory(
     own = {name: sum(v for k, v in values.items() if k not in kept) for name, values in inside.items()}
     total = sum(kept.values())
     device = {k: v for k, v in kept.items() if k in by_regions or not offload}
-    peak = max(
-        [_forward_peak(laid, device, owner)]
-        + [sum(v for k, v in device.items() if owner[k] <= last[name]) + own[name] for name in own]
-    )
     names = [n.name for n in laid.graph.nodes]
+    kept_by = [0.0] * len(names)  # device bytes first kept at each position
+    for k, v in device.items():
+        kept_by[owner[k]] += v
+    up_to = list(itertools.accumulate(kept_by))
+    peak = max([_forward_peak(laid, device, owner)] + [up_to[last[name]] + own[name] for name in own])
     by_node: dict[str, float] = {}
     for key, at in owner.items():
         by_node[names[at]] = by_node.get(names[at], 0.0) + kept[key]

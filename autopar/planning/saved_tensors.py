@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
+from autopar.ir.meta import per_node
 from autopar.rules import OpCall
 
 
@@ -72,7 +73,8 @@ def saved_by(node: torch.fx.Node, grad_operands: Sequence[bool]) -> SavedSpec:
     )
     if not any(flags):
         return SavedSpec()
-    key = _cache_key(node, call, flags)
+    known = _call_key(node)
+    key = None if known is None else (known, flags)
     if key is not None and key in _CACHE:
         return _CACHE[key]
     try:
@@ -105,8 +107,11 @@ def _device(call: OpCall) -> torch.device:
     return torch.device("cpu")
 
 
-def _cache_key(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...]) -> Hashable | None:
-    """A hashable summary of everything that decides what the call saves, or None if there is none."""
+@per_node
+def _call_key(node: torch.fx.Node) -> Hashable | None:
+    """A hashable summary of everything but the grad flags that decides what the call saves, or
+    None if there is none."""
+    call = OpCall.of(node)
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     first = {}
     for i, a in enumerate(call.operands):
@@ -120,7 +125,7 @@ def _cache_key(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...]) -> Ha
             return ("value", val)
         return leaf
 
-    key = (node.target, str(spec), tuple(map(summary, leaves)), flags, _device(call))
+    key = (node.target, str(spec), tuple(map(summary, leaves)), _device(call))
     try:
         hash(key)
     except TypeError:

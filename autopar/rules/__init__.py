@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-import torch
 from torch.distributed.tensor import Partial, Replicate
-from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import Layout, is_uneven, piece_size, splits_unevenly
 from autopar.ir.mesh import AxisGroups, MeshSpec, grouped_product
 from autopar.ir.strided import is_split, parts_of, strided
+from autopar.rules.op_call import OpCall
+from autopar.rules.op_call import shape_of as shape_of  # re-exported: rules and planners use it
 
 Labels = tuple[str | None, ...]
 
@@ -130,49 +130,6 @@ class Strategy:
     grads: tuple[Layout | None, ...]
     choices: tuple[Choice, ...]
     split: float
-
-
-@dataclass
-class OpCall:
-    """An op node seen by a rule: its tensor operands and static shapes."""
-
-    node: torch.fx.Node
-    operands: list[torch.fx.Node] = field(default_factory=list)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-    out_shapes: list[tuple[int, ...]] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, node: torch.fx.Node) -> OpCall:
-        found: list[torch.fx.Node] = []  # every node argument, in order (map_arg is fast)
-        torch.fx.node.map_arg((node.args, node.kwargs), found.append)
-        operands = [a for a in found if _is_tensor(a)]
-        outs = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-        return cls(
-            node, operands, [shape_of(a) for a in operands], [tuple(int(s) for s in v.shape) for v in outs]
-        )
-
-    def arg(self, name: str, default: object = None) -> object:
-        """The argument called ``name`` in the op's schema (positional or keyword)."""
-        schema = getattr(self.node.target, "_schema", None)
-        if schema is None:
-            return default
-        for i, a in enumerate(schema.arguments):
-            if a.name == name:
-                if i < len(self.node.args) and not a.kwarg_only:
-                    return self.node.args[i]
-                if name in self.node.kwargs:
-                    return self.node.kwargs[name]
-                return a.default_value if a.has_default_value() else default
-        return default
-
-
-def _is_tensor(node: torch.fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def shape_of(node: torch.fx.Node) -> tuple[int, ...]:
-    """Static shape of a tensor-valued node."""
-    return tuple(int(s) for s in node.meta["val"].shape)
 
 
 #: A rule labels one call of its op, or returns None for a call form it does not cover

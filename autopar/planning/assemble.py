@@ -55,6 +55,7 @@ from autopar.planning.named_layouts import named_layouts
 from autopar.planning.pipeline import PipelineInputs, plan_pipeline
 from autopar.planning.plan_fit import annotation_record, input_shapes
 from autopar.planning.recompute import Region, recompute_regions
+from autopar.planning.stage_nodes import check_stage_memory
 from autopar.planning.step_overheads import (
     GradSum,
     StepTerms,
@@ -113,19 +114,23 @@ def assemble_plan(
     graph = g.captured.graph
     layouts = g.layouts(assignment)
     laid = LaidOutGraph(graph=graph, layouts=layouts, mesh=g.mesh, flows=g.requires_grad)
-    nodes = _decisions(g, assignment)
     regions = recompute_regions(graph, choice.recompute, layouts, splits if choice.zero == 3 else ())
+    state = _state(g, assignment, splits, choice.zero, setting.memory)
+    acts = activation_memory(laid, regions, setting.memory.offload_activations)
+    if setting.pipeline is not None and setting.budget is not None:
+        # refuse a plan no stage split can hold before its costs and program are assembled
+        memory = (state.held, acts.by_node)
+        check_stage_memory(g.captured, setting.pipeline, setting.mesh, setting.budget, *memory)
+    nodes = _decisions(g, assignment)
     redists, summed = _edge_redistributions(g, laid, regions)
     sums, grad_sums = _gradient_sums(
         g, assignment, summed, splits if choice.zero in (1, 2) else {}, choice.zero
     )
-    state = _state(g, assignment, splits, choice.zero, setting.memory)
     recomputed = _recomputed(g, assignment, regions)
     ops = program_ops(graph, g.requires_grad, {d.name: d.compute_s for d in nodes}, recomputed, redists)
     updates = {p: update_seconds(u, setting.cluster, setting.memory) for p, u in state.updates.items()}
     terms = step_terms(ops, updates, grad_sums, setting.cluster)
     redists += sums
-    acts = activation_memory(laid, regions, setting.memory.offload_activations)
     extras = whole_step(terms)
     compute = sum(d.compute_s for d in nodes) + sum(recomputed.values())
     comm = sum(r.seconds for r in redists) + extras.latency_s

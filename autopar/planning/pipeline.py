@@ -16,7 +16,7 @@ Stages come from ``pipeline_stage`` annotations when there are any (honoured exa
 every module with parameters must have one, stage numbers must run 0, 1, ... and follow
 the order of the forward), and otherwise from
 :func:`~autopar.planning.stage_split.partition`: the graph is cut into
-*units* (the repeated blocks with the ops around them, see :func:`units`) and a
+*units* (the repeated blocks with the ops around them, see :func:`~autopar.planning.stage_nodes.units`) and a
 dynamic program picks the contiguous split into stages that minimises Alpa's pipeline
 latency ``Σ t_s + (m − 1) max t_s`` (``t_s``: one microbatch's forward and backward in
 stage ``s``, communication included) subject to each stage's memory fitting a device,
@@ -39,13 +39,21 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.capture.export import BLOCK_PATH, Captured, block_of, module_stack
+from autopar.capture.export import Captured
 from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Pipeline
 from autopar.ir.plan import PipelinePlan, Plan, StagePlan
 from autopar.ir.report import GRADIENT_SUM
 from autopar.planning.cost import LinkSpec
+from autopar.planning.stage_nodes import (
+    annotated_anchors,
+    complete_stages,
+    held_state,
+    placed_units,
+    unit_bytes,
+    unit_name,
+)
 from autopar.planning.stage_split import UnitCosts, partition
 from autopar.planning.step_overheads import StepTerms, hidden_sends
 
@@ -77,135 +85,6 @@ def _input_name(path: tuple) -> str:
     head, *rest = path
     where = "args" if getattr(head, "idx", None) == 0 else "kwargs"
     return where + "".join(str(k) for k in rest)
-
-
-# --------------------------------------------------------------------------- stages of nodes
-
-
-def annotated_anchors(captured: Captured) -> dict[torch.fx.Node, int]:
-    """The stage of every op inside an annotated module (its innermost annotated ancestor's).
-
-    Also checks that every parameter's module (or a module around it) has a stage.
-    """
-    stages = captured.annotations.stages
-    for fqn in captured.params.values():
-        owner = fqn.rpartition(".")[0]
-        path = owner
-        while path not in stages and path:
-            path = path.rpartition(".")[0]
-        if path not in stages:
-            raise AnnotationError(
-                f"pipeline_stage: parameter {fqn!r} belongs to module {owner or '<root>'!r}, which has no "
-                f"stage, nor has any module around it; give every module with parameters a stage"
-            )
-    anchors = {}
-    for node in captured.graph.nodes:
-        if node.op != "call_function":
-            continue
-        for path in reversed(module_stack(node)):
-            if path in stages:
-                anchors[node] = stages[path]
-                break
-    return anchors
-
-
-def _place(captured: Captured, anchors: Mapping[torch.fx.Node, int]) -> dict[torch.fx.Node, int]:
-    """Positions of every placeholder and op from the ``anchors`` (module docstring's rules)."""
-    stage: dict[torch.fx.Node, int] = dict(anchors)
-    anchored = set(anchors)
-    for node in captured.graph.nodes:
-        if node.op == "placeholder" and node.name in captured.inputs:
-            stage[node] = 0
-            anchored.add(node)
-        elif node.op == "call_function" and node not in anchored:
-            homes = [stage[a] for a in node.all_input_nodes if a in anchored]
-            if homes:
-                stage[node] = max(homes)
-                anchored.add(node)
-    for node in reversed(captured.graph.nodes):
-        if node.op in ("placeholder", "call_function") and node not in anchored:
-            users = [stage[u] for u in node.users if u in stage]
-            stage[node] = min(users) if users else 0
-    return stage
-
-
-def complete_stages(
-    captured: Captured, anchors: Mapping[torch.fx.Node, int], n_stages: int
-) -> dict[torch.fx.Node, int]:
-    """Every placeholder's and op's stage, from the ``anchors`` (see the module docstring).
-
-    Raises ``AnnotationError`` where a stage reads a value of a later stage or a
-    parameter is used in two stages, and ``PlanError`` where a stage is empty.
-    """
-    stage = _place(captured, anchors)
-    state = {**captured.params, **captured.buffers}
-    for node, home in stage.items():
-        used_in = sorted({stage[u] for u in node.users if u in stage})
-        if node.name in state and len(used_in) > 1:
-            users = ", ".join(sorted({_where(u) for u in node.users}))
-            names = " = ".join(repr(a) for a in captured.aliases.get(state[node.name], [state[node.name]]))
-            raise AnnotationError(
-                f"parameter {names} is used in pipeline stages {used_in} (by {users}); "
-                f"a parameter can live in one stage only: untie shared weights (e.g. tied embeddings) "
-                f"or put their users in one stage"
-            )
-        for user in node.users:
-            if user in stage and stage[user] < home:
-                raise AnnotationError(
-                    f"pipeline stages must follow the order of the forward: {_where(user)} in stage "
-                    f"{stage[user]} uses {node.name} computed in {_where(node)} in stage {home}"
-                )
-    used = {s for n, s in stage.items() if n.op == "call_function"}
-    empty = sorted(set(range(n_stages)) - used)
-    if empty:
-        raise PlanError(
-            f"pipeline stage(s) {empty} of {n_stages} run no operation; annotate modules that run "
-            f"in every stage, or use fewer stages"
-        )
-    return stage
-
-
-def _where(node: torch.fx.Node) -> str:
-    path = module_stack(node)[-1] if module_stack(node) else ""
-    return f"module {path!r}" if path else "the root module"
-
-
-def _unit_name(node: torch.fx.Node) -> str:
-    """The outermost repeated block (``blocks.3``) a node runs in, else its top-level module."""
-    paths = [p for p in module_stack(node) if p]
-    return block_of(node) or (paths[0] if paths else "<root>")
-
-
-def units(captured: Captured) -> list[list[torch.fx.Node]]:
-    """The ops cut into the units of the automatic split, in execution order.
-
-    A model with repeated blocks (``blocks.3``) has one unit per block; the ops before the
-    first block (embeddings) join it, the ops between two blocks join the next, and the
-    ops after the last (final norm, head, loss) join that one, as hand-written splits do,
-    so that every stage runs whole blocks. A model without repeated blocks has one unit
-    per maximal run of ops in one top-level module (:func:`_unit_name`).
-    """
-    runs: list[list[torch.fx.Node]] = []
-    names: list[str] = []
-    for node in captured.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = _unit_name(node)
-        if not runs or name != names[-1]:
-            runs.append([])
-            names.append(name)
-        runs[-1].append(node)
-    if not any(BLOCK_PATH.match(name) for name in names):
-        return runs
-    out: list[list[torch.fx.Node]] = []
-    pending: list[torch.fx.Node] = []
-    for run, name in zip(runs, names):
-        pending += run
-        if BLOCK_PATH.match(name):
-            out.append(pending)
-            pending = []
-    out[-1] += pending
-    return out
 
 
 # --------------------------------------------------------------------------- predictions
@@ -286,7 +165,7 @@ class PipelineInputs:
 
     def held(self, node: torch.fx.Node) -> tuple[float, float, float]:
         """Bytes of a parameter or buffer on one rank, of its gradient, of its optimizer state."""
-        return tuple(self.state_bytes[node.name][:3]) if node.name in self.state_bytes else (0.0, 0.0, 0.0)
+        return held_state(self.state_bytes, node)
 
     def value_bytes(self) -> dict[torch.fx.Node, tuple[float, bool]]:
         """Each activation's bytes on one rank, and whether a gradient flows back to it."""
@@ -419,18 +298,13 @@ def _automatic_anchors(
     """The stage of every op of a unit, from the split :func:`partition` picks."""
     pipeline, captured = inputs.pipeline, inputs.captured
     m = pipeline.microbatches
-    cut_units = units(captured)
-    unit_of = {node: i for i, u in enumerate(cut_units) for node in u}
-    placed = _place(captured, unit_of)
-    seconds = [0.0] * len(cut_units)
-    fixed_b = [0.0] * len(cut_units)
-    act = [0.0] * len(cut_units)
+    n, unit_of, placed = placed_units(captured)
+    seconds = [0.0] * n
     for node, i in placed.items():
         once = costs.grad_sums.get(node.name, (0.0, 0))[0] + inputs.terms.update_s.get(node.name, 0.0)
         seconds[i] += costs.seconds.get(node.name, 0.0) + once / m  # once a step: spread over microbatches
-        fixed_b[i] += sum(inputs.held(node))
-        act[i] += inputs.activation_bytes.get(node.name, 0.0)
-    cuts = _crossing_bytes(captured.graph, placed, len(cut_units), value_bytes)
+    fixed_b, act = unit_bytes(placed, n, inputs.state_bytes, inputs.activation_bytes)
+    cuts = _crossing_bytes(captured.graph, placed, n, value_bytes)
     unit_costs = UnitCosts(
         seconds=seconds,
         fixed_bytes=fixed_b,
@@ -454,7 +328,7 @@ def _stage_plan(
     nodes = [node for node in inputs.captured.graph.nodes if stage_of.get(node) == s]
     sent = [cuts[s] if s else Crossing(), cuts[s + 1] if s + 1 < n_stages else Crossing()]
     param_b, grad_b, optimizer_b = (sum(column) for column in zip(*map(inputs.held, nodes)))
-    modules = list(dict.fromkeys(_unit_name(n) for n in nodes if n.op == "call_function"))
+    modules = list(dict.fromkeys(unit_name(n) for n in nodes if n.op == "call_function"))
     return StagePlan(
         index=s,
         rank=s % p,

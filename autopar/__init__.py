@@ -30,13 +30,19 @@ from autopar.ir.errors import (
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan, load_plan
+from autopar.ir.updates import Async, Hybrid, ParameterServer
 from autopar.planning.cost import Cluster, LinkSpec, get_cluster
 from autopar.planning.planner import plan
+from autopar.runtime.async_updates import worker_mesh
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.training_state import load_checkpoint, save_checkpoint
 
 __all__ = [
     "AnnotationError",
+    "Async",
+    "Hybrid",
+    "ParameterServer",
+    "worker_mesh",
     "AutoparError",
     "CaptureError",
     "CheckpointError",

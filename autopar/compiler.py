@@ -29,6 +29,7 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan
 from autopar.ir.printing import format_graph
+from autopar.ir.updates import Update, check_update
 from autopar.passes import PIPELINE
 from autopar.passes.context import PassContext
 from autopar.planning.cost import Cluster, CostModel
@@ -36,6 +37,7 @@ from autopar.planning.plan_fit import check_plan_fits
 from autopar.planning.planner import capture_for, layout_mesh, plan_captured
 from autopar.planning.planner import plan as plan_model
 from autopar.runtime import collectives
+from autopar.runtime.async_updates import compile_for_update
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import materialize
 from autopar.runtime.module import DistributedModule, LossFn
@@ -57,6 +59,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     memory: Memory | None = None,
     memory_budget: float | None = None,
     precision: MixedPrecision | None = None,
+    update: Update | None = None,
 ) -> torch.nn.Module:
     """Compile ``model`` for ``mesh`` (a ``DeviceMesh`` with axis names); see the module docstring.
 
@@ -74,7 +77,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     would (a transformers model's ``_init_weights``, other modules' ``reset_parameters()``),
     under ``seed``, identically on every rank; a meta tensor nothing initialises raises
     :class:`~autopar.ir.errors.InitializationError` naming it and the remedies.
+    ``update`` (:mod:`autopar.ir.updates`) replaces the data-parallel gradient sums by parameter
+    servers: ``mesh`` is then the workers' (``autopar.worker_mesh``), every rank of the job calls
+    this, and a server rank gets a ``ServerRank`` to ``serve()`` (``docs/update_modes.md``).
     """
+    if update is not None:
+        options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, precision=precision)
+        return _compile_for_update(
+            model, mesh, example_args, example_kwargs, update, pipeline, memory, options
+        )
     if isinstance(mesh, int) and not isinstance(mesh, bool) and example_args is not _ON_FIRST_CALL:
         options = dict(cluster=cluster, time_limit=time_limit, seed=seed, pipeline=pipeline, memory=memory)
         more = {"memory_budget": memory_budget, "precision": precision}
@@ -134,6 +145,43 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         )
     check_plan_fits(plan, captured)
     return build_module(model, mesh, stage_mesh, captured, plan, pipeline)
+
+
+def _compile_for_update(
+    model: torch.nn.Module,
+    mesh: Any,
+    example_args: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    update: Update,
+    pipeline: Pipeline | None,
+    memory: Memory | None,
+    options: dict[str, Any],
+) -> Any:
+    """``compile`` under an update mode: each unit compiled on its own mesh for its share of the
+    batch, without ZeRO (the optimizer state lives on the servers)."""
+    if not hasattr(mesh, "get_group") or example_args is _ON_FIRST_CALL:
+        raise CompileError(
+            "compile(..., update=...) needs the workers' DeviceMesh (autopar.worker_mesh) and example_args"
+        )
+    memory = memory or Memory(zero=0)
+    world = dist.get_world_size() if dist.is_initialized() else None
+    check_update(
+        update,
+        MeshSpec.of(mesh),
+        world=world,
+        pipeline=pipeline,
+        zero=memory.zero,
+        offload=memory.offload_optimizer,
+    )
+    return compile_for_update(
+        update,
+        mesh,
+        example_args,
+        example_kwargs,
+        lambda unit_mesh, args, kwargs: compile(
+            model, unit_mesh, args, example_kwargs=kwargs, memory=memory, **options
+        ),
+    )
 
 
 def _precision_of(plan: Plan | None, precision: MixedPrecision | None) -> MixedPrecision | None:

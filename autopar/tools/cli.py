@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 import torch
 
 from autopar.ir.options import MixedPrecision
+from autopar.planning import update_cost
 from autopar.planning.cost import get_cluster
 from autopar.tools.cli_inputs import (
     USAGE_ERROR,
@@ -44,6 +45,7 @@ from autopar.tools.cli_inputs import (
     parse_bytes,
     parse_counts,
     parse_mesh,
+    parse_slowdowns,
     positive_int,
     writable,
 )
@@ -97,6 +99,8 @@ def cmd_plan(a: argparse.Namespace) -> None:
         _, plan = _plan(a, model, args, kwargs, a.mesh)
     plan.source = [a.model, *a.options, f"--batch={a.batch}", f"--seq={a.seq}"]  # for `show plan.json`
     print(plan.summary(width=a.width, verbose=a.verbose))
+    if a.stragglers:  # sync against the update modes (docs/update_modes.md)
+        print(update_cost.compare_updates(plan, a.stragglers, a.batch))
     if a.output:
         plan.save(a.output)
         print(f"plan written to {a.output}")
@@ -422,6 +426,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("-o", "--output", type=writable, help="save the plan as JSON here")
     plan.add_argument("--verbose", action="store_true", help="every op and redistribution in the tables")
+    plan.add_argument("--stragglers", type=parse_slowdowns, help="e.g. 1,1,1,3: dp replicas' slowdowns")
     plan.set_defaults(run=cmd_plan)
     show = model_command("show", "print the per-rank program (or a saved plan's graph)")
     show.add_argument("--mesh", type=parse_mesh, default="dp=1", help="e.g. dp=2,tp=2")

@@ -11,6 +11,7 @@ import argparse
 import ast
 import difflib
 import importlib.util
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -81,6 +82,17 @@ def parse_counts(text: str) -> list[int]:
     if not all(w.strip().isdigit() and int(w) >= 1 for w in words):
         raise UsageError(f"devices {text!r}: expected counts >= 1 separated by commas, e.g. 1,2,4,8")
     return [int(w) for w in words]
+
+
+def parse_slowdowns(text: str) -> list[float]:
+    """``"1,1,1,3"`` -> ``[1.0, 1.0, 1.0, 3.0]``: how many times slower each replica runs, each >= 1."""
+    try:
+        found = [float(w) for w in text.split(",")]
+    except ValueError:
+        found = []
+    if not found or min(found) < 1 or not all(math.isfinite(f) for f in found):
+        raise UsageError(f"stragglers {text!r}: expected slowdowns >= 1 separated by commas, e.g. 1,1,1,3")
+    return found
 
 
 def cluster_name(name: str) -> str:

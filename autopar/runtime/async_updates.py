@@ -1,0 +1,284 @@
+"""Workers and servers of an update mode: the units, their programs, the exchange each step.
+
+``autopar.compile(model, mesh, example_args, update=...)`` (``mesh`` the workers' mesh, from
+:func:`worker_mesh`) lands here through :func:`compile_for_update`. The data-parallel axis's
+replicas are cut into ``units`` (each replica, or each ``Hybrid`` group); every unit compiles the
+model for its own mesh (the workers' mesh without the units: under ``Hybrid`` its replicas
+all-reduce there) and its share of the batch (dim 0 of every input cut in ``units``), so its
+program has no collective across units. On a worker rank the result is an
+:class:`UpdatedModule`; on a server rank a :class:`ServerRank` whose :meth:`~ServerRank.serve`
+runs :mod:`autopar.runtime.param_server`.
+
+A worker's step: ``train_step`` (forward and backward of its unit's share), then
+``optimizer.step()`` pushes each piece of gradient this rank owns to the server holding it and
+receives the parameters to start its next clock with, once the servers allow it (the
+staleness bound). A piece is owned by the first rank of the unit holding it, so a replicated
+parameter is pushed once per unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
+
+from autopar.ir.errors import OptionError, ShapeError
+from autopar.ir.mesh import MeshSpec
+from autopar.ir.updates import Update, check_update
+from autopar.runtime import param_server
+from autopar.runtime import update_wire as wire
+
+UNIT_AXIS = "autopar_unit"  # the axis of units in the mesh built over the workers
+# compile_unit(unit_mesh, args, kwargs) -> the unit's DistributedModule (the compiler's compile)
+UnitCompiler = Callable[[Any, tuple, dict], Any]
+_generations = [0]  # modules compiled under an update mode in this process (every rank alike)
+
+
+def worker_mesh(update: Update, sizes: Mapping[str, int], device_type: str = "cpu") -> DeviceMesh:
+    """The workers' ``DeviceMesh`` (axes ``sizes``, in order) over the job's first ranks, the last
+    ``update.servers`` ranks left to the servers. Every rank of the job calls it (servers too)."""
+    world = dist.get_world_size()
+    spec = MeshSpec(tuple(sizes), tuple(sizes.values()))
+    check_update(update, spec, world=world)
+    ranks = torch.arange(spec.size).reshape(spec.axis_sizes)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=spec.axis_names)
+
+
+def unit_share(tree: Any, unit: int, units: int) -> Any:
+    """Unit ``unit``'s share of every tensor in ``tree``: dim 0 cut in ``units`` equal pieces."""
+
+    def share(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dim() == 0 or t.shape[0] % units:
+            raise ShapeError(
+                f"under an update mode every input's dim 0 is the batch, cut among {units} units: "
+                f"got a tensor of shape {tuple(t.shape)}"
+            )
+        return t.chunk(units)[unit]
+
+    return pytree.tree_map(share, tree)
+
+
+def compile_for_update(
+    update: Update,
+    mesh: Any,
+    example_args: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    compile_unit: UnitCompiler,
+) -> UpdatedModule | ServerRank:
+    """This rank's part of a job under ``update``: see the module docstring (every rank calls it)."""
+    spec = MeshSpec.of(mesh)
+    world = dist.get_world_size()
+    check_update(update, spec, world=world)
+    axis = update.axis
+    i, replicas = spec.axis_index(axis), spec.axis_sizes[spec.axis_index(axis)]
+    units = update.units(replicas)
+    others = [a for a in spec.axis_names if a != axis]
+    shape = [units, replicas // units, *(spec.axis_sizes[spec.axis_index(a)] for a in others)]
+    ranks = mesh.mesh.movedim(i, 0).reshape(shape)
+    big = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(UNIT_AXIS, axis, *others))
+    workers = [int(r) for r in mesh.mesh.flatten()]
+    servers = [r for r in range(world) if r not in set(workers)]
+    store = wire.launcher_store(_generations[0])
+    _generations[0] += 1
+    coordinate = big.get_coordinate()
+    if coordinate is None:
+        return ServerRank(servers.index(dist.get_rank()), store, workers)
+    unit = coordinate[0]
+    unit_mesh = big[(axis, *others)]
+    args, kwargs = unit_share((example_args, dict(example_kwargs or {})), unit, units)
+    module = compile_unit(unit_mesh, args, kwargs)
+    return UpdatedModule(module, update, unit, units, unit_mesh, store, dist.get_rank(), len(servers))
+
+
+class ServerRank:
+    """A server rank of an update mode: call :meth:`serve` (it returns once every worker is done)."""
+
+    is_server = True
+
+    def __init__(self, index: int, store: Any, workers: list[int]) -> None:
+        self.index, self.store, self.workers = index, store, workers
+        self.log: list[tuple] = []
+
+    def serve(self, resume: str | Path | None = None) -> list[tuple]:
+        """Hold this server's parameters and optimizer state and answer the workers until every one
+        has finished (a dead worker may rejoin meanwhile). ``resume``: a folder a checkpoint was
+        saved to (:meth:`UpdatedModule.save_checkpoint`) to start from. Returns the server's log
+        (:class:`~autopar.runtime.param_server.ServerCore`)."""
+        core = param_server.ServerCore(self.index, resume)
+        param_server.serve(core, self.store, len(self.workers))
+        self.log = core.log
+        return core.log
+
+
+class UpdatedModule:
+    """A worker rank's view of a model trained under an update mode; see the module docstring.
+
+    Every attribute it does not define is its unit's ``DistributedModule``'s (``plan``, ``code``,
+    ``parameters()``, ``state_dict()``...). ``clock`` is the step this unit starts next;
+    ``log`` one ``(clock, server, staleness, version)`` per parameters received.
+    """
+
+    is_server = False
+
+    def __init__(
+        self,
+        module: Any,
+        update: Update,
+        unit: int,
+        units: int,
+        unit_mesh: Any,
+        store: Any,
+        rank: int,
+        servers: int,
+    ) -> None:
+        self.module, self.update, self.unit, self.units = module, update, unit, units
+        self.unit_mesh, self.store, self.rank, self.servers = unit_mesh, store, rank, servers
+        flat = unit_mesh.mesh.flatten().tolist()
+        self.unit_rank, self.unit_size = flat.index(rank), len(flat)
+        self.clock = 0
+        self.log: list[tuple[int, int, int, int]] = []
+        self._pairs: list[Any] = []
+        self._pieces = _pieces(module, unit_mesh, servers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def train_step(
+        self, inputs: Any, target: torch.Tensor | None = None, loss_fn: Any = None
+    ) -> torch.Tensor:
+        """Forward and backward of this unit's share of the global batch (dim 0 cut in ``units``);
+        returns this unit's loss. Step the optimizer from :meth:`optimizer` afterwards."""
+        inputs, target = unit_share((inputs, target), self.unit, self.units)
+        return self.module.train_step(inputs, target, loss_fn)
+
+    def optimizer(
+        self, optimizer_class: Callable[..., torch.optim.Optimizer], **options: Any
+    ) -> ServerOptimizer:
+        """Join the servers, which build ``optimizer_class(pieces, **options)`` over the pieces they
+        hold (the first worker's choice counts), and receive the parameters to start with; returns
+        what stands for that optimizer here."""
+        if self._pairs:
+            raise OptionError("optimizer(...) joins the servers once per module; it was called already")
+        incarnation = self.store.add(f"incarnation/{self.rank}", 1)
+        self.store.set(wire.join_key(self.rank, incarnation), "1")
+        self._pairs = [
+            wire.pair_group(self.store, s, self.rank, incarnation, on_server=False)
+            for s in range(self.servers)
+        ]
+        for s, pg in enumerate(self._pairs):
+            keys = [(key, tuple(_local(p).shape), p.dtype, owned) for key, p, owned in self._pieces[s]]
+            meta = {
+                "unit": self.unit,
+                "unit_rank": self.unit_rank,
+                "unit_size": self.unit_size,
+                "units": self.units,
+                "bound": self.update.bound,
+                "optimizer": (optimizer_class, options),
+                "keys": keys,
+                "worker": self.rank,
+                "incarnation": incarnation,
+            }
+            wire.send_header(pg, 0, wire.JOIN)
+            wire.send_object(pg, 0, meta)
+            wire.send_tensors(pg, 0, [_local(p) for _, p, owned in self._pieces[s] if owned])
+        self._receive()
+        return ServerOptimizer(self)
+
+    def _receive(self) -> None:
+        """The parameters of this unit's next clock from every server, written into this rank's pieces."""
+        for s, pg in enumerate(self._pairs):
+            _, clock, stale, version = wire.recv_header(pg, 0)
+            values = wire.recv_tensors(
+                pg, 0, [(tuple(_local(p).shape), p.dtype) for _, p, _ in self._pieces[s]]
+            )
+            with torch.no_grad():  # in place: the program's leaves share the DTensors' storage
+                for (_, p, _), v in zip(self._pieces[s], values):
+                    _local(p).copy_(v)
+            self.clock = clock
+            self.log.append((clock, s, stale, version))
+
+    def exchange(self) -> None:
+        """Push this rank's owned gradient pieces of the current clock, then receive the next clock's
+        parameters (waiting as the staleness bound says)."""
+        for s, pg in enumerate(self._pairs):
+            wire.send_header(pg, 0, wire.PUSH, self.clock)
+            wire.send_tensors(pg, 0, [_grad(p) for _, p, owned in self._pieces[s] if owned])
+        self._receive()
+
+    def save_checkpoint(self, folder: str | Path) -> None:
+        """Have every server write its whole state (pieces, optimizer state, clocks) under ``folder``,
+        between steps; the unit's first rank of unit 0 asks, the other ranks do nothing. A job
+        resumes from it with ``server.serve(resume=folder)``."""
+        if self.unit != 0 or self.unit_rank != 0:
+            return
+        for pg in self._pairs:
+            wire.send_header(pg, 0, wire.SAVE, self.clock)
+            wire.send_object(pg, 0, str(folder))
+            wire.recv_header(pg, 0)
+
+    def close(self) -> None:
+        """Tell the servers this rank is done (its unit stops counting)."""
+        for pg in self._pairs:
+            wire.send_header(pg, 0, wire.DONE, self.clock)
+        self._pairs = []
+
+
+class ServerOptimizer:
+    """Stands, on a worker, for the optimizer the servers run: :meth:`step` is the exchange."""
+
+    def __init__(self, owner: UpdatedModule) -> None:
+        self.owner = owner
+
+    def step(self) -> None:
+        """Push this step's gradients and receive the parameters of the next (see
+        :meth:`UpdatedModule.exchange`)."""
+        self.owner.exchange()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in _trained(self.owner.module):
+            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of DTensor ``p``, sharing its storage."""
+    return p.detach().to_local()
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``p``'s gradient (zeros where backward gave it none)."""
+    return torch.zeros_like(_local(p)) if p.grad is None else p.grad.to_local()
+
+
+def _trained(module: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(fqn, p) for fqn, p in module.named_parameters() if p.requires_grad]
+
+
+def _pieces(
+    module: Any, unit_mesh: Any, servers: int
+) -> list[list[tuple[wire.PieceKey, torch.Tensor, bool]]]:
+    """Per server, this rank's pieces it holds: ``(key, parameter, owned)``.
+
+    Parameters go to servers by size, largest first, each to the least loaded (the same on every
+    rank). A piece's key is the parameter and this rank's coordinates on the axes splitting it;
+    the rank owns it (pushes its gradient) where its other coordinates are 0.
+    """
+    coordinate = unit_mesh.get_coordinate()
+    params = _trained(module)
+    loads, server_of = [0] * servers, {}
+    for fqn, p in sorted(params, key=lambda x: (-x[1].numel() * x[1].element_size(), x[0])):
+        s = loads.index(min(loads))
+        server_of[fqn], loads[s] = s, loads[s] + p.numel() * p.element_size()
+    found: list[list[tuple[wire.PieceKey, torch.Tensor, bool]]] = [[] for _ in range(servers)]
+    for fqn, p in params:
+        split = [pl.is_shard() for pl in p.placements]
+        key = (fqn, tuple(c if s else -1 for c, s in zip(coordinate, split)))
+        owned = all(c == 0 for c, s in zip(coordinate, split) if not s)
+        found[server_of[fqn]].append((key, p, owned))
+    return found

@@ -14,7 +14,6 @@ import autopar
 from autopar.ir.report import GRADIENT_SUM
 from autopar.planning.cost import get_cluster
 from autopar.planning.step_overheads import (
-    BUCKET_BYTES,
     FP32_BYTES,
     OPTIMIZER_OPS_PER_TENSOR,
     GradSum,
@@ -27,7 +26,6 @@ from autopar.planning.step_overheads import (
     update_seconds,
     whole_step,
 )
-from autopar.runtime import grad_reducer
 from examples import gpt
 
 BASE = get_cluster("fast-links")
@@ -39,10 +37,12 @@ def _sum(param: str, group: int = 0, mib: float = 1.0, wire: float = 1.0, first_
 
 
 def test_buckets_are_packed_as_the_runtime_packs_them():
-    assert BUCKET_BYTES == grad_reducer.BUCKET_BYTES
     sums = [_sum("p0", mib=10), _sum("p1", group=1), _sum("p2", mib=10), _sum("p3", mib=10)]
-    # reversed, grouped by axes (groups in order of first appearance), cut past 25 MiB
-    assert [[s.param for s in b] for b in buckets(sums)] == [["p3", "p2"], ["p0"], ["p1"]]
+    sums += [_sum("p4", mib=0.5), _sum("p5", mib=0.25), _sum("p6", mib=0.5)]
+    # reversed, grouped by axes (groups in order of first appearance); the first bucket is cut
+    # past 1 MiB, the others past 25 MiB (GradReducer packs with the same function)
+    packed = [[s.param for s in b] for b in buckets(sums)]
+    assert packed == [["p6", "p5"], ["p4", "p3", "p2"], ["p0"], ["p1"]]
 
 
 def test_a_bucket_is_hidden_behind_the_backward_that_follows_its_launch_but_the_last_never():

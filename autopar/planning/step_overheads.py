@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.ir.buckets import pack
 from autopar.ir.options import Memory
 from autopar.ir.plan import Redistribution
 from autopar.planning.cluster import Cluster
@@ -46,8 +47,6 @@ OPTIMIZER_OPS_PER_TENSOR = 10
 # The share of an op's priced compute that runs in backward: the strategy graph prices an op a
 # gradient flows through at three times its forward (its backward computes two products per one).
 BACKWARD_SHARE = 2 / 3
-# GradReducer's bucket size (autopar.runtime.grad_reducer.BUCKET_BYTES; a test keeps them equal).
-BUCKET_BYTES = 25 * 2**20
 FP32_BYTES = 4
 
 
@@ -116,25 +115,9 @@ class GradSum:
 
 
 def buckets(sums: Sequence[GradSum]) -> list[list[GradSum]]:
-    """``sums`` (in the order the runtime lists parameters) packed as GradReducer packs them.
-
-    Parameters are taken in reverse order, grouped by ``group`` (groups in order of first
-    appearance), and each group cut into buckets: a new one at the group's first parameter and
-    wherever the next would take the bucket past :data:`BUCKET_BYTES`.
-    """
-    groups: dict[tuple, list[GradSum]] = {}
-    for s in reversed(sums):
-        groups.setdefault(s.group, []).append(s)
-    found: list[list[GradSum]] = []
-    for group in groups.values():
-        size = 0.0
-        for k, s in enumerate(group):
-            if k == 0 or size + s.leaf_bytes > BUCKET_BYTES:
-                found.append([])
-                size = 0.0
-            found[-1].append(s)
-            size += s.leaf_bytes
-    return found
+    """``sums`` (in the order the runtime lists parameters) packed as GradReducer packs them
+    (:func:`autopar.ir.buckets.pack`, by ``group`` and ``leaf_bytes``)."""
+    return pack(sums, lambda s: s.group, lambda s: s.leaf_bytes)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from autopar.ir.buckets import BUCKET_BYTES, pack
 from autopar.runtime import collectives
 from autopar.runtime.materialize import as_dtensor
 from autopar.runtime.optimizer import ZeroShard
-
-# As DDP: a small first bucket, so the first sum starts early in backward, then big ones.
-FIRST_BUCKET_BYTES = 2**20
-BUCKET_BYTES = 25 * 2**20
 
 
 class GradReducer:
@@ -30,9 +27,9 @@ class GradReducer:
     :class:`~autopar.runtime.module.DistributedModule`); when a leaf's gradient is
     complete, its post-accumulate hook takes it. A gradient that needs
     no sum goes straight to ``p.grad`` (as a DTensor). The others are copied into a
-    persistent flat buffer per bucket (the first about 1 MiB, the others about
-    ``bucket_bytes``; one set of mesh axes per bucket, parameters in reverse order,
-    roughly the order backward produces them);
+    persistent flat buffer per bucket (packed by :func:`autopar.ir.buckets.pack`: the first
+    about 1 MiB, the others about ``bucket_bytes``; one set of mesh axes per bucket,
+    parameters in reverse order, roughly the order backward produces them);
     a full bucket is all-reduced asynchronously, overlapping the rest of backward, and
     the last bucket of a backward pass waits for all of them and hands out views of the
     sums. Every backward pass's contribution is summed and added to ``p.grad``, so
@@ -67,23 +64,12 @@ class GradReducer:
         self.scattered = dict(scattered or {})
         self.split: list[ZeroShard | None] = []  # per bucket: a shard of its split axis (ZeRO-2)
         self.leaf_of = {id(p): leaf for p, leaf, _ in params}
-        by_axes: dict[tuple, list[torch.nn.Parameter]] = {}
-        for p, _leaf, axes in reversed(params):
-            if axes:
-                zero = self.scattered.get(id(p))
-                by_axes.setdefault((axes, zero.axis if zero else None), []).append(p)
-        for (axes, split), group in by_axes.items():
-            size = 0
-            for k, p in enumerate(group):
-                nbytes = self.leaf_of[id(p)].numel() * self.leaf_of[id(p)].element_size()
-                cap = bucket_bytes if self.buckets else FIRST_BUCKET_BYTES
-                if k == 0 or size + nbytes > cap:
-                    self.buckets.append([])
-                    self.axes.append(axes)
-                    self.split.append(self.scattered[id(p)] if split else None)
-                    size = 0
-                self.buckets[-1].append(p)
-                size += nbytes
+        summed = [(p, axes) for p, _leaf, axes in params if axes]
+        for bucket in pack(summed, self._group_of, lambda item: self._leaf_bytes(item[0]), bucket_bytes):
+            p = bucket[0][0]
+            self.buckets.append([q for q, _ in bucket])
+            self.axes.append(bucket[0][1])
+            self.split.append(self.scattered.get(id(p)))
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         # a scattered bucket's offsets are within one rank's region
         self.offsets = []
@@ -111,6 +97,15 @@ class GradReducer:
         for p, leaf, _ in params:
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(lambda leaf, p=p: self._ready(p, leaf))
+
+    def _group_of(self, item: tuple[torch.nn.Parameter, tuple[str, ...]]) -> tuple:
+        """What a bucket's parameters share: the axes summed over and ZeRO-2's split axis."""
+        zero = self.scattered.get(id(item[0]))
+        return item[1], zero.axis if zero else None
+
+    def _leaf_bytes(self, p: torch.nn.Parameter) -> int:
+        leaf = self.leaf_of[id(p)]
+        return leaf.numel() * leaf.element_size()
 
     def _dtype(self, i: int) -> torch.dtype:
         """Bucket ``i``'s dtype: the reduce dtype, else its parameters' own."""

@@ -135,6 +135,9 @@ class ServerCore:
             self.keys_of[meta["unit"]] += [k for k, _, _, _ in meta["keys"] if k not in known]
             if self.clocks is None:
                 self.clocks = Clocks(meta["units"], meta["bound"])
+                if self.resume is not None:  # the clocks first: the units start where they were
+                    saved = torch.load(Path(self.resume) / f"server-{self.index}.pt", weights_only=True)
+                    self.clocks.applied, self.version = list(saved["applied"]), saved["version"]
                 self.units = meta["units"]
                 self.optimizer_spec = meta["optimizer"]
             self.cond.notify_all()
@@ -228,8 +231,6 @@ class ServerCore:
             for key, p in self.pieces.items():
                 p.copy_(state["pieces"][_name(key)])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.clocks.applied = list(state["applied"])
-        self.version = state["version"]
 
 
 def _name(key: wire.PieceKey) -> str:

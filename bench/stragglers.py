@@ -1,0 +1,166 @@
+"""Update modes against a straggler: the example GPT on 4 gloo workers (+1 server), one slowed 3x.
+
+``python bench/stragglers.py`` (from the repository's root, ``PYTHONPATH=.``) measures samples/s of
+synchronous all-reduce, the parameter server, bounded and unbounded asynchronous updates and the
+hybrid (2 groups of 2) while worker 3 sleeps twice its own compute after every step (3x slower),
+beside what :mod:`autopar.planning.update_cost` predicts; ``--convergence`` trains a learnable task
+(each sequence counts up from a random start: the next token is the previous plus one) for the same
+number of samples under sync and async with staleness 1 and 2, with the same straggler, and plots
+the loss curves (``--plot``). Results: ``docs/update_modes.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.planning.update_cost import predict_update
+from autopar.tools.launch import spawn
+from examples import gpt
+
+WORKERS, SLOW, BATCH = 4, 3, 16
+CONFIG = dict(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
+MODES = {
+    "sync": None,
+    "parameter server": autopar.ParameterServer(),
+    "async, staleness 1": autopar.Async(staleness=1),
+    "async, staleness 2": autopar.Async(staleness=2),
+    "async, unbounded": autopar.Async(staleness=None),
+    "hybrid 2x2, staleness 1": autopar.Hybrid(groups=2, staleness=1),
+    "hybrid 2x2, unbounded": autopar.Hybrid(groups=2, staleness=None),
+}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch of the counting task, the same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, CONFIG["vocab_size"], (BATCH, 1), generator=g)
+    seq = (start + torch.arange(CONFIG["seq_len"] + 1)) % CONFIG["vocab_size"]
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _compiled(mode: str) -> tuple[object, object]:
+    torch.manual_seed(0)
+    model, (idx, _) = gpt.build(batch_size=BATCH, **CONFIG)
+    update = MODES[mode]
+    if update is None:
+        mesh = init_device_mesh("cpu", (WORKERS,), mesh_dim_names=("dp",))
+        return autopar.compile(model, mesh, (idx,)), mesh
+    mesh = autopar.worker_mesh(update, {"dp": WORKERS})
+    return autopar.compile(model, mesh, (idx,), update=update), mesh
+
+
+def run(mode: str, steps: int, seconds: float, lr: float) -> dict:
+    """One rank's part: ``steps`` steps (sync, or every unit under an update mode), or as many as
+    fit in ``seconds`` when it is above 0; worker :data:`SLOW` sleeps twice its compute each step."""
+    dmodel, mesh = _compiled(mode)
+    if dmodel.is_server if hasattr(dmodel, "is_server") else False:
+        dmodel.serve()
+        return {}
+    optimizer = dmodel.optimizer(torch.optim.AdamW, lr=lr, foreach=True)
+    losses, done = [], 0
+    dist.barrier(group=mesh.get_group("dp"))
+    t0 = time.perf_counter()
+    clock = getattr(dmodel, "clock", 0)
+    while (done < steps) if seconds <= 0 else (time.perf_counter() - t0 < seconds or mode == "sync"):
+        t = time.perf_counter()
+        x, y = batch(clock + done)
+        losses.append(dmodel.train_step((x,), y, gpt.loss_fn).item())
+        if dist.get_rank() == SLOW:
+            time.sleep(2 * (time.perf_counter() - t))
+        optimizer.step()
+        optimizer.zero_grad()
+        done += 1
+        if mode == "sync" and seconds > 0:  # everyone stops together: rank 0 says when
+            flag = torch.tensor([float(time.perf_counter() - t0 >= seconds)])
+            dist.broadcast(flag, 0, group=mesh.get_group("dp"))
+            if flag.item():
+                break
+    elapsed = time.perf_counter() - t0
+    if hasattr(dmodel, "close"):
+        dmodel.close()
+    share = BATCH // WORKERS  # each rank's replica's share of a step's batch
+    return {
+        "steps": done,
+        "elapsed": elapsed,
+        "samples": done * share,
+        "losses": losses,
+        "log": getattr(dmodel, "log", []),
+    }
+
+
+def predicted() -> dict[str, float]:
+    """Samples/s :func:`predict_update` gives each mode on the ``cpu-gloo`` preset."""
+    torch.manual_seed(0)
+    model, (idx, _) = gpt.build(batch_size=BATCH, device="meta", **CONFIG)
+    plan = autopar.plan(model, (idx,), {"dp": WORKERS}, cluster="cpu-gloo")
+    slow = [1.0] * WORKERS
+    slow[SLOW] = 3.0
+    return {m: predict_update(plan, u, slow, BATCH).samples_per_s for m, u in MODES.items()}
+
+
+def stragglers(seconds: float) -> list[dict]:
+    rows, expect = [], predicted()
+    for mode in MODES:
+        ranks = spawn(run, WORKERS + (0 if MODES[mode] is None else 1), mode, 0, seconds, 1e-3)
+        workers = [r for r in ranks if r]
+        rate = sum(r["samples"] for r in workers) / max(r["elapsed"] for r in workers)
+        if mode == "sync":
+            rate = workers[0]["samples"] * WORKERS / workers[0]["elapsed"]
+        stale = max((entry[2] for r in workers for entry in r["log"]), default=0)
+        rows.append({"mode": mode, "measured": rate, "predicted": expect[mode], "max_staleness": stale})
+        print(
+            f"{mode:<26} measured {rate:7.1f} samples/s, predicted {expect[mode]:7.1f}; staleness <= {stale}"
+        )
+    return rows
+
+
+def convergence(steps: int, plot: str | None) -> dict[str, list[float]]:
+    curves = {}
+    for mode in ("sync", "async, staleness 1", "async, staleness 2"):
+        ranks = [r for r in spawn(run, WORKERS + (mode != "sync"), mode, steps, 0.0, 3e-3) if r]
+        curves[mode] = [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(steps)]
+        tail = sum(curves[mode][-5:]) / 5
+        print(f"{mode:<20} loss over the last 5 steps {tail:.4f}")
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for mode, curve in curves.items():
+            ax.plot([(i + 1) * BATCH for i in range(steps)], curve, label=mode)
+        ax.set(
+            xlabel="samples",
+            ylabel="training loss",
+            yscale="log",
+            title="GPT, counting task, 4 workers, one 3x slower",
+        )
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=120)
+    return curves
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="timed training per mode")
+    parser.add_argument("--convergence", type=int, default=0, help="steps of the convergence run (0: none)")
+    parser.add_argument("--plot", help="write the convergence curves here (.png)")
+    parser.add_argument("--json", help="write the figures here")
+    a = parser.parse_args()
+    found = {
+        "date": time.strftime("%Y-%m-%d"),
+        "convergence": convergence(a.convergence, a.plot) if a.convergence else {},
+    }
+    found["stragglers"] = stragglers(a.seconds) if a.seconds > 0 else []
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(found, f, indent=1)

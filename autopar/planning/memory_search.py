@@ -24,6 +24,7 @@ from autopar.planning.memory import MemoryChoice
 from autopar.planning.memory_tables import MemoryTerms
 from autopar.planning.solver import SolverClock, SolverStats, StrategyILP
 from autopar.planning.stage_split import PipelineFitError
+from autopar.planning.strategy_graph import StrategyGraph
 
 
 class _Solved(NamedTuple):
@@ -169,17 +170,7 @@ def _solve_within(search: Search, choice: MemoryChoice, limit: float | None, way
     if solved is None:
         return None
     assignment, stats = solved
-    report = SolverReport(
-        variables=stats.variables,
-        constraints=stats.constraints,
-        roots=len(g.roots),
-        tied_blocks=g.tied_blocks,
-        capture_s=0.0,
-        build_s=stats.build_seconds,
-        solve_s=stats.solve_seconds,
-        gap=stats.gap,
-        status=stats.status,
-    )
+    report = _report(g, stats)
     try:
         result = assemble_plan(setting, choice, assignment, report)
     except PipelineFitError:
@@ -189,6 +180,22 @@ def _solve_within(search: Search, choice: MemoryChoice, limit: float | None, way
     if result.peak_memory_bytes > setting.budget:
         search.tried.append((result, choice))
     return _Solved(result, stats, assignment)
+
+
+def _report(g: StrategyGraph, stats: SolverStats | None) -> SolverReport:
+    """The report of one solve of ``g``'s ILP; with no ``stats``, of the least-memory solve
+    (capture time is the planner's to add)."""
+    return SolverReport(
+        variables=stats.variables if stats else 0,
+        constraints=stats.constraints if stats else 0,
+        roots=len(g.roots),
+        tied_blocks=g.tied_blocks,
+        capture_s=0.0,
+        build_s=stats.build_seconds if stats else 0.0,
+        solve_s=stats.solve_seconds if stats else 0.0,
+        gap=stats.gap if stats else 0.0,
+        status=stats.status if stats else "MIN_MEMORY",
+    )
 
 
 def _last_fits(search: Search, last: MemoryChoice) -> bool:
@@ -204,18 +211,7 @@ def _least_memory(search: Search, choice: MemoryChoice) -> Plan:
     ilp = _ilp(search, choice)
     assignment, _ = ilp.minimum_memory(time_limit=search.clock.share(), seed=search.seed)
     search.clock.spend(ilp)
-    g = search.setting.graph
-    report = SolverReport(
-        variables=0,
-        constraints=0,
-        roots=len(g.roots),
-        tied_blocks=g.tied_blocks,
-        capture_s=0.0,
-        build_s=0.0,
-        solve_s=0.0,
-        gap=0.0,
-        status="MIN_MEMORY",
-    )
+    report = _report(search.setting.graph, None)
     plan = assemble_plan(replace(search.setting, budget=None), choice, assignment, report)
     search.tried.append((plan, choice))
     return plan

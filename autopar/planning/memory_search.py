@@ -129,8 +129,9 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways:
     solver time left (the candidates still to solve share it). Its memory estimate is per node (see
     :mod:`autopar.planning.memory_tables`); the plan's figure is exact (:mod:`autopar.planning.memory`).
     Where it exceeds the budget, the ILP's limit is lowered by the difference and solved
-    again (twice at most). Under a pipeline the budget bounds each stage (the ILP does
-    not see microbatches in flight), so the ILP has no limit and each choice is solved once.
+    again (twice at most, and only while the exact figure keeps falling). Under a pipeline
+    the budget bounds each stage (the ILP does not see microbatches in flight), so the ILP
+    has no limit and each choice is solved once.
     With no limit, ``constrained`` only says that a plan that does not fit is None.
     """
     budget = search.setting.budget
@@ -144,16 +145,19 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways:
         solved = search.unlimited[key]
         fits = solved is not None and solved.plan.peak_memory_bytes <= budget
         return solved if fits or not constrained else None
+    least = math.inf  # the least exact memory of this choice's solves so far
     for _ in range(3):
         if search.clock.share(ways) <= 0:
             return None
         solved = _solve_within(search, choice, limit, ways)
         if solved is None:
             return None
-        over = solved.plan.peak_memory_bytes - budget
-        if over <= 0:
+        peak = solved.plan.peak_memory_bytes
+        if peak <= budget:
             return solved
-        limit -= over
+        if peak >= least:  # a lower limit did not lower the exact figure: another will not either
+            return None
+        least, limit = peak, limit - (peak - budget)
     return None
 
 

@@ -33,7 +33,7 @@ from autopar.ir.plan import Plan, load_plan
 from autopar.ir.updates import Async, Hybrid, ParameterServer
 from autopar.planning.cost import Cluster, LinkSpec, get_cluster
 from autopar.planning.planner import plan
-from autopar.runtime.async_updates import worker_mesh
+from autopar.runtime.async_updates import rejoin_mesh, worker_mesh
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.training_state import load_checkpoint, save_checkpoint
 
@@ -42,6 +42,7 @@ __all__ = [
     "Async",
     "Hybrid",
     "ParameterServer",
+    "rejoin_mesh",
     "worker_mesh",
     "AutoparError",
     "CaptureError",

@@ -37,7 +37,7 @@ from autopar.planning.plan_fit import check_plan_fits
 from autopar.planning.planner import capture_for, layout_mesh, plan_captured
 from autopar.planning.planner import plan as plan_model
 from autopar.runtime import collectives
-from autopar.runtime.async_updates import compile_for_update
+from autopar.runtime.async_updates import Rejoining, compile_for_update
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import materialize
 from autopar.runtime.module import DistributedModule, LossFn
@@ -79,7 +79,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     :class:`~autopar.ir.errors.InitializationError` naming it and the remedies.
     ``update`` (:mod:`autopar.ir.updates`) replaces the data-parallel gradient sums by parameter
     servers: ``mesh`` is then the workers' (``autopar.worker_mesh``), every rank of the job calls
-    this, and a server rank gets a ``ServerRank`` to ``serve()`` (``docs/update_modes.md``).
+    this, and a server rank gets a ``ServerRank`` to ``serve()``; a worker rank restarted alone
+    passes ``autopar.rejoin_mesh(...)`` (``docs/update_modes.md``).
     """
     if update is not None:
         options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, precision=precision)
@@ -159,15 +160,17 @@ def _compile_for_update(
 ) -> Any:
     """``compile`` under an update mode: each unit compiled on its own mesh for its share of the
     batch, without ZeRO (the optimizer state lives on the servers)."""
-    if not hasattr(mesh, "get_group") or example_args is _ON_FIRST_CALL:
+    rejoining = isinstance(mesh, Rejoining)
+    if not (rejoining or hasattr(mesh, "get_group")) or example_args is _ON_FIRST_CALL:
         raise CompileError(
-            "compile(..., update=...) needs the workers' DeviceMesh (autopar.worker_mesh) and example_args"
+            "compile(..., update=...) needs the workers' DeviceMesh (autopar.worker_mesh, or "
+            "autopar.rejoin_mesh for a restarted worker) and example_args"
         )
     memory = memory or Memory(zero=0)
-    world = dist.get_world_size() if dist.is_initialized() else None
+    world = dist.get_world_size() if dist.is_initialized() and not rejoining else None
     check_update(
         update,
-        MeshSpec.of(mesh),
+        mesh.spec if rejoining else MeshSpec.of(mesh),
         world=world,
         pipeline=pipeline,
         zero=memory.zero,

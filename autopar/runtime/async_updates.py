@@ -19,6 +19,7 @@ parameter is pushed once per unit.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,48 @@ def worker_mesh(update: Update, sizes: Mapping[str, int], device_type: str = "cp
     return DeviceMesh(device_type, ranks, mesh_dim_names=spec.axis_names)
 
 
+@dataclass(frozen=True)
+class Rejoining:
+    """What a worker rank restarted alone compiles for (see :func:`rejoin_mesh`): the job's
+    workers' mesh ``spec``, the rank it was in the job, and this process's one-rank ``mesh``."""
+
+    spec: MeshSpec
+    rank: int
+    mesh: DeviceMesh
+
+
+def rejoin_mesh(update: Update, sizes: Mapping[str, int], rank: int, device_type: str = "cpu") -> Rejoining:
+    """For a worker rank restarted on its own while the job's other ranks run on: pass the result
+    to ``autopar.compile(..., update=update)`` in place of :func:`worker_mesh`'s mesh.
+
+    ``sizes`` are the job's workers' mesh, ``rank`` the rank this process replaces. The process
+    has no process group of the job (the job's world lost a rank for good): unless it has one
+    already, it gets a group of its own, met through the launcher's store at
+    ``MASTER_ADDR:MASTER_PORT`` (which must outlive the dead rank: torchrun's agent store, or a
+    store the launcher hosts). Only units of one rank can rejoin, each replica a unit and no
+    other axis: a unit of several ranks that lost one would need all of them restarted.
+    """
+    spec = MeshSpec(tuple(sizes), tuple(sizes.values()))
+    check_update(update, spec)
+    units = update.units(spec.axis_sizes[spec.axis_index(update.axis)])
+    if units != spec.size:
+        raise OptionError(
+            f"rejoin_mesh: only units of one rank can rejoin, but {update!r} on mesh {spec} makes units of "
+            f"{spec.size // units} ranks"
+        )
+    if not 0 <= rank < spec.size:
+        raise OptionError(f"rejoin_mesh(rank={rank}): the workers are ranks 0 to {spec.size - 1}")
+    if not dist.is_initialized():
+        client = wire.launcher_store(None)
+        attempt = client.add(f"rejoin/{rank}", 1)
+        own = dist.PrefixStore(f"rejoin/{rank}/{attempt}/", client)
+        dist.init_process_group("gloo", store=own, rank=0, world_size=1)
+    mesh = DeviceMesh(
+        device_type, torch.zeros((1,) * len(sizes), dtype=torch.int), mesh_dim_names=spec.axis_names
+    )
+    return Rejoining(spec, rank, mesh)
+
+
 def unit_share(tree: Any, unit: int, units: int) -> Any:
     """Unit ``unit``'s share of every tensor in ``tree``: dim 0 cut in ``units`` equal pieces."""
 
@@ -72,7 +115,10 @@ def compile_for_update(
     example_kwargs: Mapping[str, Any] | None,
     compile_unit: UnitCompiler,
 ) -> UpdatedModule | ServerRank:
-    """This rank's part of a job under ``update``: see the module docstring (every rank calls it)."""
+    """This rank's part of a job under ``update``: see the module docstring (every rank calls it;
+    a restarted worker rank alone, with a :func:`rejoin_mesh`)."""
+    if isinstance(mesh, Rejoining):
+        return _rejoin(update, mesh, example_args, example_kwargs, compile_unit)
     spec = MeshSpec.of(mesh)
     world = dist.get_world_size()
     check_update(update, spec, world=world)
@@ -95,6 +141,25 @@ def compile_for_update(
     args, kwargs = unit_share((example_args, dict(example_kwargs or {})), unit, units)
     module = compile_unit(unit_mesh, args, kwargs)
     return UpdatedModule(module, update, unit, units, unit_mesh, store, dist.get_rank(), len(servers))
+
+
+def _rejoin(
+    update: Update,
+    rejoining: Rejoining,
+    example_args: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    compile_unit: UnitCompiler,
+) -> UpdatedModule:
+    """The unit of a restarted worker rank: a unit of one rank, its index the rank's (the job's
+    workers' mesh has no other axis; see :func:`rejoin_mesh`)."""
+    units = rejoining.spec.size
+    store = wire.launcher_store(_generations[0])
+    _generations[0] += 1
+    args, kwargs = unit_share((example_args, dict(example_kwargs or {})), rejoining.rank, units)
+    module = compile_unit(rejoining.mesh, args, kwargs)
+    return UpdatedModule(
+        module, update, rejoining.rank, units, rejoining.mesh, store, rejoining.rank, update.servers
+    )
 
 
 class ServerRank:
@@ -140,8 +205,8 @@ class UpdatedModule:
     ) -> None:
         self.module, self.update, self.unit, self.units = module, update, unit, units
         self.unit_mesh, self.store, self.rank, self.servers = unit_mesh, store, rank, servers
-        flat = unit_mesh.mesh.flatten().tolist()
-        self.unit_rank, self.unit_size = flat.index(rank), len(flat)
+        flat = unit_mesh.mesh.flatten().tolist()  # ranks of this process's group (a rejoined one's own)
+        self.unit_rank, self.unit_size = flat.index(dist.get_rank()), len(flat)
         self.clock = 0
         self.log: list[tuple[int, int, int, int]] = []
         self._pairs: list[Any] = []

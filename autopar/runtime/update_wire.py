@@ -30,12 +30,14 @@ PAIR_TIMEOUT = datetime.timedelta(minutes=30)
 PieceKey = tuple[str, tuple[int, ...]]  # (parameter fqn, coordinates of the piece on its split axes)
 
 
-def launcher_store(generation: int) -> dist.Store:
+def launcher_store(generation: int | None) -> dist.Store:
     """A client of the store the launcher (torchrun, or rank 0 of an ``env://`` job) serves at
     ``MASTER_ADDR:MASTER_PORT``, under :data:`PREFIX` and ``generation`` (how many modules this job
-    compiled under an update mode before: each one's workers and servers meet apart)."""
+    compiled under an update mode before: each one's workers and servers meet apart; None: the
+    keys of no module, such as a restarted rank's own group)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    return dist.PrefixStore(f"{PREFIX}{generation}/", dist.TCPStore(host, port, is_master=False))
+    where = "job" if generation is None else generation
+    return dist.PrefixStore(f"{PREFIX}{where}/", dist.TCPStore(host, port, is_master=False))
 
 
 def pair_group(store: dist.Store, server: int, worker: int, incarnation: int, on_server: bool) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,19 +140,45 @@ def _train(update: autopar.ParameterServer | None, mesh: object, steps: int, slo
     return {"losses": losses, "weights": weights, "log": getattr(dmodel, "log", [])}
 
 
-def _modes() -> dict:
-    """On 3 ranks: sync on the 2 workers, then the parameter server, staleness 0, staleness 1."""
+def _checkpointed(mesh: object, folder: str) -> dict[str, dict[int, float]]:
+    """Losses of 5 parameter-server steps with the servers checkpointed after the third, then of a
+    job resumed from that checkpoint (from a model initialised otherwise: the servers' state counts)."""
+    update, found = autopar.ParameterServer(), {}
+    for phase, seed in (("whole", 0), ("resumed", 1)):
+        torch.manual_seed(seed)
+        model, (idx, _) = gpt.build(batch_size=8)
+        dmodel = autopar.compile(model, mesh, (idx,), update=update)
+        if dmodel.is_server:
+            dmodel.serve(resume=folder if phase == "resumed" else None)
+            continue
+        optimizer = dmodel.optimizer(torch.optim.AdamW, lr=1e-2)
+        losses = found.setdefault(phase, {})
+        for step in range(dmodel.clock, 5):
+            x, y = _batch(step)
+            losses[step] = dmodel.train_step((x,), y, gpt.loss_fn).item()
+            optimizer.step()
+            optimizer.zero_grad()
+            if phase == "whole" and step == 2:
+                dmodel.save_checkpoint(folder)
+        dmodel.close()
+    return found
+
+
+def _modes(folder: str) -> dict:
+    """On 3 ranks: sync on the 2 workers, then the parameter server, staleness 0, staleness 1, and a
+    checkpoint of the servers resumed."""
     mesh = autopar.worker_mesh(autopar.ParameterServer(), {"dp": 2})
     found = {"sync": _train(None, mesh, 3) if dist.get_rank() < 2 else {}}
     found["ps"] = _train(autopar.ParameterServer(), mesh, 3)
     found["s0"] = _train(autopar.Async(staleness=0), mesh, 3)
     found["s1"] = _train(autopar.Async(staleness=1), mesh, 8, slow=0.15)
+    found["resume"] = _checkpointed(mesh, folder)
     return found
 
 
 @pytest.mark.slow
-def test_parameter_server_and_staleness_0_are_synchronous_and_the_bound_holds() -> None:
-    ranks = spawn(_modes, 3)
+def test_parameter_server_and_staleness_0_are_synchronous_and_the_bound_holds(tmp_path: Path) -> None:
+    ranks = spawn(_modes, 3, str(tmp_path))
     torch.manual_seed(0)
     model, _ = gpt.build(batch_size=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -179,3 +206,8 @@ def test_parameter_server_and_staleness_0_are_synchronous_and_the_bound_holds() 
     server = ranks[2]["s1"]["server_log"]
     assert all(e[3] <= 1 for e in server if e[0] == "start")
     assert sum(1 for e in server if e[0] == "apply") == 16  # one optimizer step per push
+    # the servers' checkpoint: a job resumed from it starts at clock 3 and runs as the whole one did
+    for worker in ranks[:2]:
+        whole, resumed = worker["resume"]["whole"], worker["resume"]["resumed"]
+        assert sorted(resumed) == [3, 4]
+        torch.testing.assert_close([resumed[3], resumed[4]], [whole[3], whole[4]], rtol=1e-6, atol=1e-6)

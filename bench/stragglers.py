@@ -2,7 +2,8 @@
 
 ``python bench/stragglers.py`` (from the repository's root, ``PYTHONPATH=.``) measures samples/s of
 synchronous all-reduce, the parameter server, bounded and unbounded asynchronous updates and the
-hybrid (2 groups of 2) while worker 3 sleeps twice its own compute after every step (3x slower),
+hybrid (2 groups of 2) while worker 3 sleeps twice its own compute after every step (3x slower; its
+compute timed once on a plain copy of the model, the same delay in every mode),
 beside what :mod:`autopar.planning.update_cost` predicts; ``--convergence`` trains a learnable task
 (each sequence counts up from a random start: the next token is the previous plus one) for the same
 number of samples under sync and async with staleness 1 and 2, with the same straggler, and plots
@@ -45,6 +46,22 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
+def _own_compute_s() -> float:
+    """This rank's forward and backward of one replica's share of a batch (BATCH / WORKERS samples)
+    on a plain copy of the model, median of 5: the delay the straggler adds is twice this in every
+    mode alike (timing its compiled step instead would count, under sync, the waits for the others
+    inside it, and slow sync's straggler more than the others')."""
+    torch.manual_seed(0)
+    model, _ = gpt.build(batch_size=BATCH, **CONFIG)
+    x, y = (t[: BATCH // WORKERS] for t in batch(0))
+    times = []
+    for _ in range(6):
+        t = time.perf_counter()
+        gpt.loss_fn(model(x), y).backward()
+        times.append(time.perf_counter() - t)
+    return sorted(times[1:])[2]
+
+
 def _compiled(mode: str) -> tuple[object, object]:
     torch.manual_seed(0)
     model, (idx, _) = gpt.build(batch_size=BATCH, **CONFIG)
@@ -58,29 +75,34 @@ def _compiled(mode: str) -> tuple[object, object]:
 
 def run(mode: str, steps: int, seconds: float, lr: float) -> dict:
     """One rank's part: ``steps`` steps (sync, or every unit under an update mode), or as many as
-    fit in ``seconds`` when it is above 0; worker :data:`SLOW` sleeps twice its compute each step."""
+    fit in ``seconds`` when it is above 0; worker :data:`SLOW` sleeps twice its own compute each step
+    (:func:`_own_compute_s`)."""
     dmodel, mesh = _compiled(mode)
     if dmodel.is_server if hasattr(dmodel, "is_server") else False:
         dmodel.serve()
         return {}
     optimizer = dmodel.optimizer(torch.optim.AdamW, lr=lr, foreach=True)
     losses, done = [], 0
+    delay = 2 * _own_compute_s() if dist.get_rank() == SLOW else 0.0
+    # ranks that meet at collectives every step stop together: all of sync's, a hybrid unit's
+    together = mesh.get_group("dp") if mode == "sync" else None
+    if getattr(dmodel, "unit_size", 1) > 1:
+        together = dmodel.unit_mesh.get_group("dp")
     dist.barrier(group=mesh.get_group("dp"))
     t0 = time.perf_counter()
     clock = getattr(dmodel, "clock", 0)
-    while (done < steps) if seconds <= 0 else (time.perf_counter() - t0 < seconds or mode == "sync"):
-        t = time.perf_counter()
+    while done < steps if seconds <= 0 else True:
         x, y = batch(clock + done)
         losses.append(dmodel.train_step((x,), y, gpt.loss_fn).item())
-        if dist.get_rank() == SLOW:
-            time.sleep(2 * (time.perf_counter() - t))
+        time.sleep(delay)
         optimizer.step()
         optimizer.zero_grad()
         done += 1
-        if mode == "sync" and seconds > 0:  # everyone stops together: rank 0 says when
-            flag = torch.tensor([float(time.perf_counter() - t0 >= seconds)])
-            dist.broadcast(flag, 0, group=mesh.get_group("dp"))
-            if flag.item():
+        if seconds > 0:
+            stop = torch.tensor([float(time.perf_counter() - t0 >= seconds)])
+            if together is not None:
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=together)
+            if stop.item():
                 break
     elapsed = time.perf_counter() - t0
     if hasattr(dmodel, "close"):
@@ -95,18 +117,19 @@ def run(mode: str, steps: int, seconds: float, lr: float) -> dict:
     }
 
 
-def predicted() -> dict[str, float]:
-    """Samples/s :func:`predict_update` gives each mode on the ``cpu-gloo`` preset."""
+def predicted(cluster: str) -> dict[str, float]:
+    """Samples/s :func:`predict_update` gives each mode on ``cluster`` (a preset, or a file from
+    ``autopar calibrate --ranks 5``: the workers and the server sharing this machine)."""
     torch.manual_seed(0)
     model, (idx, _) = gpt.build(batch_size=BATCH, device="meta", **CONFIG)
-    plan = autopar.plan(model, (idx,), {"dp": WORKERS}, cluster="cpu-gloo")
+    plan = autopar.plan(model, (idx,), {"dp": WORKERS}, cluster=cluster)
     slow = [1.0] * WORKERS
     slow[SLOW] = 3.0
     return {m: predict_update(plan, u, slow, BATCH).samples_per_s for m, u in MODES.items()}
 
 
-def stragglers(seconds: float) -> list[dict]:
-    rows, expect = [], predicted()
+def stragglers(seconds: float, cluster: str) -> list[dict]:
+    rows, expect = [], predicted(cluster)
     for mode in MODES:
         ranks = spawn(run, WORKERS + (0 if MODES[mode] is None else 1), mode, 0, seconds, 1e-3)
         workers = [r for r in ranks if r]
@@ -155,12 +178,13 @@ if __name__ == "__main__":
     parser.add_argument("--convergence", type=int, default=0, help="steps of the convergence run (0: none)")
     parser.add_argument("--plot", help="write the convergence curves here (.png)")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--cluster", default="cpu-gloo", help="a preset or a file from autopar calibrate")
     a = parser.parse_args()
     found = {
         "date": time.strftime("%Y-%m-%d"),
         "convergence": convergence(a.convergence, a.plot) if a.convergence else {},
     }
-    found["stragglers"] = stragglers(a.seconds) if a.seconds > 0 else []
+    found["stragglers"] = stragglers(a.seconds, a.cluster) if a.seconds > 0 else []
     if a.json:
         with open(a.json, "w") as f:
             json.dump(found, f, indent=1)

@@ -78,9 +78,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     under ``seed``, identically on every rank; a meta tensor nothing initialises raises
     :class:`~autopar.ir.errors.InitializationError` naming it and the remedies.
     ``update`` (:mod:`autopar.ir.updates`) replaces the data-parallel gradient sums by parameter
-    servers: ``mesh`` is then the workers' (``autopar.worker_mesh``), every rank of the job calls
-    this, and a server rank gets a ``ServerRank`` to ``serve()``; a worker rank restarted alone
-    passes ``autopar.rejoin_mesh(...)`` (``docs/update_modes.md``).
+    servers: ``mesh`` is the workers' (``autopar.worker_mesh``; a worker restarted alone passes
+    ``autopar.rejoin_mesh``), a server rank gets a ``ServerRank`` to ``serve()`` (docs/update_modes.md).
     """
     if update is not None:
         options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, precision=precision)

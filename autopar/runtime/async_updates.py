@@ -116,12 +116,12 @@ def compile_for_update(
     compile_unit: UnitCompiler,
 ) -> UpdatedModule | ServerRank:
     """This rank's part of a job under ``update``: see the module docstring (every rank calls it;
-    a restarted worker rank alone, with a :func:`rejoin_mesh`)."""
+    a restarted worker rank alone, with a :func:`rejoin_mesh`). ``update`` is checked against the
+    mesh, the job's world and the other options by the caller (``autopar.compile``)."""
     if isinstance(mesh, Rejoining):
         return _rejoin(update, mesh, example_args, example_kwargs, compile_unit)
     spec = MeshSpec.of(mesh)
     world = dist.get_world_size()
-    check_update(update, spec, world=world)
     axis = update.axis
     i, replicas = spec.axis_index(axis), spec.axis_sizes[spec.axis_index(axis)]
     units = update.units(replicas)

@@ -122,6 +122,8 @@ class ServerCore:
         self.finished: set[int] = set()  # worker ranks done
         self.joined: dict[int, set[int]] = {}  # unit -> its ranks (within the unit) joined
         self.starts: dict[int, int] = {}  # unit -> the clock its current incarnation starts at
+        self.units = 0  # set by the first join, as are the clocks and the optimizer to build
+        self.optimizer_spec: tuple[Any, dict[str, Any]] | None = None
 
     def join(self, meta: dict[str, Any], initial: dict[wire.PieceKey, torch.Tensor]) -> None:
         """A worker rank joins with ``meta`` (see :mod:`autopar.runtime.async_updates`) and the initial

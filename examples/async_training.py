@@ -1,6 +1,7 @@
 """Train the example GPT with parameter servers and asynchronous updates.
 
-``torchrun --nproc-per-node 5 examples/async_training.py`` runs 4 workers and 1 server: the workers
+``PYTHONPATH=. torchrun --nproc-per-node 5 examples/async_training.py`` (from the repository's root:
+it imports ``examples.gpt``) runs 4 workers and 1 server: the workers
 train :data:`examples.gpt.TINY` with ``Async(staleness=2)`` (``--mode ps``, ``async``, ``hybrid``;
 ``--staleness``, ``--servers``), the server holds the parameters and AdamW's state, and the run ends
 with the server's state saved (``--checkpoint``). See ``docs/update_modes.md``.
@@ -61,4 +62,4 @@ def main() -> None:
 if __name__ == "__main__" and "RANK" in os.environ:
     main()
 elif __name__ == "__main__":
-    print("run under torchrun: torchrun --nproc-per-node 5 examples/async_training.py")
+    print("run under torchrun: PYTHONPATH=. torchrun --nproc-per-node 5 examples/async_training.py")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autopar
+from autopar.tools.launch import free_port
 from examples import gpt
 
 UPDATE = autopar.Async(staleness=1)
@@ -76,12 +76,6 @@ def _restarted(port: int, out: str) -> None:
     _train(autopar.rejoin_mesh(UPDATE, WORKERS, rank=1), Path(out), "rejoined", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_rejoin_mesh_refuses_units_of_several_ranks() -> None:
     with pytest.raises(autopar.OptionError, match="only units of one rank can rejoin"):
         autopar.rejoin_mesh(autopar.Hybrid(groups=2), {"dp": 4}, rank=1)
@@ -91,7 +85,7 @@ def test_rejoin_mesh_refuses_units_of_several_ranks() -> None:
 
 @pytest.mark.slow
 def test_a_killed_worker_rejoins_and_the_servers_keep_their_state() -> None:
-    port, ctx = _free_port(), mp.get_context("spawn")
+    port, ctx = free_port(), mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # outlives the ranks
     with tempfile.TemporaryDirectory() as out:
         procs = [ctx.Process(target=_job_rank, args=(r, port, out)) for r in range(3)]

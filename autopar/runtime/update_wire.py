@@ -11,6 +11,7 @@ occasionally a pickled object (the optimizer to build, the pieces a rank holds).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 from collections.abc import Sequence
@@ -98,16 +99,9 @@ def recv_tensors(pg: Any, peer: int, like: Like) -> list[torch.Tensor]:
         by_dtype.setdefault(dtype, []).append(i)
     out: list[torch.Tensor | None] = [None] * len(like)
     for dtype, indices in by_dtype.items():
-        sizes = [_numel(like[i][0]) for i in indices]
+        sizes = [math.prod(like[i][0]) for i in indices]
         flat = torch.empty(sum(sizes), dtype=dtype)
         pg.recv([flat], peer, 0).wait()
         for i, piece in zip(indices, flat.split(sizes)):
             out[i] = piece.view(like[i][0])
     return out  # type: ignore[return-value]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

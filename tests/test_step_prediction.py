@@ -9,6 +9,9 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import autopar
 from autopar.ir.report import GRADIENT_SUM
@@ -23,6 +26,7 @@ from autopar.planning.step_overheads import (
     buckets,
     hidden_sends,
     step_terms,
+    update_passes,
     update_seconds,
     whole_step,
 )
@@ -59,21 +63,71 @@ def test_a_bucket_is_hidden_behind_the_backward_that_follows_its_launch_but_the_
     assert bucket_times([late, slow], order, backward).hidden_s == pytest.approx(5.5 + 1.5 - 3.0)
 
 
+class _ElementPasses(TorchDispatchMode):
+    """Counts the ops (but the profiler's markers), and the elements of ``numel``-element tensors
+    each reads (distinct operands) and writes (operands its schema marks written, new results);
+    scalars are left out."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.elements, self.ops = numel, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        self.ops += func.namespace != "profiler"  # the step's record_function markers run once
+        schema = func._schema
+        written = [
+            a for a, s in zip(args, schema.arguments) if s.alias_info is not None and s.alias_info.is_write
+        ]
+        results = out if isinstance(out, tuple) else (out,)
+        new = [r for r, s in zip(results, schema.returns) if s.alias_info is None]
+        operands = {id(a): a for a in tree_leaves(args) if self._counted(a)}  # foreach ops take lists
+        for value in (list(operands.values()), written, new):
+            self.elements += sum(a.numel() for a in tree_leaves(value) if self._counted(a))
+        return out
+
+    def _counted(self, value: object) -> bool:
+        return isinstance(value, torch.Tensor) and value.numel() == self.numel
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "options", "states"),
+    [
+        (torch.optim.SGD, {}, 0),
+        (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.01}, 1),
+        (torch.optim.AdamW, {}, 2),
+        (torch.optim.AdamW, {"foreach": True}, 2),
+    ],
+)
+def test_the_update_passes_are_those_torchs_optimizers_make(optimizer, options, states):
+    """update_passes counts what torch's default optimizers move per element and
+    OPTIMIZER_OPS_PER_TENSOR the ops Adam runs per tensor: fails when torch changes them."""
+    param = torch.nn.Parameter(torch.ones(1000))
+    step = optimizer([param], lr=0.1, **options)
+    for _ in range(2):  # the second step: the first creates the states
+        param.grad = torch.full_like(param, 0.5)
+        with _ElementPasses(param.numel()) as counted:
+            step.step()
+    assert counted.elements == param.numel() * sum(update_passes(states))
+    if states == 2 and not options:
+        assert counted.ops == OPTIMIZER_OPS_PER_TENSOR
+
+
 def test_the_optimizer_step_is_memory_bound_and_offload_adds_its_copies():
     update = Update(elements=1e6, itemsize=4)
     memory = autopar.Memory(optimizer_states=2)
     cluster = replace(BASE, op_overhead_s=1e-6)
     ops = OPTIMIZER_OPS_PER_TENSOR * 1e-6
-    # parameter read and written, gradient read, two states read and written
+    # torch's AdamW: 6 passes over parameter and gradient, 14 over the two states
     device = update_seconds(update, cluster, memory)
-    assert device == pytest.approx(1e6 * 4 * (3 + 4) / cluster.memory_bandwidth_Bps + ops)
+    assert device == pytest.approx(1e6 * 4 * (6 + 14) / cluster.memory_bandwidth_Bps + ops)
     offload = replace(memory, offload_optimizer=True)
-    host_update = 1e6 * FP32_BYTES * 7 / cluster.memory_bandwidth_Bps
+    host_update = 1e6 * FP32_BYTES * 20 / cluster.memory_bandwidth_Bps
     # the device is the host: each copy reads its source and writes its target
     copies = 2 * 1e6 * (4 + FP32_BYTES) / cluster.memory_bandwidth_Bps
     assert update_seconds(update, cluster, offload) == pytest.approx(copies + host_update + ops + 2e-6)
     gpu = replace(cluster, host_link_Bps=1e9, host_memory_bandwidth_Bps=1e8)
-    expected = 2 * 4e6 / 1e9 + 1e6 * FP32_BYTES * 7 / 1e8 + ops + 2e-6
+    expected = 2 * 4e6 / 1e9 + 1e6 * FP32_BYTES * 20 / 1e8 + ops + 2e-6
     assert update_seconds(update, gpu, offload) == pytest.approx(expected)
     assert update_seconds(Update(0.0, 4), cluster, memory) == 0.0  # frozen
 

@@ -7,7 +7,8 @@ what the runtime does (``docs/cost_model.md``, "The whole step"):
   dispatch) on top of its roofline time: once in forward, :data:`BACKWARD_OPS_PER_OP` times in
   backward when a gradient flows through it, once more when a recompute region runs it again
   (:func:`op_seconds`);
-* **the optimizer step**: a memory-bound update of each rank's optimizer shard, plus its ops; under
+* **the optimizer step**: a memory-bound update of each rank's optimizer shard, as many passes
+  as torch's default optimizer makes (:func:`update_passes`), plus its ops; under
   optimizer offload the gradients' copies to the host, the update there, and the copies back
   (:func:`update_seconds`);
 * **gradient-sum buckets**: the runtime's :class:`~autopar.runtime.grad_reducer.GradReducer` packs
@@ -66,23 +67,37 @@ class Update:
     itemsize: int
 
 
+def update_passes(states: int) -> tuple[int, int]:
+    """Passes over each element that torch's default optimizer with ``states`` fp32 states per
+    element makes (its for-loop and foreach implementations move the same bytes): (reads plus
+    writes of the parameter and its gradient, reads plus writes of the states). Counted from
+    torch's code: SGD reads the parameter and the gradient and writes the parameter (3, 0); with
+    momentum it also decays the parameter (weight decay) and moves its buffer (6, 5); Adam/AdamW
+    decays the parameter, lerps the first moment, scales and accumulates the second, builds the
+    denominator in three passes (square root, division, epsilon) and applies it (6, 14). More
+    states cost Adam's 7 passes each. A ``fused=True`` optimizer makes fewer: the model prices
+    torch's default."""
+    return {0: (3, 0), 1: (6, 5), 2: (6, 14)}.get(states, (6, 7 * states))
+
+
 def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
     """Seconds of the optimizer step for one parameter (0 for one it does not step).
 
-    On the device, the update reads the parameter, its gradient and ``memory.optimizer_states``
-    fp32 states and writes the parameter and the states, at ``memory_bandwidth_Bps``. Offloaded,
-    the gradient is copied to an fp32 host copy, the update runs there on fp32 values (at
-    ``host_memory_bandwidth_Bps``) and the parameter is copied back (:func:`copy_seconds`). Each
-    tensor the optimizer touches also costs its ops' overhead.
+    On the device, the update makes :func:`update_passes` over the parameter and gradient
+    (``update.itemsize`` bytes each) and the ``memory.optimizer_states`` fp32 states, at
+    ``memory_bandwidth_Bps``. Offloaded, the gradient is copied to an fp32 host copy, the update
+    runs there on fp32 values (at ``host_memory_bandwidth_Bps``) and the parameter is copied back
+    (:func:`copy_seconds`). Each tensor the optimizer touches also costs its ops' overhead.
     """
     if update.elements <= 0:
         return 0.0
-    e, item, k = update.elements, update.itemsize, memory.optimizer_states
+    e, item = update.elements, update.itemsize
+    values, states = update_passes(memory.optimizer_states)
     ops = OPTIMIZER_OPS_PER_TENSOR * cluster.op_overhead_s
     if not memory.offload_optimizer:
-        return e * (3 * item + 2 * FP32_BYTES * k) / cluster.memory_bandwidth_Bps + ops
+        return e * (values * item + states * FP32_BYTES) / cluster.memory_bandwidth_Bps + ops
     host_bandwidth = cluster.host_memory_bandwidth_Bps or cluster.memory_bandwidth_Bps
-    host_update = e * FP32_BYTES * (3 + 2 * k) / host_bandwidth
+    host_update = e * FP32_BYTES * (values + states) / host_bandwidth
     copies = copy_seconds(e * item, e * FP32_BYTES, cluster) + copy_seconds(e * FP32_BYTES, e * item, cluster)
     return copies + host_update + ops + 2 * cluster.op_overhead_s  # the two copies are ops too
 

@@ -121,13 +121,25 @@ def test_per_collective_figures_round_trip_and_files_without_them_are_unchanged(
 
 
 def test_files_written_before_the_step_figures_load_with_their_defaults():
-    added = ("op_overhead_s", "straggler_s", "ranks_per_core", "host_link_Bps", "host_memory_bandwidth_Bps")
+    added = (
+        "op_overhead_s",
+        "straggler_s",
+        "ranks_per_core",
+        "host_link_Bps",
+        "host_memory_bandwidth_Bps",
+        "transcendentals_per_s",
+    )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 1.0, None, None]
+    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 1.0, None, None, None]
     measured = replace(cluster, op_overhead_s=5e-6, straggler_s=0.01, ranks_per_core=2.0, host_link_Bps=6e10)
     assert Cluster.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
-    for bad in ({"op_overhead_s": -1.0}, {"ranks_per_core": 0.5}, {"host_link_Bps": 0.0}):
+    for bad in (
+        {"op_overhead_s": -1.0},
+        {"ranks_per_core": 0.5},
+        {"host_link_Bps": 0.0},
+        {"transcendentals_per_s": 0.0},
+    ):
         with pytest.raises(OptionError):
             replace(cluster, **bad)
 

@@ -1,6 +1,7 @@
 """Cost model: formulas on hand-computed numbers, link choice, redistribution plans, presets."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -276,3 +277,44 @@ def test_cluster_is_immutable_and_validated():
         cluster.peak_flops["float32"] = 1.0
     with pytest.raises(ValueError, match="'float32' entry"):
         Cluster("bad", {"bfloat16": 1.0}, 1.0, 1, 1, INTRA, INTER)
+
+
+def test_transcendentals_run_at_their_own_rate_beside_the_flops():
+    rated = CostModel({"x": 2}, replace(toy_cluster(), transcendentals_per_s=1e9))
+    # 1e12 FLOP (1 s) and 1e9 exps (1 s) add up; memory (1e11 B, 1 s) is the other bound
+    assert rated.compute_time(1e12, 1e11, torch.float32, transcendentals=1e9) == pytest.approx(2.0)
+    assert CostModel({"x": 2}, toy_cluster()).compute_time(1e12, 0, torch.float32, 1e9) == pytest.approx(1.0)
+    # backward: twice the flops and bytes, and its own transcendentals
+    assert rated.op_time(0, 1e11, torch.float32, (1e9, 4e9), grad=True) == pytest.approx(1.0 + 4.0)
+    assert rated.op_time(0, 1e11, torch.float32, (1e9, 4e9)) == pytest.approx(1.0)
+
+
+def test_the_plan_prices_the_exps_of_activations_softmax_attention_and_the_loss():
+    """A planned model's ops are priced with their rules' transcendentals (GELU's erf, softmax's
+    exp, attention's exp per score, cross-entropy's exps and logs)."""
+    import autopar
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            h = torch.nn.functional.gelu(self.fc(x))  # 4 x 8 x 16
+            q = h.view(4, 2, 8, 8)
+            a = torch.nn.functional.scaled_dot_product_attention(q, q, q).reshape(32, 16)
+            return torch.nn.functional.cross_entropy(torch.softmax(a, -1), target.flatten())
+
+    args = (torch.randn(4, 8, 16), torch.randint(0, 16, (4, 8)))
+    slow = replace(get_cluster("fast-links"), transcendentals_per_s=1.0)  # one exp per second
+    seconds = {}
+    for cluster in (get_cluster("fast-links"), slow):
+        plan = autopar.plan(Block(), args, {"dp": 1}, cluster=cluster)
+        seconds[cluster.transcendentals_per_s] = {n.op: n.compute_s for n in plan.nodes}
+    extra = {op: round(seconds[1.0][op] - seconds[None][op]) for op in seconds[None]}
+    n = 4 * 8 * 16
+    assert extra["aten.gelu.default"] == 3 * n  # erf forward; erf and exp backward
+    assert extra["aten.scaled_dot_product_attention.default"] == 2 * 4 * 2 * 8 * 8  # each score's exp, twice
+    assert extra["aten.softmax.int"] == n  # an exp each; its backward none
+    # capture writes cross-entropy out: the exps of its log_softmax, a log per row
+    assert (extra["aten.exp.default"], extra["aten.log.default"]) == (n, 32)

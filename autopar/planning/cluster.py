@@ -81,7 +81,9 @@ class Cluster:
     scheduler's slices). ``ranks_per_core`` is how many ranks share one core's worth of compute
     where a host runs more ranks than it has cores (4 ranks on 2 cores: 2), else 1: a rank whose
     neighbours wait then runs up to that many times faster. ``autopar calibrate`` measures these;
-    a file written before they existed reads 0, 0 and 1.
+    a file written before they existed reads 0, 0 and 1. ``transcendentals_per_s`` is how many
+    exp, log or erf values per second one rank computes (on a CPU, far fewer than its FLOP/s);
+    None where they are no limit (a GPU's special function units keep up with its memory).
     ``host_link_Bps`` is one rank's bandwidth to host memory, one direction (optimizer offload's
     copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
     host gets (the offloaded update); None for both where the device is the host (CPU ranks):
@@ -101,6 +103,7 @@ class Cluster:
     ranks_per_core: float = 1.0
     host_link_Bps: float | None = None
     host_memory_bandwidth_Bps: float | None = None
+    transcendentals_per_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -110,10 +113,11 @@ class Cluster:
             raise OptionError(f"cluster {self.name!r}: peak FLOP/s and memory bandwidth must be positive")
         if self.memory_bytes <= 0 or self.devices_per_node < 1:
             raise OptionError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
-        host = (self.host_link_Bps, self.host_memory_bandwidth_Bps)
+        host = (self.host_link_Bps, self.host_memory_bandwidth_Bps, self.transcendentals_per_s)
         if min(self.op_overhead_s, self.straggler_s) < 0 or any(b is not None and b <= 0 for b in host):
             raise OptionError(
-                f"cluster {self.name!r}: op_overhead_s and straggler_s must be >= 0, host bandwidths positive"
+                f"cluster {self.name!r}: op_overhead_s and straggler_s must be >= 0, host bandwidths "
+                "and transcendentals_per_s positive"
             )
         if self.ranks_per_core < 1:
             raise OptionError(f"cluster {self.name!r}: ranks_per_core must be at least 1")
@@ -134,14 +138,16 @@ class Cluster:
             "ranks_per_core": self.ranks_per_core,
             "host_link_Bps": self.host_link_Bps,
             "host_memory_bandwidth_Bps": self.host_memory_bandwidth_Bps,
+            "transcendentals_per_s": self.transcendentals_per_s,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
         """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
-        ``straggler_s``, ``ranks_per_core``, the host's) are optional, so files written before them
-        still load."""
+        ``straggler_s``, ``ranks_per_core``, the host's, ``transcendentals_per_s``) are optional, so
+        files written before them still load."""
         host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
+        transcendentals = data.get("transcendentals_per_s")
         return cls(
             name=str(data["name"]),
             peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
@@ -156,4 +162,5 @@ class Cluster:
             ranks_per_core=float(data.get("ranks_per_core", 1.0)),
             host_link_Bps=None if host_link is None else float(host_link),
             host_memory_bandwidth_Bps=None if host_memory is None else float(host_memory),
+            transcendentals_per_s=None if transcendentals is None else float(transcendentals),
         )

@@ -2,7 +2,8 @@
 
 All times are in seconds, all sizes in bytes, bandwidths in bytes per second.
 
-Compute follows a roofline: ``max(flops / peak_flops[dtype], bytes / memory_bandwidth)``.
+Compute follows a roofline: ``max(flops / peak_flops[dtype] + transcendentals /
+transcendentals_per_s, bytes / memory_bandwidth)``.
 Communication follows the ring alpha-beta model, one mesh axis at a time, with the
 link (latency alpha, per-rank one-direction bandwidth beta) of that axis: inside a
 node or across nodes. :meth:`CostModel.redistribute` turns a layout change into the
@@ -240,11 +241,31 @@ class CostModel:
         alpha, wire = link.latency_s if latency else 0.0, c.bytes / link.bandwidth_Bps
         return hops * alpha + share * wire
 
-    def compute_time(self, flops: float, bytes_accessed: float, dtype: torch.dtype) -> float:
-        """Roofline: ``max(flops / peak, bytes_accessed / memory_bandwidth)`` on one device."""
+    def compute_time(
+        self, flops: float, bytes_accessed: float, dtype: torch.dtype, transcendentals: float = 0.0
+    ) -> float:
+        """Roofline on one device: ``max(flops / peak + transcendentals / rate, bytes_accessed /
+        memory_bandwidth)``; the transcendentals' rate is ``Cluster.transcendentals_per_s`` (None:
+        not a limit)."""
         peaks = self.cluster.peak_flops
         peak = peaks.get(dtype_name(dtype), peaks[FALLBACK_DTYPE])
-        return max(flops / peak, bytes_accessed / self.cluster.memory_bandwidth_Bps)
+        rate = self.cluster.transcendentals_per_s
+        arithmetic = flops / peak + (transcendentals / rate if rate else 0.0)
+        return max(arithmetic, bytes_accessed / self.cluster.memory_bandwidth_Bps)
+
+    def op_time(
+        self,
+        flops: float,
+        bytes_accessed: float,
+        dtype: torch.dtype,
+        transcendentals: tuple[float, float] = (0.0, 0.0),
+        grad: bool = False,
+    ) -> float:
+        """One op's forward and, where a gradient flows (``grad``), its backward: twice the
+        forward's flops and bytes, and the ``(forward, backward)`` transcendentals its rule counts."""
+        forward, backward = transcendentals
+        seconds = self.compute_time(flops, bytes_accessed, dtype, forward)
+        return seconds + (self.compute_time(2 * flops, 2 * bytes_accessed, dtype, backward) if grad else 0.0)
 
     def redistribute(
         self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int

@@ -442,21 +442,18 @@ class _Builder:
     def _priced(
         self, call: OpCall, spec: DimSpec, root: str | None, strategies: list[Strategy], kind: ChoiceKind
     ) -> Choice:
-        """The choice of an op, with the seconds of its compute under each strategy."""
+        """The choice of an op, with the seconds of its compute under each strategy
+        (:meth:`CostModel.op_time`)."""
         node = call.node
         out_vals = [
             v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)
         ]
         dtype = out_vals[0].dtype if out_vals else torch.float32
         itemsize = out_vals[0].element_size() if out_vals else 4
-        total_bytes = itemsize * (
-            sum(math.prod(s) for s in call.shapes) + sum(math.prod(s) for s in call.out_shapes)
-        )
-        backward = 3.0 if self.requires_grad.get(node, False) else 1.0
-        costs = [
-            backward * self.cost.compute_time(spec.flops / s.split, total_bytes / s.split, dtype)
-            for s in strategies
-        ]
+        moved = itemsize * sum(math.prod(s) for s in (*call.shapes, *call.out_shapes))
+        grad = self.requires_grad.get(node, False)
+        whole = self.cost.op_time(spec.flops, moved, dtype, spec.transcendentals, grad)
+        costs = [whole / s.split for s in strategies]  # the roofline scales with its arguments
         return Choice(root=root, strategies=strategies, kind=kind, compute=np.array(costs))
 
     def _edges(self) -> list[Edge]:

@@ -68,7 +68,9 @@ class DimSpec:
     pieces add up (the lowering does this). ``extents`` are further sizes a label's split
     count must divide, and ``counts`` name arguments counting items of a label, which each
     rank passes as its share (a grouped convolution splits its channels only by whole
-    groups, and each rank convolves ``groups / c`` of them).
+    groups, and each rank convolves ``groups / c`` of them). ``flops`` (the forward's arithmetic)
+    and ``transcendentals`` (the values of exp, log, erf and their kind that its forward and its
+    backward compute, which run far below a product's rate) price it (``autopar.planning.cost``).
     """
 
     operands: tuple[Labels | None, ...]
@@ -79,6 +81,7 @@ class DimSpec:
     linear: frozenset[int] = frozenset()
     mean_over: frozenset[str] = frozenset()
     flops: float = 0.0
+    transcendentals: tuple[float, float] = (0.0, 0.0)
     extents: tuple[tuple[str, int], ...] = ()
     counts: tuple[tuple[str, str], ...] = ()
     max_over: frozenset[str] = frozenset()

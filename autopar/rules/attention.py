@@ -27,5 +27,13 @@ def sdpa(call: OpCall) -> DimSpec:
     whole = {"S", "E", "F"}
     if call.arg("is_causal", False):
         whole.add("L")
-    flops = 2 * math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
-    return DimSpec(tuple(operands), ((*batch, "L", "F"),), whole=frozenset(whole), flops=flops)
+    scores = math.prod(q[:-1]) * k[-2]
+    flops = 2 * scores * (q[-1] + v[-1])
+    # an exp per score in forward, and again in backward (flash attention recomputes them)
+    return DimSpec(
+        tuple(operands),
+        ((*batch, "L", "F"),),
+        whole=frozenset(whole),
+        flops=flops,
+        transcendentals=(scores, scores),
+    )

@@ -19,13 +19,68 @@ from autopar.rules import DimSpec, OpCall, broadcast, fallback, rule
 aten = torch.ops.aten
 
 
+# Transcendental functions (exp, log, erf, trigonometric, hyperbolic) each output element of an
+# op evaluates in forward and in backward, counted as XLA's cost analysis counts them: GELU's
+# forward an erf, its backward the erf and the Gaussian's exp; SiLU's backward recomputes its
+# sigmoid. The cost model prices every one at exp's rate; a CPU's differ per function (this
+# machine's tanh runs at a quarter of exp's rate), which the count does not follow.
+TRANSCENDENTALS: dict[object, tuple[int, int]] = {
+    aten.gelu.default: (1, 2),
+    aten.silu.default: (1, 1),
+    aten.mish.default: (3, 3),
+    aten.softplus.default: (2, 1),
+    aten.logaddexp.default: (2, 2),
+    aten.pow.Tensor_Tensor: (2, 2),
+    **dict.fromkeys(
+        (
+            aten.erf.default,
+            aten.erfc.default,
+            aten.erfinv.default,
+            aten.sin.default,
+            aten.cos.default,
+            aten.sinh.default,
+            aten.cosh.default,
+        ),
+        (1, 1),
+    ),
+    **dict.fromkeys(
+        (
+            aten.tanh.default,
+            aten.sigmoid.default,
+            aten.exp.default,
+            aten.exp2.default,
+            aten.expm1.default,
+            aten.log.default,
+            aten.log1p.default,
+            aten.log2.default,
+            aten.log10.default,
+            aten.logit.default,
+            aten.xlogy.Tensor,
+            aten.tan.default,
+            aten.atan.default,
+            aten.asin.default,
+            aten.acos.default,
+            aten.atan2.default,
+            aten.elu.default,
+            aten.selu.default,
+            aten.celu.default,
+        ),
+        (1, 0),
+    ),
+}
+
+
 def _pointwise(
     call: OpCall, linear: frozenset[int] = frozenset(), additive: frozenset[int] = frozenset()
 ) -> DimSpec:
     (out_shape, *more) = call.out_shapes
     operands, out = broadcast(call.shapes, out_shape)
     outs = (out, *(out for _ in more))
-    return DimSpec(operands, outs, linear=linear, additive=additive, flops=math.prod(out_shape))
+    n = math.prod(out_shape)
+    forward, backward = TRANSCENDENTALS.get(call.node.target, (0, 0))
+    return DimSpec(
+        operands, outs, linear=linear, additive=additive, flops=n, transcendentals=(forward * n, backward * n)
+    )
 
 
 def _all(call: OpCall) -> frozenset[int]:

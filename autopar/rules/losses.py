@@ -36,17 +36,21 @@ def _class_loss(call: OpCall) -> DimSpec:
     operands: tuple = (x_labels, t_labels, *((("C",),) if len(call.shapes) == 3 else ()))
     reduction = call.arg("reduction", _MEAN)
     per_item = tuple(lab for lab in x_labels if lab != "C")
+    n = math.prod(x)
+    # cross-entropy runs a log_softmax: an exp per value in forward and in backward
+    exps = n if call.node.target is aten.cross_entropy_loss.default else 0
+    costs = {"flops": 5 * n, "transcendentals": (exps, exps)}
     if reduction == _NONE:
-        return DimSpec(operands, (per_item,), whole=frozenset("C"), flops=5 * math.prod(x))
+        return DimSpec(operands, (per_item,), whole=frozenset("C"), **costs)
     if reduction == _MEAN and len(target) != len(x):  # a mean over the counted items only: kept whole
-        return DimSpec(operands, ((),), whole=frozenset(("C", *per_item)), flops=5 * math.prod(x))
+        return DimSpec(operands, ((),), whole=frozenset(("C", *per_item)), **costs)
     return DimSpec(
         operands,
         ((),),
         summed=frozenset(per_item),
         whole=frozenset("C"),
         mean_over=frozenset(per_item) if reduction == _MEAN else frozenset(),
-        flops=5 * math.prod(x),
+        **costs,
     )
 
 

@@ -28,7 +28,15 @@ def softmax(call: OpCall) -> DimSpec:
     (x,) = call.shapes
     labels = fresh(len(x))
     dim = call.arg("dim") % len(x)
-    return DimSpec((tuple(labels),), (tuple(labels),), whole=frozenset(labels[dim]), flops=5 * math.prod(x))
+    n = math.prod(x)
+    log = call.node.target in (aten._log_softmax.default, aten.log_softmax.int)
+    return DimSpec(
+        (tuple(labels),),
+        (tuple(labels),),
+        whole=frozenset(labels[dim]),
+        flops=5 * n,
+        transcendentals=(n, n if log else 0),  # an exp each; log_softmax's backward exps again
+    )
 
 
 @rule(aten.batch_norm.default)

@@ -30,6 +30,8 @@ from autopar.tools.launch import init_restartable_process_group, spawn
 _MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MATMUL_N = 2048
 _MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
+_EXP_NUMEL = 1 << 16  # 256 KiB per fp32 vector: in cache, so that exp's arithmetic is what is timed
+_EXP_CALLS = 64  # exps per timed call (one takes some 40 us)
 _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _FIT_ROUNDS = 20  # reweightings of fit_ring's least squares (it settles in a few)
 _STALLED = 2.0  # a collective this many times slower than its fit stalled (fit_ring leaves it out)
@@ -93,6 +95,18 @@ def _memory_bandwidth() -> float:
     x, y, out = (torch.rand(_MEMORY_NUMEL) for _ in range(3))
     # add reads two buffers and writes one
     return 3 * x.nbytes / _together_seconds(lambda: torch.add(x, y, out=out), 11)
+
+
+def _transcendentals() -> float:
+    """exp values per second on one rank (the rate of exp, log, erf and the like, which a CPU
+    computes far below its product FLOP/s); on a vector in cache so that memory does not count."""
+    x, out = torch.rand(_EXP_NUMEL), torch.empty(_EXP_NUMEL)
+
+    def exps() -> None:
+        for _ in range(_EXP_CALLS):
+            torch.exp(x, out=out)
+
+    return _EXP_NUMEL * _EXP_CALLS / _together_seconds(exps, 11)
 
 
 def _op_overhead() -> float:
@@ -210,6 +224,7 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
     mine: dict[str, Any] = {
         "peak_flops": {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
         "memory_bandwidth_Bps": _memory_bandwidth(),
+        "transcendentals_per_s": _transcendentals(),
         "op_overhead_s": _op_overhead(),
         "straggling": _straggling(),
         # one thread each where ranks outnumber cores (above): they take turns on them
@@ -240,6 +255,7 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "peak_flops": {d: min(r["peak_flops"][d] for r in per_rank) for d in first["peak_flops"]},
         "memory_bandwidth_Bps": min(r["memory_bandwidth_Bps"] for r in per_rank),
+        "transcendentals_per_s": min(r["transcendentals_per_s"] for r in per_rank),
         "op_overhead_s": max(r["op_overhead_s"] for r in per_rank),
         "straggler_s": _straggle([r["straggling"] for r in per_rank]),
         "ranks_per_core": max(r["ranks_per_core"] for r in per_rank),
@@ -336,6 +352,7 @@ def _cluster(
         op_overhead_s=measured["op_overhead_s"],
         straggler_s=measured["straggler_s"],
         ranks_per_core=measured["ranks_per_core"],
+        transcendentals_per_s=measured["transcendentals_per_s"],
         **links,
     )
     return cluster, notes
@@ -410,6 +427,7 @@ def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: 
     lines = [
         f"{measured['world']} ranks at once ({nodes}) on {', '.join(sorted(set(measured['hosts'])))}: "
         f"GFLOP/s per rank {flops}; memory {cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s; "
+        f"{(cluster.transcendentals_per_s or 0) / 1e9:.2f} G exp/s; "
         f"{cluster.op_overhead_s * 1e6:.1f} us per op; "
         f"a collective waits {cluster.straggler_s * 1e3:.1f} ms for stragglers after 1 s of compute"
     ]

@@ -124,6 +124,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
     added = (
         "op_overhead_s",
         "straggler_s",
+        "straggler_base_s",
         "ranks_per_core",
         "host_link_Bps",
         "host_memory_bandwidth_Bps",
@@ -131,7 +132,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
     )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 1.0, None, None, None]
+    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 0.0, 1.0, None, None, None]
     measured = replace(cluster, op_overhead_s=5e-6, straggler_s=0.01, ranks_per_core=2.0, host_link_Bps=6e10)
     assert Cluster.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
     for bad in (
@@ -163,15 +164,19 @@ def test_a_collective_fit_leaves_out_calls_that_stalled():
     assert fitted.bandwidth_Bps == pytest.approx(b, rel=0.05)
 
 
-def test_stragglers_are_fitted_to_the_square_root_of_the_compute_before_a_collective():
+def test_stragglers_are_fitted_to_a_wait_per_collective_and_the_square_root_of_the_compute_before_it():
     bursts = (0.001, 0.004, 0.016, 0.064)
 
-    def rank(wait: float) -> dict[str, object]:
+    def rank(base: float, wait: float) -> dict[str, object]:
         # each rank's typical burst, and the mean span of burst and all_reduce (1 ms back to back)
-        return {"back_to_back": 1e-3, "bursts": [(t, t + 1e-3 + wait * math.sqrt(t)) for t in bursts]}
+        return {"back_to_back": 1e-3, "bursts": [(t, t + 1e-3 + base + wait * math.sqrt(t)) for t in bursts]}
 
-    assert _straggle([rank(0.02), rank(0.01)]) == pytest.approx(0.02)  # the step waits for the last
-    assert _straggle([{"back_to_back": 1e-3, "bursts": [(t, t) for t in bursts]}]) == 0.0
+    # the step waits for the last rank
+    assert _straggle([rank(0.0, 0.02), rank(0.0, 0.01)]) == pytest.approx((0.0, 0.02), abs=1e-12)
+    assert _straggle([rank(0.003, 0.01)]) == pytest.approx((0.003, 0.01))
+    # ranks sharing cores wait a scheduler's slice whatever they computed before
+    assert _straggle([rank(0.004, 0.0), rank(0.002, 0.0)]) == pytest.approx((0.004, 0.0), abs=1e-12)
+    assert _straggle([{"back_to_back": 1e-3, "bursts": [(t, t) for t in bursts]}]) == (0.0, 0.0)
 
 
 def _check_calibrated(path: Path, devices_per_node: int) -> None:

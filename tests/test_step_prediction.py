@@ -149,6 +149,9 @@ def test_stragglers_are_waited_for_at_each_synchronising_point():
     assert extras.optimizer_s == 4.0
     summed = step_terms(ops, {"w": 4.0}, {"w": _sum("w", first_use="a")}, cluster)
     assert whole_step(summed).wait_s == pytest.approx(0.1 * (1 + math.sqrt(8) + 0 + math.sqrt(4)))
+    # and a wait per synchronising point after any compute (ranks sharing cores): three stretches
+    based = step_terms(ops, {"w": 4.0}, {}, replace(cluster, straggler_base_s=0.01))
+    assert whole_step(based).wait_s == pytest.approx(extras.wait_s + 3 * 0.01)
 
 
 def _plan(cluster, **options):

@@ -78,7 +78,9 @@ class Cluster:
     dispatch). ``straggler_s`` is how long a synchronising collective waits for the slowest rank
     after the ranks computed apart for one second; after ``t`` seconds it waits
     ``straggler_s * sqrt(t)`` (ranks drift apart like a random walk: on shared cores by the
-    scheduler's slices). ``ranks_per_core`` is how many ranks share one core's worth of compute
+    scheduler's slices), and ``straggler_base_s`` more at every such wait however short the
+    compute before it (ranks sharing cores: the last to arrive waits for a core).
+    ``ranks_per_core`` is how many ranks share one core's worth of compute
     where a host runs more ranks than it has cores (4 ranks on 2 cores: 2), else 1: a rank whose
     neighbours wait then runs up to that many times faster. ``autopar calibrate`` measures these;
     a file written before they existed reads 0, 0 and 1. ``transcendentals_per_s`` is how many
@@ -100,6 +102,7 @@ class Cluster:
     measured_on: str = ""  # the machine `autopar calibrate` measured (a cluster file's); "" for presets
     op_overhead_s: float = 0.0
     straggler_s: float = 0.0
+    straggler_base_s: float = 0.0
     ranks_per_core: float = 1.0
     host_link_Bps: float | None = None
     host_memory_bandwidth_Bps: float | None = None
@@ -114,10 +117,11 @@ class Cluster:
         if self.memory_bytes <= 0 or self.devices_per_node < 1:
             raise OptionError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
         host = (self.host_link_Bps, self.host_memory_bandwidth_Bps, self.transcendentals_per_s)
-        if min(self.op_overhead_s, self.straggler_s) < 0 or any(b is not None and b <= 0 for b in host):
+        overheads = (self.op_overhead_s, self.straggler_s, self.straggler_base_s)
+        if min(overheads) < 0 or any(b is not None and b <= 0 for b in host):
             raise OptionError(
-                f"cluster {self.name!r}: op_overhead_s and straggler_s must be >= 0, host bandwidths "
-                "and transcendentals_per_s positive"
+                f"cluster {self.name!r}: op_overhead_s and the straggler figures must be >= 0, "
+                "host bandwidths and transcendentals_per_s positive"
             )
         if self.ranks_per_core < 1:
             raise OptionError(f"cluster {self.name!r}: ranks_per_core must be at least 1")
@@ -135,6 +139,7 @@ class Cluster:
             "measured_on": self.measured_on,
             "op_overhead_s": self.op_overhead_s,
             "straggler_s": self.straggler_s,
+            "straggler_base_s": self.straggler_base_s,
             "ranks_per_core": self.ranks_per_core,
             "host_link_Bps": self.host_link_Bps,
             "host_memory_bandwidth_Bps": self.host_memory_bandwidth_Bps,
@@ -144,7 +149,7 @@ class Cluster:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
         """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
-        ``straggler_s``, ``ranks_per_core``, the host's, ``transcendentals_per_s``) are optional, so
+        the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``) are optional, so
         files written before them still load."""
         host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
         transcendentals = data.get("transcendentals_per_s")
@@ -159,6 +164,7 @@ class Cluster:
             measured_on=str(data.get("measured_on", "")),
             op_overhead_s=float(data.get("op_overhead_s", 0.0)),
             straggler_s=float(data.get("straggler_s", 0.0)),
+            straggler_base_s=float(data.get("straggler_base_s", 0.0)),
             ranks_per_core=float(data.get("ranks_per_core", 1.0)),
             host_link_Bps=None if host_link is None else float(host_link),
             host_memory_bandwidth_Bps=None if host_memory is None else float(host_memory),

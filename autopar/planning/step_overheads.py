@@ -228,7 +228,7 @@ class StepTerms:
 
     ``ops`` are in forward order; ``op_s`` is each op's overhead (:func:`op_seconds`), ``update_s``
     each parameter's optimizer step, ``grad_sums`` each summed gradient, in the order the runtime
-    lists parameters; ``straggler_s`` is ``Cluster.straggler_s`` (see :meth:`waits`).
+    lists parameters; ``straggler_s`` and ``straggler_base_s`` are the cluster's (see :meth:`waits`).
     """
 
     ops: tuple[OpTime, ...]
@@ -236,6 +236,7 @@ class StepTerms:
     update_s: Mapping[str, float]
     grad_sums: Mapping[str, GradSum]
     straggler_s: float  # the cluster's
+    straggler_base_s: float = 0.0  # the cluster's
 
     @property
     def recompute_s(self) -> dict[str, float]:
@@ -269,9 +270,9 @@ class StepTerms:
 
     def waits(self, stretches: Iterable[float]) -> float:
         """What the ranks wait for the slowest at the synchronising points that end ``stretches``
-        of compute: ``straggler_s`` after one second, growing as the square root of the stretch
-        (the ranks drift apart like a random walk)."""
-        return self.straggler_s * sum(math.sqrt(t) for t in stretches if t > 0)
+        of compute: ``straggler_base_s`` at each, and ``straggler_s`` after one second of compute,
+        growing as the square root of the stretch (the ranks drift apart like a random walk)."""
+        return sum(self.straggler_base_s + self.straggler_s * math.sqrt(t) for t in stretches if t > 0)
 
 
 @dataclass(frozen=True)
@@ -349,4 +350,5 @@ def step_terms(
         update_s=dict(update_s),
         grad_sums=dict(grad_sums),
         straggler_s=cluster.straggler_s,
+        straggler_base_s=cluster.straggler_base_s,
     )

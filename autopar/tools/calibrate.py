@@ -152,17 +152,26 @@ def _straggling() -> dict[str, Any]:
     return {"back_to_back": back_to_back, "bursts": bursts}
 
 
-def _straggle(per_rank: list[dict[str, Any]]) -> float:
-    """``Cluster.straggler_s`` from every rank's :func:`_straggling`: a burst's wait is the slowest
-    rank's mean span less its typical burst (what the cost model prices) and the all_reduce back to
-    back (what its latency prices); fitted to ``straggler_s * sqrt(burst / 1 s)`` by least squares,
-    0 where the ranks never wait."""
+def _straggle(per_rank: list[dict[str, Any]]) -> tuple[float, float]:
+    """``(Cluster.straggler_base_s, Cluster.straggler_s)`` from every rank's :func:`_straggling`:
+    a burst's wait is the slowest rank's mean span less its typical burst (what the cost model
+    prices) and the all_reduce back to back (what its latency prices); fitted to
+    ``straggler_base_s + straggler_s * sqrt(burst / 1 s)`` by least squares with both figures at
+    least 0 (both 0 where the ranks never wait)."""
     b2b = max(r["back_to_back"] for r in per_rank)
     rows = []
     for bursts in zip(*(r["bursts"] for r in per_rank)):
         burst = max(own for own, _ in bursts)
-        rows.append((burst, max(span for _, span in bursts) - burst - b2b))
-    return max(0.0, sum(wait * math.sqrt(t) for t, wait in rows) / sum(t for t, _ in rows))
+        rows.append((math.sqrt(burst), max(span for _, span in bursts) - burst - b2b))
+    n, sx, sy = len(rows), sum(x for x, _ in rows), sum(y for _, y in rows)
+    sxx, sxy = sum(x * x for x, _ in rows), sum(x * y for x, y in rows)
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    base = (sy - slope * sx) / n
+    if slope < 0:  # the waits do not grow with the compute before them: a constant
+        return max(0.0, sy / n), 0.0
+    if base < 0:  # they grow from nothing
+        return 0.0, max(0.0, sxy / sxx)
+    return base, slope
 
 
 def _collective_call(
@@ -257,7 +266,7 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "memory_bandwidth_Bps": min(r["memory_bandwidth_Bps"] for r in per_rank),
         "transcendentals_per_s": min(r["transcendentals_per_s"] for r in per_rank),
         "op_overhead_s": max(r["op_overhead_s"] for r in per_rank),
-        "straggler_s": _straggle([r["straggling"] for r in per_rank]),
+        "stragglers": _straggle([r["straggling"] for r in per_rank]),
         "ranks_per_core": max(r["ranks_per_core"] for r in per_rank),
         "memory_bytes": min(r["memory_bytes"] for r in per_rank),
         "hosts": [r["host"] for r in per_rank],
@@ -350,7 +359,8 @@ def _cluster(
         devices_per_node=devices_per_node,
         measured_on=measured_on,
         op_overhead_s=measured["op_overhead_s"],
-        straggler_s=measured["straggler_s"],
+        straggler_base_s=measured["stragglers"][0],
+        straggler_s=measured["stragglers"][1],
         ranks_per_core=measured["ranks_per_core"],
         transcendentals_per_s=measured["transcendentals_per_s"],
         **links,
@@ -429,7 +439,8 @@ def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: 
         f"GFLOP/s per rank {flops}; memory {cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s; "
         f"{(cluster.transcendentals_per_s or 0) / 1e9:.2f} G exp/s; "
         f"{cluster.op_overhead_s * 1e6:.1f} us per op; "
-        f"a collective waits {cluster.straggler_s * 1e3:.1f} ms for stragglers after 1 s of compute"
+        f"a collective waits {cluster.straggler_base_s * 1e3:.1f} ms for stragglers, "
+        f"and {cluster.straggler_s * 1e3:.1f} ms more after 1 s of compute"
     ]
     for level, ranks in measured["ranks"].items():
         kinds = "; ".join(

@@ -105,6 +105,26 @@ def test_the_cost_model_prices_a_straggler_under_each_mode() -> None:
     assert "async, unbounded" in table and "hybrid 2 groups" in table
 
 
+def test_plan_takes_an_update_mode_and_reports_its_step(tmp_path) -> None:
+    torch.manual_seed(0)
+    model, (idx, _) = gpt.build(batch_size=16, device="meta")
+    plan = autopar.plan(model, (idx,), {"dp": 4}, cluster="cpu-gloo", update=autopar.Async(staleness=None))
+    sync = _plan()
+    assert plan.memory.zero == 0  # the servers hold the optimizer state
+    free = predict_update(sync, autopar.Async(staleness=None), [1, 1, 1, 1], 16)
+    assert plan.update["mode"] == "async, unbounded"
+    assert plan.update["clock_s"] == pytest.approx(max(free.clock_s), rel=1e-6)
+    even = predict_update(sync, None, [1, 1, 1, 1], 16)
+    assert plan.update["vs_sync"] == pytest.approx(free.samples_per_s / even.samples_per_s, rel=1e-6)
+    assert "update: async, unbounded: a unit's clock" in plan.summary()
+    plan.save(tmp_path / "plan.json")
+    assert autopar.load_plan(tmp_path / "plan.json").update == plan.update
+    with pytest.raises(autopar.OptionError, match="plans the workers' mesh you give"):
+        autopar.plan(model, (idx,), 4, update=autopar.Async())
+    with pytest.raises(autopar.OptionError, match="has no such axis"):
+        autopar.plan(model, (idx,), {"tp": 4}, update=autopar.ParameterServer())
+
+
 def test_autopar_plan_reports_sync_against_async(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "examples/gpt.py:build", "batch_size=16", "--mesh", "dp=4", "--cluster", "cpu-gloo"]
     assert cli_main([*argv, "--stragglers", "1,1,1,3"]) == 0

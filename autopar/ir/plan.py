@@ -282,6 +282,8 @@ class Plan:
     parameter_nodes: dict[str, str] = field(default_factory=dict)  # placeholder -> parameter fqn
     # with a device count for a mesh: every mesh searched (mesh, bound_s, outcome, step_s, memory_bytes)
     mesh_candidates: list[dict[str, Any]] = field(default_factory=list)
+    # with update=...: the mode, a unit's clock (slowest unit) and samples/s against sync's, replicas nominal
+    update: dict[str, Any] | None = None
     # the file load_plan read it from (not saved): the summary says the solver's line is the saved one
     loaded_from: str | None = field(default=None, compare=False)
 
@@ -409,6 +411,7 @@ class Plan:
             axis_roles=dict(data.get("axis_roles", {})),
             parameter_nodes=dict(data.get("parameter_nodes", {})),
             mesh_candidates=[dict(c) for c in data.get("mesh_candidates", [])],
+            update=data.get("update"),
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})

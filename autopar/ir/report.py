@@ -86,6 +86,14 @@ def render_summary(plan: Plan, width: int, verbose: bool = False) -> str:
         _print_pipeline(console, plan.pipeline)
     if plan.mesh_candidates:
         console.print(_mesh_candidates(plan))
+    if plan.update is not None:
+        u = plan.update
+        console.print(
+            f"update: {u['mode']}: a unit's clock {u['clock_s'] * 1e3:.3f} ms, {u['vs_sync']:.2f}x sync's "
+            "samples/s with every replica at the same speed (autopar plan --stragglers compares the "
+            "modes under a straggler)",
+            soft_wrap=True,
+        )
     for line in plan.named_layouts.values():
         console.print(f"layout: {line}", soft_wrap=True)
     for w in plan.warnings:

@@ -28,6 +28,7 @@ from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import CollectiveKind, Plan
+from autopar.ir.updates import Update, check_update
 from autopar.planning.assemble import PlanSetting
 from autopar.planning.axis_groups import graph_within, merged_axes
 from autopar.planning.cost import Cluster, CostModel, get_cluster
@@ -38,6 +39,7 @@ from autopar.planning.mesh_search import search_meshes
 from autopar.planning.pipeline import microbatch
 from autopar.planning.solver import SolverClock
 from autopar.planning.strategy_graph import build_strategy_graph
+from autopar.planning.update_cost import with_update
 
 
 def plan(
@@ -53,6 +55,7 @@ def plan(
     memory: Memory | None = None,
     memory_budget: float | None = None,
     precision: MixedPrecision | None = None,
+    update: Update | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh``: capture, read annotations, solve, report.
 
@@ -69,9 +72,26 @@ def plan(
     (bytes per device) makes the planner choose sharding, the ZeRO stage and recompute so that the
     plan fits, or raise :class:`~autopar.ir.errors.PlanError` with the least memory it could reach.
     ``precision`` computes in a lower precision with fp32 master weights
-    (:class:`~autopar.ir.options.MixedPrecision`)."""
+    (:class:`~autopar.ir.options.MixedPrecision`). ``update`` (:mod:`autopar.ir.updates`) plans the
+    workers' mesh as ``compile(..., update=...)`` compiles it (the synchronous plan, without ZeRO:
+    the servers hold the optimizer state) and adds what the mode makes of its step
+    (``Plan.update``; :mod:`autopar.planning.update_cost`)."""
     if not isinstance(cluster, Cluster):
         cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
+    if update is not None:
+        if isinstance(mesh, int):
+            raise OptionError(
+                f"update={update!r} plans the workers' mesh you give, such as {{'dp': 4}}; a device count "
+                f"({mesh}) searches meshes for the synchronous update only"
+            )
+        memory = memory or Memory(zero=0)  # as compile(update=...): the servers hold the optimizer state
+        spec = MeshSpec.of(mesh)
+        check_update(update, spec, pipeline=pipeline, zero=memory.zero, offload=memory.offload_optimizer)
+        synchronous = plan(
+            model, example_args, spec, example_kwargs=example_kwargs, cluster=cluster, time_limit=time_limit,
+            seed=seed, memory=memory, memory_budget=memory_budget, precision=precision,
+        )  # fmt: skip
+        return with_update(synchronous, update)
     if isinstance(mesh, int) and not isinstance(mesh, bool):
 
         def plan_one(captured: Captured, spec: MeshSpec, p: Pipeline | None, limit: float) -> Plan:

@@ -15,7 +15,8 @@ nominal; 3: three times slower, a persistent straggler):
   straggler still sets every unit's pace in the long run (a unit can never be more than ``s``
   clocks ahead of it); unbounded, each unit runs at its own pace.
 
-:func:`compare_updates` tabulates them (``autopar plan --stragglers``).
+:func:`compare_updates` tabulates them (``autopar plan --stragglers``); :func:`with_update` adds
+one to a plan (``autopar.plan(..., update=...)``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ def predict_update(
     drift = p.wait_s if update.bound == 0 else 0.0  # the slack absorbs random drift
     clock = max(max(clocks), server_s) + drift
     return UpdateCost(_name(update), (clock,) * units, batch / clock, clock - min(clocks))
+
+
+def with_update(plan: Plan, update: Update) -> Plan:
+    """``plan`` (synchronous, on the workers' mesh) with ``Plan.update`` set: ``update``'s name, its
+    slowest unit's clock and its samples per second over sync's, every replica at the same speed."""
+    spec = plan.mesh_spec
+    replicas = [1.0] * spec.axis_sizes[spec.axis_index(update.axis)]
+    sync, mode = (predict_update(plan, u, replicas, 1) for u in (None, update))
+    plan.update = {
+        "mode": mode.mode,
+        "clock_s": max(mode.clock_s),
+        "vs_sync": mode.samples_per_s / sync.samples_per_s,
+    }
+    return plan
 
 
 def _gradient_sums(plan: Plan) -> float:

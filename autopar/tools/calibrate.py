@@ -36,7 +36,7 @@ _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _FIT_ROUNDS = 20  # reweightings of fit_ring's least squares (it settles in a few)
 _STALLED = 2.0  # a collective this many times slower than its fit stalled (fit_ring leaves it out)
 _BURSTS = (2, 8, 32, 128)  # 256 x 256 fp32 products per burst timed for straggling
-_BURST_REPEATS = 9
+_BURST_REPEATS = 15
 # 1 KiB .. 16 MiB input per rank: the small ones fix latency, the large ones bandwidth; larger
 # buffers add little to the fit but seconds to a run (an all_gather's output is n times its input).
 _COLLECTIVE_BYTES = tuple(1 << k for k in range(10, 25, 2))
@@ -230,9 +230,11 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    # the memory bandwidth a rank gets moves with what else the host's memory serves (7 to 18 GB/s
+    # from one minute to the next here): the median of windows before, amid and after the rest
+    bandwidths = [_memory_bandwidth()]
     mine: dict[str, Any] = {
         "peak_flops": {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
-        "memory_bandwidth_Bps": _memory_bandwidth(),
         "transcendentals_per_s": _transcendentals(),
         "op_overhead_s": _op_overhead(),
         "straggling": _straggling(),
@@ -243,11 +245,13 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
         "ranks": {},
         "links": {},
     }
+    bandwidths.append(_memory_bandwidth())
     for level, groups in _level_groups(world, per_node).items():
         # every rank creates every group of the level, in the same order, as new_group requires
         group, _ = dist.new_subgroups_by_enumeration(groups)
         mine["ranks"][level] = len(groups[0])
         mine["links"][level] = _collective_samples(group, len(groups[0]))
+    mine["memory_bandwidth_Bps"] = statistics.median([*bandwidths, _memory_bandwidth()])
     everyone: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     return _slowest(everyone) if everyone is not None else None

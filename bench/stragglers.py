@@ -2,10 +2,11 @@
 
 ``python bench/stragglers.py`` (from the repository's root, ``PYTHONPATH=.``) measures samples/s of
 synchronous all-reduce, the parameter server, bounded and unbounded asynchronous updates and the
-hybrid (2 groups of 2) while worker 3 sleeps twice its own compute after every step (3x slower; its
-compute timed once on a plain copy of the model, the same delay in every mode),
-beside what :mod:`autopar.planning.update_cost` predicts; ``--convergence`` trains a learnable task
-(each sequence counts up from a random start: the next token is the previous plus one) for the same
+hybrid (2 groups of 2) while worker 3 sleeps after every step twice a synchronous step with no
+straggler (timed once, before the modes: the same delay in every mode), so that its step takes 3x
+the others', beside what :mod:`autopar.planning.update_cost` predicts; ``--batch`` sets the
+global batch (256: 64 samples per worker). ``--convergence`` trains a learnable task (each
+sequence counts up from a random start: the next token is the previous plus one) for the same
 number of samples under sync and async with staleness 1 and 2, with the same straggler, and plots
 the loss curves (``--plot``). Results: ``docs/update_modes.md``.
 """
@@ -25,7 +26,7 @@ from autopar.planning.update_cost import predict_update
 from autopar.tools.launch import spawn
 from examples import gpt
 
-WORKERS, SLOW, BATCH = 4, 3, 16
+WORKERS, SLOW = 4, 3
 CONFIG = dict(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
 MODES = {
     "sync": None,
@@ -38,33 +39,17 @@ MODES = {
 }
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s global batch of the counting task, the same on every rank."""
+def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch (``size`` sequences) of the counting task, the same on every rank."""
     g = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, CONFIG["vocab_size"], (BATCH, 1), generator=g)
+    start = torch.randint(0, CONFIG["vocab_size"], (size, 1), generator=g)
     seq = (start + torch.arange(CONFIG["seq_len"] + 1)) % CONFIG["vocab_size"]
     return seq[:, :-1], seq[:, 1:]
 
 
-def _own_compute_s() -> float:
-    """This rank's forward and backward of one replica's share of a batch (BATCH / WORKERS samples)
-    on a plain copy of the model, median of 5: the delay the straggler adds is twice this in every
-    mode alike (timing its compiled step instead would count, under sync, the waits for the others
-    inside it, and slow sync's straggler more than the others')."""
+def _compiled(mode: str, size: int) -> tuple[object, object]:
     torch.manual_seed(0)
-    model, _ = gpt.build(batch_size=BATCH, **CONFIG)
-    x, y = (t[: BATCH // WORKERS] for t in batch(0))
-    times = []
-    for _ in range(6):
-        t = time.perf_counter()
-        gpt.loss_fn(model(x), y).backward()
-        times.append(time.perf_counter() - t)
-    return sorted(times[1:])[2]
-
-
-def _compiled(mode: str) -> tuple[object, object]:
-    torch.manual_seed(0)
-    model, (idx, _) = gpt.build(batch_size=BATCH, **CONFIG)
+    model, (idx, _) = gpt.build(batch_size=size, **CONFIG)
     update = MODES[mode]
     if update is None:
         mesh = init_device_mesh("cpu", (WORKERS,), mesh_dim_names=("dp",))
@@ -73,17 +58,17 @@ def _compiled(mode: str) -> tuple[object, object]:
     return autopar.compile(model, mesh, (idx,), update=update), mesh
 
 
-def run(mode: str, steps: int, seconds: float, lr: float) -> dict:
-    """One rank's part: ``steps`` steps (sync, or every unit under an update mode), or as many as
-    fit in ``seconds`` when it is above 0; worker :data:`SLOW` sleeps twice its own compute each step
-    (:func:`_own_compute_s`)."""
-    dmodel, mesh = _compiled(mode)
+def run(mode: str, steps: int, seconds: float, lr: float, size: int, delay: float) -> dict:
+    """One rank's part: ``steps`` steps of global batch ``size`` (sync, or every unit under an
+    update mode), or as many as fit in ``seconds`` when it is above 0; worker :data:`SLOW` sleeps
+    ``delay`` seconds after each step."""
+    dmodel, mesh = _compiled(mode, size)
     if dmodel.is_server if hasattr(dmodel, "is_server") else False:
         dmodel.serve()
         return {}
     optimizer = dmodel.optimizer(torch.optim.AdamW, lr=lr, foreach=True)
     losses, done = [], 0
-    delay = 2 * _own_compute_s() if dist.get_rank() == SLOW else 0.0
+    delay = delay if dist.get_rank() == SLOW else 0.0
     # ranks that meet at collectives every step stop together: all of sync's, a hybrid unit's
     together = mesh.get_group("dp") if mode == "sync" else None
     if getattr(dmodel, "unit_size", 1) > 1:
@@ -92,7 +77,7 @@ def run(mode: str, steps: int, seconds: float, lr: float) -> dict:
     t0 = time.perf_counter()
     clock = getattr(dmodel, "clock", 0)
     while done < steps if seconds <= 0 else True:
-        x, y = batch(clock + done)
+        x, y = batch(clock + done, size)
         losses.append(dmodel.train_step((x,), y, gpt.loss_fn).item())
         time.sleep(delay)
         optimizer.step()
@@ -107,7 +92,7 @@ def run(mode: str, steps: int, seconds: float, lr: float) -> dict:
     elapsed = time.perf_counter() - t0
     if hasattr(dmodel, "close"):
         dmodel.close()
-    share = BATCH // WORKERS  # each rank's replica's share of a step's batch
+    share = size // WORKERS  # each rank's replica's share of a step's batch
     return {
         "steps": done,
         "elapsed": elapsed,
@@ -117,21 +102,41 @@ def run(mode: str, steps: int, seconds: float, lr: float) -> dict:
     }
 
 
-def predicted(cluster: str) -> dict[str, float]:
+def predicted(cluster: str, size: int) -> dict[str, float]:
     """Samples/s :func:`predict_update` gives each mode on ``cluster`` (a preset, or a file from
     ``autopar calibrate --ranks 5``: the workers and the server sharing this machine)."""
     torch.manual_seed(0)
-    model, (idx, _) = gpt.build(batch_size=BATCH, device="meta", **CONFIG)
+    model, (idx, _) = gpt.build(batch_size=size, device="meta", **CONFIG)
     plan = autopar.plan(model, (idx,), {"dp": WORKERS}, cluster=cluster)
     slow = [1.0] * WORKERS
-    slow[SLOW] = 3.0
-    return {m: predict_update(plan, u, slow, BATCH).samples_per_s for m, u in MODES.items()}
+    # the straggler's step 3x a synchronous one, as the measured delay makes it: its own work
+    # stretched by twice the whole step
+    work = plan.prediction.compute_s + plan.prediction.overhead_s
+    slow[SLOW] = 1 + 2 * plan.step_time_s / work
+    rates = {m: predict_update(plan, u, slow, size).samples_per_s for m, u in MODES.items()}
+    return {"no straggler": size / plan.step_time_s, **rates}
 
 
-def stragglers(seconds: float, cluster: str) -> list[dict]:
-    rows, expect = [], predicted(cluster)
+def straggler_delay(size: int, seconds: float) -> tuple[float, float]:
+    """``(delay, samples/s)``: the straggler's sleep per step, twice a synchronous step with no
+    straggler (timed for ``seconds``, as every rank runs it, sharing the host's cores), so that
+    its step takes 3x the others' and sync runs at a third of its pace; the same delay in every
+    mode. (A delay from its forward and backward alone, timed apart, leaves out the optimizer,
+    the gradient sums and the cores it shares: sync slowed by about 2x, not 3x, here.)"""
+    worker = spawn(run, WORKERS, "sync", 0, seconds, 1e-3, size, 0.0)[0]
+    return 2 * worker["elapsed"] / worker["steps"], worker["samples"] * WORKERS / worker["elapsed"]
+
+
+def stragglers(seconds: float, cluster: str, size: int) -> list[dict]:
+    rows, expect = [], predicted(cluster, size)
+    delay, alone = straggler_delay(size, seconds)
+    print(f"global batch {size}; the straggler sleeps {delay * 1e3:.1f} ms a step")
+    rows.append({"mode": "sync, no straggler", "measured": alone, "predicted": expect.pop("no straggler")})
+    print(
+        f"{'sync, no straggler':<26} measured {alone:7.1f} samples/s, predicted {rows[0]['predicted']:7.1f}"
+    )
     for mode in MODES:
-        ranks = spawn(run, WORKERS + (0 if MODES[mode] is None else 1), mode, 0, seconds, 1e-3)
+        ranks = spawn(run, WORKERS + (0 if MODES[mode] is None else 1), mode, 0, seconds, 1e-3, size, delay)
         workers = [r for r in ranks if r]
         rate = sum(r["samples"] for r in workers) / max(r["elapsed"] for r in workers)
         if mode == "sync":
@@ -144,10 +149,10 @@ def stragglers(seconds: float, cluster: str) -> list[dict]:
     return rows
 
 
-def convergence(steps: int, plot: str | None) -> dict[str, list[float]]:
-    curves = {}
+def convergence(steps: int, plot: str | None, size: int) -> dict[str, list[float]]:
+    curves, delay = {}, straggler_delay(size, 5.0)[0]
     for mode in ("sync", "async, staleness 1", "async, staleness 2"):
-        ranks = [r for r in spawn(run, WORKERS + (mode != "sync"), mode, steps, 0.0, 3e-3) if r]
+        ranks = [r for r in spawn(run, WORKERS + (mode != "sync"), mode, steps, 0.0, 3e-3, size, delay) if r]
         curves[mode] = [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(steps)]
         tail = sum(curves[mode][-5:]) / 5
         print(f"{mode:<20} loss over the last 5 steps {tail:.4f}")
@@ -159,7 +164,7 @@ def convergence(steps: int, plot: str | None) -> dict[str, list[float]]:
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for mode, curve in curves.items():
-            ax.plot([(i + 1) * BATCH for i in range(steps)], curve, label=mode)
+            ax.plot([(i + 1) * size for i in range(steps)], curve, label=mode)
         ax.set(
             xlabel="samples",
             ylabel="training loss",
@@ -179,12 +184,14 @@ if __name__ == "__main__":
     parser.add_argument("--plot", help="write the convergence curves here (.png)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--cluster", default="cpu-gloo", help="a preset or a file from autopar calibrate")
+    parser.add_argument("--batch", type=int, default=256, help="global batch (a multiple of 4)")
     a = parser.parse_args()
     found = {
         "date": time.strftime("%Y-%m-%d"),
-        "convergence": convergence(a.convergence, a.plot) if a.convergence else {},
+        "batch": a.batch,
+        "convergence": convergence(a.convergence, a.plot, a.batch) if a.convergence else {},
     }
-    found["stragglers"] = stragglers(a.seconds, a.cluster) if a.seconds > 0 else []
+    found["stragglers"] = stragglers(a.seconds, a.cluster, a.batch) if a.seconds > 0 else []
     if a.json:
         with open(a.json, "w") as f:
             json.dump(found, f, indent=1)

@@ -105,6 +105,16 @@ def test_the_cost_model_prices_a_straggler_under_each_mode() -> None:
     assert "async, unbounded" in table and "hybrid 2 groups" in table
 
 
+def test_the_straggler_bench_predicts_the_straggler_it_measures() -> None:
+    """bench/stragglers.py's straggler sleeps twice a synchronous step: its prediction must make
+    sync a third of the straggler-free pace, as the measurement does."""
+    from bench.stragglers import predicted
+
+    rates = predicted("cpu-gloo", 16)
+    assert rates["sync"] == pytest.approx(rates["no straggler"] / 3, rel=1e-9)
+    assert rates["async, unbounded"] > rates["sync"]
+
+
 def test_plan_takes_an_update_mode_and_reports_its_step(tmp_path) -> None:
     torch.manual_seed(0)
     model, (idx, _) = gpt.build(batch_size=16, device="meta")

@@ -223,10 +223,10 @@ def _level_groups(world: int, per_node: int) -> dict[str, list[list[int]]]:
 def _measure_world(per_node: int) -> dict[str, Any] | None:
     """Measure from every rank of an initialised gloo world of nodes of ``per_node`` ranks each.
 
-    All ranks time compute, memory, the per-op overhead and their waits for stragglers at once,
-    each with its node's share of the cores, as they contend in a real run; then collectives on
-    each level's groups (:func:`_level_groups`). Rank 0 returns the slowest rank's figures
-    (:func:`_slowest`), the others None.
+    All ranks time compute, memory and the per-op overhead at once, each with its node's share of
+    the cores, as they contend in a real run; then collectives on each level's groups
+    (:func:`_level_groups`), then their waits for stragglers. Rank 0 returns the slowest rank's
+    figures (:func:`_slowest`), the others None.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
@@ -237,7 +237,6 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
         "peak_flops": {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
         "transcendentals_per_s": _transcendentals(),
         "op_overhead_s": _op_overhead(),
-        "straggling": _straggling(),
         # one thread each where ranks outnumber cores (above): they take turns on them
         "ranks_per_core": max(1.0, per_node / (os.cpu_count() or 1)),
         "memory_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // per_node,
@@ -252,6 +251,10 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
         mine["ranks"][level] = len(groups[0])
         mine["links"][level] = _collective_samples(group, len(groups[0]))
     mine["memory_bandwidth_Bps"] = statistics.median([*bandwidths, _memory_bandwidth()])
+    # last, with the levels' groups in place as a run has its mesh's: timed amid the rest, before
+    # them, a 20 ms burst's wait read 0.2-2.5 ms in four calibrations, 2-12 ms in ten timed once
+    # the groups existed, and tensor parallelism was priced up to 35% fast with the former
+    mine["straggling"] = _straggling()
     everyone: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     return _slowest(everyone) if everyone is not None else None

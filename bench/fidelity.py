@@ -12,7 +12,9 @@ solver's own for dp=2 x tp=2, all compiled first and then stepped in turns. Each
 predicted step (``plan.step_time_s``) is printed beside the median measured step (the slowest
 rank's, after 2 warm-up steps), with the ratio
 and the Spearman rank correlation over the plans. Issue 16 asks for every plan within ±25%
-and a correlation of at least 0.9.
+and a correlation of at least 0.9. Last, the host's float32 FLOP/s and memory bandwidth before
+and after the run, over the cluster file's: a shared host whose speed moved since the
+calibration moves every plan's ratio with it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
+from autopar.planning.cost import get_cluster  # noqa: E402
+from autopar.tools.calibrate import host_speed  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402
 from examples import gpt  # noqa: E402
 
@@ -74,11 +78,16 @@ def _build(name: str, cluster: str) -> tuple[float, Callable[[], None]]:
     return dmodel.plan.step_time_s, step
 
 
-def _world(cluster: str, steps: int) -> dict[str, tuple[float, float]]:
-    """(predicted, measured median) seconds of every plan. The plans take turns, one step each
-    per round, so that the machine's speed drifting during the run (other work on the host)
-    slows every plan alike instead of the plans measured while it lasts."""
+def _world(cluster: str, steps: int) -> dict[str, Any]:
+    """``plans``: (predicted, measured median) seconds of every plan; ``host``: the host's float32
+    FLOP/s and memory bandwidth (:func:`host_speed`) before and after, over the cluster's. The
+    plans take turns, one step each per round, so that the machine's speed drifting during the
+    run (other work on the host) slows every plan alike instead of the plans measured while it
+    lasts; the host's speed says whether it drifted since the calibration."""
     torch.set_num_threads(1)
+    calibrated = get_cluster(cluster)
+    nominal = (calibrated.peak_flops["float32"], calibrated.memory_bandwidth_Bps)
+    before = host_speed()
     built = {name: _build(name, cluster) for name in PLANS}
     times: dict[str, list[float]] = {name: [] for name in PLANS}
     for round_ in range(steps + 2):
@@ -90,7 +99,14 @@ def _world(cluster: str, steps: int) -> dict[str, tuple[float, float]]:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if round_ >= 2:  # two warm-up steps each
                 times[name].append(elapsed.item())
-    return {name: (built[name][0], statistics.median(times[name])) for name in PLANS}
+    after = host_speed()
+    return {
+        "plans": {name: (built[name][0], statistics.median(times[name])) for name in PLANS},
+        "host": {
+            kind: [speed[i] / nominal[i] for speed in (before, after)]
+            for i, kind in enumerate(("float32 FLOP/s", "memory bandwidth"))
+        },
+    }
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -113,15 +129,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per plan")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     a = parser.parse_args()
-    results = spawn(_world, 4, a.cluster, a.steps)[0]
+    found = spawn(_world, 4, a.cluster, a.steps)[0]
+    results = found["plans"]
     print(f"| plan | predicted ms | measured ms | measured / predicted |  (cluster {a.cluster})")
     print("| --- | --- | --- | --- |")
     for name, (predicted, measured) in results.items():
         print(f"| {name} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | {measured / predicted:.2f} |")
     pred, meas = zip(*results.values())
     print(f"Spearman rank correlation: {spearman(list(pred), list(meas)):.2f}")
+    drift = ", ".join(f"{kind} {b:.2f}x before, {e:.2f}x after" for kind, (b, e) in found["host"].items())
+    print(f"the host against the cluster's figures: {drift}")
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+        a.json.write_text(json.dumps(found, indent=1))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,16 @@ def _memory_bandwidth() -> float:
     return 3 * x.nbytes / _together_seconds(lambda: torch.add(x, y, out=out), 11)
 
 
+def host_speed() -> tuple[float, float]:
+    """``(float32 FLOP/s, memory bytes/s)`` of the world's slowest rank, measured as ``autopar
+    calibrate`` measures ``peak_flops`` and ``memory_bandwidth_Bps`` (call it on every rank, with
+    the threads per rank a calibration gives them): a run compares them with its cluster file to
+    tell a host that changed speed since the calibration from a model that priced it wrong."""
+    speeds = torch.tensor([_matmul_flops(torch.float32), _memory_bandwidth()], dtype=torch.float64)
+    dist.all_reduce(speeds, op=dist.ReduceOp.MIN)
+    return float(speeds[0]), float(speeds[1])
+
+
 def _transcendentals() -> float:
     """exp values per second on one rank (the rate of exp, log, erf and the like, which a CPU
     computes far below its product FLOP/s); on a vector in cache so that memory does not count."""

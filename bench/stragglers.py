@@ -127,14 +127,19 @@ def straggler_delay(size: int, seconds: float) -> tuple[float, float]:
     return 2 * worker["elapsed"] / worker["steps"], worker["samples"] * WORKERS / worker["elapsed"]
 
 
+def _print_row(row: dict) -> None:
+    print(
+        f"{row['mode']:<26} measured {row['measured']:7.1f} samples/s, "
+        f"predicted {row['predicted']:7.1f}; staleness <= {row.get('max_staleness', 0)}"
+    )
+
+
 def stragglers(seconds: float, cluster: str, size: int) -> list[dict]:
-    rows, expect = [], predicted(cluster, size)
+    expect = predicted(cluster, size)
     delay, alone = straggler_delay(size, seconds)
     print(f"global batch {size}; the straggler sleeps {delay * 1e3:.1f} ms a step")
-    rows.append({"mode": "sync, no straggler", "measured": alone, "predicted": expect.pop("no straggler")})
-    print(
-        f"{'sync, no straggler':<26} measured {alone:7.1f} samples/s, predicted {rows[0]['predicted']:7.1f}"
-    )
+    rows = [{"mode": "sync, no straggler", "measured": alone, "predicted": expect.pop("no straggler")}]
+    _print_row(rows[0])
     for mode in MODES:
         ranks = spawn(run, WORKERS + (0 if MODES[mode] is None else 1), mode, 0, seconds, 1e-3, size, delay)
         workers = [r for r in ranks if r]
@@ -143,9 +148,7 @@ def stragglers(seconds: float, cluster: str, size: int) -> list[dict]:
             rate = workers[0]["samples"] * WORKERS / workers[0]["elapsed"]
         stale = max((entry[2] for r in workers for entry in r["log"]), default=0)
         rows.append({"mode": mode, "measured": rate, "predicted": expect[mode], "max_staleness": stale})
-        print(
-            f"{mode:<26} measured {rate:7.1f} samples/s, predicted {expect[mode]:7.1f}; staleness <= {stale}"
-        )
+        _print_row(rows[-1])
     return rows
 
 

@@ -241,7 +241,8 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     # the memory bandwidth a rank gets moves with what else the host's memory serves (7 to 18 GB/s
-    # from one minute to the next here): the median of windows before, amid and after the rest
+    # from one minute to the next here): the median of windows before the compute, before the
+    # collectives and after them
     bandwidths = [_memory_bandwidth()]
     mine: dict[str, Any] = {
         "peak_flops": {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},

@@ -13,6 +13,9 @@ by :class:`~autopar.runtime.grad_reducer.GradReducer` in buckets, each launched 
 as its last gradient is ready in backward, overlapping communication with the rest of
 backward.
 
+On a CPU mesh the module keeps freed host memory in the process (``host_memory``, see
+:mod:`autopar.runtime.host_memory`), so a step's activations do not page-fault back in.
+
 The module runs what the compiler lowered (:class:`~autopar.runtime.lowered.LoweredProgram`)
 and never plans: a loss function given to ``train_step`` is compiled by the
 :class:`LossCompiler` the compiler handed over.
@@ -37,6 +40,7 @@ from autopar.ir.printing import format_graph
 from autopar.runtime import offload
 from autopar.runtime.checkpoint import keep_checkpoints_plain
 from autopar.runtime.grad_reducer import GradReducer
+from autopar.runtime.host_memory import keep_freed_host_memory
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import as_dtensor, distributed_copy, local_piece
@@ -93,6 +97,8 @@ class DistributedModule(torch.nn.Module):
         """
         super().__init__()
         self.device_mesh = device_mesh
+        # a CPU step's activations would page-fault back in every step (runtime/host_memory.py)
+        self.host_memory = keep_freed_host_memory() if device_mesh.device_type == "cpu" else None
         # the mesh layouts and DTensor parameters live on: one stage's under a pipeline
         self.stage_mesh = device_mesh if stage_mesh is None else stage_mesh
         self.plan = lowered.plan

@@ -127,27 +127,33 @@ def test_cpu_gloo_never_leaves_the_host():
 # --- redistribution: one mesh axis (x = 4), shape (8, 16) fp32 = 512 bytes ---------------
 
 
+def copied_bytes(model: CostModel, collectives, seconds: float) -> int:
+    """The bytes an edge's price reads and writes in the runtime's own copies: its seconds less
+    its collectives', at the toy cluster's memory bandwidth."""
+    return round((seconds - sum(model.collective_time(c) for c in collectives)) * 1e11)
+
+
 @pytest.mark.parametrize(
-    "src, dst, expected",
+    "src, dst, expected, copied",
     [
-        (R, R, []),
-        (S0, S0, []),
-        (P, P, []),
-        (Partial("avg"), P, []),
-        (R, S0, []),
-        (R, P, []),
-        (S0, P, []),
-        (P, R, [("all_reduce", "x", 512)]),
-        (P, S1, [("reduce_scatter", "x", 512)]),
-        (S0, R, [("all_gather", "x", 128)]),
-        (S0, S1, [("all_to_all", "x", 128)]),
+        (R, R, [], 0),
+        (S0, S0, [], 0),
+        (P, P, [], 0),
+        (Partial("avg"), P, [], 0),
+        (R, S0, [], 0),  # local ops' copies are left free (CostModel._copy_time)
+        (R, P, [], 0),
+        (S0, P, [], 0),
+        (P, R, [("all_reduce", "x", 512)], 2 * 512),  # a clone to reduce in place
+        (P, S1, [("reduce_scatter", "x", 512)], 2 * 512),  # chunks of dim 1 stacked
+        (S0, R, [("all_gather", "x", 128)], 0),  # dim 0: the gathered stack is the result
+        (S0, S1, [("all_to_all", "x", 128)], 2 * 128),  # dim 1's chunks stacked to send
     ],
 )
-def test_redistribute_1d(src, dst, expected):
+def test_redistribute_1d(src, dst, expected, copied):
     model = CostModel({"x": 4}, toy_cluster())
     collectives, seconds = model.redistribute((src,), (dst,), (8, 16), 4)
     assert [(c.kind, c.mesh_axes[0], c.bytes) for c in collectives] == expected
-    assert seconds == pytest.approx(sum(model.collective_time(c) for c in collectives))
+    assert copied_bytes(model, collectives, seconds) == copied
 
 
 # --- redistribution: two mesh axes, shape (8, 16) fp32 = 512 bytes -----------------------
@@ -205,30 +211,37 @@ def test_backward_runs_the_forward_ops_adjoints_in_reverse():
     model = CostModel({"a": 2, "b": 4}, toy_cluster(devices_per_node=8))
     shape = (8, 16)  # 512 bytes
 
-    def backward(have, need, grad_need, grad_have):
+    def backward(have, need, grad_need, grad_have, copied=0):
         collectives, seconds = model.backward(have, need, grad_need, grad_have, shape, 4)
-        assert seconds == pytest.approx(sum(model.collective_time(c) for c in collectives))
+        assert copied_bytes(model, collectives, seconds) == copied
         return [(c.kind, c.mesh_axes[0], c.bytes) for c in collectives]
 
-    # forward slices a, then b; backward gathers b first (the last slice), then a
+    # forward slices a, then b; backward gathers b first (the last slice), then a; b's gather of
+    # dim 1 reorders its stack of 4 pieces of 64 bytes, a's of dim 0 is the result as gathered
     assert model.steps((R, R), (S0, S1)) == ((0, "slice"), (1, "slice"))
-    assert backward((R, R), (S0, S1), (S0, S1), (R, R)) == [("all_gather", "b", 64), ("all_gather", "a", 256)]
+    assert backward((R, R), (S0, S1), (S0, S1), (R, R), 2 * 4 * 64) == [
+        ("all_gather", "b", 64),
+        ("all_gather", "a", 256),
+    ]
     # ... where redistributing the gradient on its own would gather a first: other bytes per axis
     assert plan(model, (S0, S1), (R, R)) == [("all_gather", "a", 64), ("all_gather", "b", 128)]
     # a gathered value whose consumer hands back partial sums: reduce-scatter; whole ones: a free slice
     assert backward((S0, R), (R, R), (P, R), (S0, R)) == [("reduce_scatter", "a", 512)]
     assert backward((S0, R), (R, R), (R, R), (S0, R)) == []
-    # only the gradient changes (Megatron's "f"): an all-reduce in backward
-    assert backward((R, R), (R, R), (R, P), (R, R)) == [("all_reduce", "b", 512)]
+    # only the gradient changes (Megatron's "f"): an all-reduce in backward; the forward's copy
+    # (an identity op must return a new tensor) and the all-reduce's are priced with it
+    assert backward((R, R), (R, R), (R, P), (R, R), 2 * 512 + 2 * 512) == [("all_reduce", "b", 512)]
     # no gradient flows, or it keeps its layout: nothing moves
     assert backward((R, R), (S0, R), (R, R), (R, R)) == []
 
 
-def test_redistribute_total_is_sum_of_steps():
-    model = CostModel({"dp": 2, "tp": 8}, get_cluster("h100"))
+def test_redistribute_total_is_the_sum_of_its_steps_and_their_copies():
+    h100 = get_cluster("h100")
+    model = CostModel({"dp": 2, "tp": 8}, h100)
     collectives, seconds = model.redistribute((P, S0), (R, R), (64, 64), 2)
-    assert seconds == pytest.approx(sum(model.collective_time(c) for c in collectives))
-    assert seconds > 0
+    # the all_reduce on dp clones its 1/8 (1024 bytes); the gather of dim 0 on tp copies nothing
+    clone = 2 * 1024 / h100.memory_bandwidth_Bps
+    assert seconds == pytest.approx(sum(model.collective_time(c) for c in collectives) + clone)
 
 
 def test_redistribute_is_cached_and_accepts_lists():

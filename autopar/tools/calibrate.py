@@ -241,31 +241,37 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     # the memory bandwidth a rank gets moves with what else the host's memory serves (7 to 18 GB/s
-    # from one minute to the next here): the median of windows before the compute, before the
-    # collectives and after them
-    bandwidths = [_memory_bandwidth()]
-    mine: dict[str, Any] = {
-        "peak_flops": {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
-        "transcendentals_per_s": _transcendentals(),
-        "op_overhead_s": _op_overhead(),
-        # one thread each where ranks outnumber cores (above): they take turns on them
-        "ranks_per_core": max(1.0, per_node / (os.cpu_count() or 1)),
-        "memory_bytes": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // per_node,
-        "host": this_machine(),
-        "ranks": {},
-        "links": {},
+    # from one minute to the next here, each window alone 7.5-13 GB/s within a minute): the
+    # median of six windows spread over the calibration, one between each of its measurements
+    measurements: dict[str, Callable[[], Any]] = {
+        "peak_flops": lambda: {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
+        "transcendentals_per_s": _transcendentals,
+        "op_overhead_s": _op_overhead,
     }
+    bandwidths, mine = [], {}
+    for name, measure in measurements.items():
+        bandwidths.append(_memory_bandwidth())
+        mine[name] = measure()
+    mine.update(
+        # one thread each where ranks outnumber cores (above): they take turns on them
+        ranks_per_core=max(1.0, per_node / (os.cpu_count() or 1)),
+        memory_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // per_node,
+        host=this_machine(),
+        ranks={},
+        links={},
+    )
     bandwidths.append(_memory_bandwidth())
     for level, groups in _level_groups(world, per_node).items():
         # every rank creates every group of the level, in the same order, as new_group requires
         group, _ = dist.new_subgroups_by_enumeration(groups)
         mine["ranks"][level] = len(groups[0])
         mine["links"][level] = _collective_samples(group, len(groups[0]))
-    mine["memory_bandwidth_Bps"] = statistics.median([*bandwidths, _memory_bandwidth()])
+    bandwidths.append(_memory_bandwidth())
     # last, with the levels' groups in place as a run has its mesh's: timed amid the rest, before
     # them, a 20 ms burst's wait read 0.2-2.5 ms in four calibrations, 2-12 ms in ten timed once
     # the groups existed, and tensor parallelism was priced up to 35% fast with the former
     mine["straggling"] = _straggling()
+    mine["memory_bandwidth_Bps"] = statistics.median([*bandwidths, _memory_bandwidth()])
     everyone: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     return _slowest(everyone) if everyone is not None else None

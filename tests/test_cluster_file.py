@@ -167,16 +167,25 @@ def test_a_collective_fit_leaves_out_calls_that_stalled():
 def test_stragglers_are_fitted_to_a_wait_per_collective_and_the_square_root_of_the_compute_before_it():
     bursts = (0.001, 0.004, 0.016, 0.064)
 
-    def rank(base: float, wait: float) -> dict[str, object]:
-        # each rank's typical burst, and the mean span of burst and all_reduce (1 ms back to back)
-        return {"back_to_back": 1e-3, "bursts": [(t, t + 1e-3 + base + wait * math.sqrt(t)) for t in bursts]}
+    def rank(base: float, wait: float, stalled: float = 0.0) -> dict[str, object]:
+        # each rank's typical burst, and the mean span of burst and all_reduce (1 ms back to back),
+        # in three rounds; ``stalled`` adds a wait to every burst of the second round
+        return {
+            "back_to_back": 1e-3,
+            "rounds": [
+                [(t, t + 1e-3 + base + wait * math.sqrt(t) + (stalled if r == 1 else 0.0)) for t in bursts]
+                for r in range(3)
+            ],
+        }
 
     # the step waits for the last rank
     assert _straggle([rank(0.0, 0.02), rank(0.0, 0.01)]) == pytest.approx((0.0, 0.02), abs=1e-12)
     assert _straggle([rank(0.003, 0.01)]) == pytest.approx((0.003, 0.01))
     # ranks sharing cores wait a scheduler's slice whatever they computed before
     assert _straggle([rank(0.004, 0.0), rank(0.002, 0.0)]) == pytest.approx((0.004, 0.0), abs=1e-12)
-    assert _straggle([{"back_to_back": 1e-3, "bursts": [(t, t) for t in bursts]}]) == (0.0, 0.0)
+    assert _straggle([{"back_to_back": 1e-3, "rounds": [[(t, t) for t in bursts]] * 3}]) == (0.0, 0.0)
+    # one round the host stalled in: the median over the rounds leaves it out
+    assert _straggle([rank(0.003, 0.01, stalled=0.05)]) == pytest.approx((0.003, 0.01))
 
 
 def _check_calibrated(path: Path, devices_per_node: int) -> None:

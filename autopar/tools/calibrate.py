@@ -36,7 +36,8 @@ _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _FIT_ROUNDS = 20  # reweightings of fit_ring's least squares (it settles in a few)
 _STALLED = 2.0  # a collective this many times slower than its fit stalled (fit_ring leaves it out)
 _BURSTS = (2, 8, 32, 128)  # 256 x 256 fp32 products per burst timed for straggling
-_BURST_REPEATS = 15
+_BURST_REPEATS = 7  # per round
+_BURST_ROUNDS = 3  # the bursts' series, repeated: a wait per burst size is their median
 # 1 KiB .. 16 MiB input per rank: the small ones fix latency, the large ones bandwidth; larger
 # buffers add little to the fit but seconds to a run (an all_gather's output is n times its input).
 _COLLECTIVE_BYTES = tuple(1 << k for k in range(10, 25, 2))
@@ -140,39 +141,49 @@ def _straggling() -> dict[str, Any]:
     """How long a synchronising collective waits for its slowest rank after the ranks compute apart.
 
     Every rank computes bursts of :data:`_BURSTS` products (about 1 to 80 ms on a rank sharing a
-    core), each followed by a one-element all_reduce over the world, and returns its typical burst
-    (the median), the mean span of burst and all_reduce (a step adds spans up), and the
+    core), each followed by a one-element all_reduce over the world, in :data:`_BURST_ROUNDS`
+    rounds of the whole series; it returns, per round and burst size, its typical burst (the
+    median) and the mean span of burst and all_reduce (a step adds spans up), and the
     all_reduce's time back to back; :func:`_straggle` turns every rank's into the figure.
     """
     a, one = torch.randn(256, 256), torch.zeros(1)
     back_to_back = _median_seconds(lambda: dist.all_reduce(one), 11)
-    bursts = []
-    for products in _BURSTS:
-        own, spans = [], []
-        for _ in range(_BURST_REPEATS):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(products):
-                torch.mm(a, a)
-            computed = time.perf_counter()
-            dist.all_reduce(one)
-            own.append(computed - start)
-            spans.append(time.perf_counter() - start)
-        bursts.append((statistics.median(own), statistics.mean(spans)))
-    return {"back_to_back": back_to_back, "bursts": bursts}
+    rounds = []
+    for _ in range(_BURST_ROUNDS):
+        bursts = []
+        for products in _BURSTS:
+            own, spans = [], []
+            for _ in range(_BURST_REPEATS):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(products):
+                    torch.mm(a, a)
+                computed = time.perf_counter()
+                dist.all_reduce(one)
+                own.append(computed - start)
+                spans.append(time.perf_counter() - start)
+            bursts.append((statistics.median(own), statistics.mean(spans)))
+        rounds.append(bursts)
+    return {"back_to_back": back_to_back, "rounds": rounds}
 
 
 def _straggle(per_rank: list[dict[str, Any]]) -> tuple[float, float]:
     """``(Cluster.straggler_base_s, Cluster.straggler_s)`` from every rank's :func:`_straggling`:
     a burst's wait is the slowest rank's mean span less its typical burst (what the cost model
-    prices) and the all_reduce back to back (what its latency prices); fitted to
+    prices) and the all_reduce back to back (what its latency prices), the median over the rounds
+    (one round's fit put a 10 ms burst's wait anywhere from 0.8 to 3.7 ms); fitted to
     ``straggler_base_s + straggler_s * sqrt(burst / 1 s)`` by least squares with both figures at
     least 0 (both 0 where the ranks never wait)."""
     b2b = max(r["back_to_back"] for r in per_rank)
     rows = []
-    for bursts in zip(*(r["bursts"] for r in per_rank)):
-        burst = max(own for own, _ in bursts)
-        rows.append((math.sqrt(burst), max(span for _, span in bursts) - burst - b2b))
+    for size in range(len(per_rank[0]["rounds"][0])):
+        bursts, waits = [], []
+        for round_ in range(len(per_rank[0]["rounds"])):
+            timed = [r["rounds"][round_][size] for r in per_rank]
+            burst = max(own for own, _ in timed)
+            bursts.append(burst)
+            waits.append(max(span for _, span in timed) - burst - b2b)
+        rows.append((math.sqrt(statistics.median(bursts)), statistics.median(waits)))
     n, sx, sy = len(rows), sum(x for x, _ in rows), sum(y for _, y in rows)
     sxx, sxy = sum(x * x for x, _ in rows), sum(x * y for x, y in rows)
     slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)

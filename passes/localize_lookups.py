@@ -109,9 +109,11 @@ def _mask_lookup(
         in_block = (index, keys, starts, leading, trailing)
         mask = at.add(ops.in_block.default, in_block, mask_val, (index_layout,), mask_layout)
     node.replace_input_with(index, local)
+    # a zero of the looked-up values' dtype: a float zero would promote integer rows to float
+    zero = 0.0 if out_val.is_floating_point() else False if out_val.dtype is torch.bool else 0
     with node.graph.inserting_after(node):
         masked = at.add(
-            aten.where.ScalarOther, (mask, node, 0.0), out_val, (mask_layout, out_layout), out_layout
+            aten.where.ScalarOther, (mask, node, zero), out_val, (mask_layout, out_layout), out_layout
         )
     node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
     node.meta[MASKED_BY] = masked

@@ -220,3 +220,26 @@ def test_a_python_number_output_is_taken_from_the_whole_value(mesh):
     assert "autopar.all_reduce(" in number, dmodel.code  # reduced before it becomes a number
     loss, value = dmodel(*dmodel.shard_inputs(torch.randn(64, 8))[0])
     assert isinstance(value, float) and isinstance(loss, torch.Tensor)
+
+
+class _TokenTypes(torch.nn.Module):
+    """An integer table looked up by position (RoBERTa's token type ids), split along the lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.types = torch.nn.Parameter(torch.arange(16).remainder(3).view(1, 16), requires_grad=False)
+        self.emb = torch.nn.Embedding(3, 8)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return self.emb(self.types.expand(pos.shape[0], 16).gather(1, pos)).sum()
+
+
+def test_a_lookup_into_a_split_integer_table_keeps_its_dtype(mesh):
+    # each rank masks the rows it does not hold with a zero of the table's dtype: a float zero
+    # made the looked-up ids float, which the embedding refused
+    model = _TokenTypes()
+    autopar.shard(model, parameter_plan={"types": (None, "tp")})
+    pos = torch.randint(0, 16, (4, 16))
+    dmodel = autopar.compile(model, mesh, (pos,))
+    assert "aten.gather(" in dmodel.code and ", 0)  # R" in dmodel.code
+    assert torch.isfinite(dmodel(*dmodel.shard_inputs(pos)[0]))

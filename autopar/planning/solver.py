@@ -190,6 +190,9 @@ class StrategyILP:
         solver.parameters.num_workers = 1
         solver.parameters.random_seed = seed
         solver.parameters.max_deterministic_time = time_limit
+        # the LP relaxation of every edge constraint: it proves strategy ILPs optimal 4-20x
+        # sooner than the default level (1), which left some small models at the time limit
+        solver.parameters.linearization_level = 2
         return solver
 
     def _scale(self, nodes: dict[str, np.ndarray], pairs: dict) -> float:

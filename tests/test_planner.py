@@ -357,3 +357,27 @@ def test_a_mask_broadcast_from_factories_is_split_with_the_batch():
     plan = autopar.plan(model, (x,), {"dp": 4})
     (line,) = [line for line in plan.code.splitlines() if "= aten.ge.Tensor(" in line]
     assert line.endswith("-> S(0)"), line
+
+
+def test_per_node_facts_are_computed_again_when_the_node_or_an_operand_changes():
+    from autopar.ir.meta import per_node
+
+    calls = []
+    shape = per_node(lambda node: calls.append(node.name) or tuple(node.meta["val"].shape))
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()))
+    x, relu, tanh = list(gm.graph.nodes)[:3]
+    for node, n in ((x, 2), (relu, 2), (tanh, 2)):
+        node.meta["val"] = torch.empty(n, 3)
+    assert shape(tanh) == shape(tanh) == (2, 3) and len(calls) == 1
+    relu.meta["val"] = torch.empty(4, 3)  # an operand's value changed
+    shape(tanh)
+    assert len(calls) == 2
+    tanh.meta["val"] = torch.empty(4, 3)  # its own
+    assert shape(tanh) == (4, 3) and len(calls) == 3
+    tanh.args = (x,)  # rewired
+    shape(tanh)
+    shape(tanh)
+    assert len(calls) == 4
+    x.meta["val"] = torch.empty(5, 3)  # the new operand's value changed
+    shape(tanh)
+    assert calls == [tanh.name] * 5

@@ -113,17 +113,26 @@ def per_node(fn: Callable[[torch.fx.Node], T]) -> Callable[[torch.fx.Node], T]:
     while those stay the very objects they were (a pass that rewrites the node, or gives it or
     an operand a new ``val``, gets a fresh result). Planning a large model reads the same
     facts of each op hundreds of thousands of times."""
-    results: weakref.WeakKeyDictionary[torch.fx.Node, tuple[tuple, T]] = weakref.WeakKeyDictionary()
+    results: weakref.WeakKeyDictionary[torch.fx.Node, tuple] = weakref.WeakKeyDictionary()
 
     @functools.wraps(fn)
     def cached(node: torch.fx.Node) -> T:
-        inputs = (node.target, node.args, node.kwargs, node.meta.get("val"))
-        inputs += tuple(a.meta.get("val") for a in node.all_input_nodes)
+        val = node.meta.get("val")
         hit = results.get(node)
-        if hit is not None and len(hit[0]) == len(inputs) and all(x is y for x, y in zip(hit[0], inputs)):
-            return hit[1]
+        # fx keeps args immutable: the same args object holds the same operand nodes, so only
+        # their values need checking
+        if (
+            hit is not None
+            and hit[0] is node.args
+            and hit[1] is node.kwargs
+            and hit[2] is val
+            and hit[3] is node.target
+            and all(a.meta.get("val") is v for a, v in hit[4])
+        ):
+            return hit[5]
         result = fn(node)
-        results[node] = (inputs, result)
+        operands = tuple((a, a.meta.get("val")) for a in node.all_input_nodes)
+        results[node] = (node.args, node.kwargs, val, node.target, operands, result)
         return result
 
     return cached

@@ -3,8 +3,7 @@
 An edge costs the redistribution of the producer's output into the layout the consumer
 needs plus, in backward, of the consumer's gradient into the layout the producer's
 gradient must have. A parameter's gradient sum is bucketed by the runtime: it costs
-bandwidth only, once per step (:attr:`StrategyGraph.grad_sum_weight` of it per microbatch),
-less :data:`OVERLAP_TIE_BREAK` of it.
+bandwidth only, once per step (:attr:`StrategyGraph.grad_sum_weight` of it per microbatch).
 """
 
 from __future__ import annotations
@@ -16,12 +15,6 @@ import numpy as np
 from autopar.ir.layout import Layout, grad_layout
 from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
 from autopar.rules import Strategy
-
-# The ILP does not see which communication the step hides: the runtime overlaps a bucketed gradient
-# sum with the rest of backward, where a weight stored split is gathered on the critical path. An
-# all-gather and a reduce-scatter cost what the all-reduce they replace does, so without this the
-# two tie and the solver may return either; a thousandth off the sums picks the one that overlaps.
-OVERLAP_TIE_BREAK = 1e-3
 
 
 class CostTables(NamedTuple):
@@ -58,7 +51,7 @@ def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None)
         # a parameter's gradient sum waits for the runtime's buckets: bandwidth only
         bwd, _ = g.cost.backward(have, need, grad, grad_layout(have), shape, g.grad_sum_itemsize(edge.src))
         bucketed = sum(g.cost.collective_time(c, latency=False) for c in bwd)
-        return t_fwd + g.grad_sum_weight * bucketed * (1 - OVERLAP_TIE_BREAK)
+        return t_fwd + g.grad_sum_weight * bucketed
     t_bwd = g.cost.backward(have, need, grad, grad_layout(have), shape, itemsize)[1] if flows else 0.0
     return t_fwd + t_bwd
 

@@ -12,7 +12,15 @@ Variables
     e_{uv,ij} \in \{0,1\}        edge (u,v) pays entry R'_{uv,ij}  (only where R'_{uv,ij} > 0)
 
 Objective
-    min  \sum_r \sum_i c'_{r,i} s_{r,i}  +  \sum_{(u,v)} \sum_{i,j} R'_{uv,ij} e_{uv,ij}
+    min  \sum_r \sum_i (c'_{r,i} + i \epsilon) s_{r,i}  +  \sum_{(u,v)} \sum_{i,j} R'_{uv,ij} e_{uv,ij}
+
+``\epsilon`` is one unit of the integer objective (a nanosecond, or the coarser unit): of
+strategies priced alike the first listed wins, so the choice among equal plans (the q, k and
+v projections of attention, say) is consistent and does not hang on the search's path. The
+terms the ILP leaves out can tell such plans apart by a few percent: a parameter's layouts
+list replicated before split, and a gradient sum of a replicated weight overlaps backward
+where the gather of a split one does not (preferring the split, least-memory, layouts instead
+made the automatic mesh's Llama-3-8B plan 16% slower, 381 against 328 ms).
 
 Constraints
     (one-hot)        \sum_i s_{r,i} = 1                                 for every r
@@ -191,8 +199,10 @@ class StrategyILP:
         solver.parameters.random_seed = seed
         solver.parameters.max_deterministic_time = time_limit
         # the LP relaxation of every edge constraint: it proves strategy ILPs optimal 4-20x
-        # sooner than the default level (1), which left some small models at the time limit
+        # sooner than the default level (1), which left some small models at the time limit;
+        # presolve finds little to simplify in them and took half of the 405B shape's solves
         solver.parameters.linearization_level = 2
+        solver.parameters.cp_model_presolve = False
         return solver
 
     def _scale(self, nodes: dict[str, np.ndarray], pairs: dict) -> float:
@@ -219,7 +229,8 @@ class StrategyILP:
         terms = self._edges(model, s, pairs)
         if self.budget is not None:
             self._memory_budget(model, s)
-        objective = [(self._int(c[i]), s[r][i]) for r, c in nodes.items() for i in range(len(c)) if c[i] > 0]
+        # + i units: of strategies priced alike, the first wins (see the module docstring)
+        objective = [(self._int(c[i]) + i, s[r][i]) for r, c in nodes.items() for i in range(len(c))]
         model.Minimize(sum(w * v for w, v in objective + terms))
         greedy = self._hint(model, s, nodes)
         build = time.perf_counter() - t0
@@ -243,7 +254,8 @@ class StrategyILP:
         reduced = sum(float(c[assignment[r]]) for r, c in nodes.items()) + sum(
             float(m[assignment[u], assignment[v]]) for (u, v), m in pairs.items()
         )
-        bound = solver.BestObjectiveBound() / self.scale + objective_s - reduced
+        most = sum(len(c) - 1 for c in nodes.values())  # the most units the tie-break adds
+        bound = (solver.BestObjectiveBound() - most) / self.scale + objective_s - reduced
         proto = model.Proto()
         stats = SolverStats(
             variables=len(proto.variables),

@@ -17,6 +17,8 @@ of attention look alike).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from autopar.capture.constraint_op import parse_constraint_spec
@@ -67,8 +69,23 @@ def _signature(captured: Captured, block: str, nodes: list[torch.fx.Node]) -> tu
     return block.rpartition(".")[0], ops  # the list the block belongs to ("" for a root Sequential)
 
 
-def tie_blocks(captured: Captured) -> tuple[dict[torch.fx.Node, torch.fx.Node], int]:
-    """Each op of a tied block -> its twin in the first block of its kind; and how many blocks are tied."""
+Ties = tuple[dict[torch.fx.Node, torch.fx.Node], int]
+# per graph, with its node count: the automatic mesh plans one capture on many meshes, and the
+# signatures are a tenth of building a strategy graph; lowering, which adds nodes, starts afresh
+_FOUND: weakref.WeakKeyDictionary[torch.fx.Graph, tuple[int, Ties]] = weakref.WeakKeyDictionary()
+
+
+def tie_blocks(captured: Captured) -> Ties:
+    """Each op of a tied block -> its twin in the first block of its kind; and how many blocks are
+    tied. The caller must not change what it is given."""
+    graph = captured.graph
+    kept = _FOUND.get(graph)
+    if kept is None or kept[0] != len(graph.nodes):
+        kept = _FOUND[graph] = (len(graph.nodes), _tie_blocks(captured))
+    return kept[1]
+
+
+def _tie_blocks(captured: Captured) -> Ties:
     blocks: dict[str, list[torch.fx.Node]] = {}
     for node in captured.graph.nodes:
         if node.op == "call_function" and (block := block_of(node)) is not None:

@@ -230,7 +230,8 @@ class StrategyILP:
         if self.budget is not None:
             self._memory_budget(model, s)
         # + i units: of strategies priced alike, the first wins (see the module docstring)
-        objective = [(self._int(c[i]) + i, s[r][i]) for r, c in nodes.items() for i in range(len(c))]
+        weights = [(self._int(c[i]) + i, s[r][i]) for r, c in nodes.items() for i in range(len(c))]
+        objective = [(w, v) for w, v in weights if w > 0]
         model.Minimize(sum(w * v for w, v in objective + terms))
         greedy = self._hint(model, s, nodes)
         build = time.perf_counter() - t0

@@ -366,8 +366,8 @@ def test_per_node_facts_are_computed_again_when_the_node_or_an_operand_changes()
     shape = per_node(lambda node: calls.append(node.name) or tuple(node.meta["val"].shape))
     gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()))
     x, relu, tanh = list(gm.graph.nodes)[:3]
-    for node, n in ((x, 2), (relu, 2), (tanh, 2)):
-        node.meta["val"] = torch.empty(n, 3)
+    for node in (x, relu, tanh):
+        node.meta["val"] = torch.empty(2, 3)
     assert shape(tanh) == shape(tanh) == (2, 3) and len(calls) == 1
     relu.meta["val"] = torch.empty(4, 3)  # an operand's value changed
     shape(tanh)

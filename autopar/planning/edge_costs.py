@@ -8,6 +8,7 @@ bandwidth only, once per step (:attr:`StrategyGraph.grad_sum_weight` of it per m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -56,7 +57,7 @@ def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None)
     return t_fwd + t_bwd
 
 
-def _table_key(g: StrategyGraph, e: Edge) -> tuple[int, int, int, int]:
+def table_key(g: StrategyGraph, e: Edge) -> tuple[int, int, int, int]:
     """Edges between the same two choices, slots and outputs share one table (tied blocks)."""
     return id(g.choices[e.src]), id(g.choices[e.dst]), e.slot, e.index
 
@@ -71,8 +72,40 @@ def table_entries(g: StrategyGraph) -> int:
     for e in g.edges:
         cs, cd = g.choices[e.src], g.choices[e.dst]
         n, m = len(cs.strategies), len(cd.strategies)
-        sizes[_table_key(g, e)] = n if _shares_root(cs, cd) else n * m
+        sizes[table_key(g, e)] = n if _shares_root(cs, cd) else n * m
     return sum(sizes.values())
+
+
+def edge_table(g: StrategyGraph, e: Edge, price: Callable[[Strategy, Strategy | None], float]) -> np.ndarray:
+    """``price`` of edge ``e`` per pair of its producer's and consumer's strategies: a matrix,
+    or a vector (one entry per strategy) where both nodes share a root."""
+    cs, cd = g.choices[e.src], g.choices[e.dst]
+    if _shares_root(cs, cd):
+        return np.array([price(a, b) for a, b in zip(cs.strategies, cd.strategies)])
+    return np.array([[price(a, b) for b in cd.strategies] for a in cs.strategies])
+
+
+def fold_edge(
+    g: StrategyGraph,
+    e: Edge,
+    m: np.ndarray,
+    nodes: dict[str, np.ndarray],
+    pairs: dict[tuple[str, str], np.ndarray],
+) -> float:
+    """Add edge ``e``'s table ``m`` (see :func:`edge_table`) to its roots' vectors, or to the
+    matrix of their pair; return the part no root decides."""
+    cs, cd = g.choices[e.src], g.choices[e.dst]
+    if cs.root is None and cd.root is None:
+        return float(m[0, 0])
+    if _shares_root(cs, cd):
+        nodes[cs.root] += m
+    elif cs.root is None:
+        nodes[cd.root] += m[0]
+    elif cd.root is None:
+        nodes[cs.root] += m[:, 0]
+    else:
+        pairs[(cs.root, cd.root)] = pairs.get((cs.root, cd.root), 0) + m
+    return 0.0
 
 
 def cost_tables(g: StrategyGraph) -> CostTables:
@@ -89,24 +122,8 @@ def cost_tables(g: StrategyGraph) -> CostTables:
             node_costs[choice.root] += choice.compute
     cache: dict[tuple, np.ndarray] = {}
     for e in g.edges:
-        cs, cd = g.choices[e.src], g.choices[e.dst]
-        key = _table_key(g, e)
-        m = cache.get(key)
-        if m is None:
-            if _shares_root(cs, cd):
-                m = np.array([edge_cost(g, e, a, b) for a, b in zip(cs.strategies, cd.strategies)])
-            else:
-                m = np.array([[edge_cost(g, e, a, b) for b in cd.strategies] for a in cs.strategies])
-            cache[key] = m
-        if cs.root is None and cd.root is None:
-            constant += float(m[0, 0])
-        elif _shares_root(cs, cd):
-            node_costs[cs.root] += m
-        elif cs.root is None:
-            node_costs[cd.root] += m[0]
-        elif cd.root is None:
-            node_costs[cs.root] += m[:, 0]
-        else:
-            key2 = (cs.root, cd.root)
-            pair_costs[key2] = pair_costs.get(key2, 0) + m
+        key = table_key(g, e)
+        if key not in cache:
+            cache[key] = edge_table(g, e, lambda a, b, e=e: edge_cost(g, e, a, b))
+        constant += fold_edge(g, e, cache[key], node_costs, pair_costs)
     return CostTables(node_costs=node_costs, pair_costs=pair_costs, constant=constant)

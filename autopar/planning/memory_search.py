@@ -65,8 +65,9 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     better than a lower bound of the base optimum (the first solve's bound less the most
     its choice adds) plus the least its own terms add; a choice whose bound is not below
     the best objective found is skipped, as is one whose fewest bytes exceed the budget
-    (the constrained ILP would have no solution). Choices are solved by their bound, at equal bounds
-    the one the first solve's layouts fill least first; of plans equally fast the one solved first wins.
+    (the constrained ILP would have no solution). Choices are solved by their bound; at equal bounds
+    the one adding the fewest seconds to the first solve's layouts first, then the one they fill
+    least; of plans equally fast the one solved first wins.
     """
     first = _solve_choice(search, choices[0], constrained=False)
     if first is not None and first.plan.peak_memory_bytes <= search.setting.budget:
@@ -80,11 +81,21 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     if unbounded and not _last_fits(search, choices[-1]):
         return None, True
     left = [c for c in choices if unbounded or search.terms.least_bytes(c) <= search.setting.budget]
+    # what the ILP's estimate leaves out of the fastest plan's exact figure (values alive only
+    # for a while in the forward): a constrained solve first leaves that much of the budget free
+    margin = (
+        0.0
+        if first is None
+        else first.plan.peak_memory_bytes - search.terms.bytes_at(choices[0], first.assignment)
+    )
 
-    def order(c: MemoryChoice) -> tuple[float, float]:
-        # by bound; at equal bounds the one the fastest layouts fill least first: the likeliest to fit
-        held = 0.0 if first is None else search.terms.bytes_at(c, first.assignment)
-        return base + search.terms.least_seconds(c), held
+    def order(c: MemoryChoice) -> tuple[float, float, float]:
+        # by bound; at equal bounds the one adding least to the fastest layouts first (the
+        # likeliest to be best, its objective pruning the rest), then the one they fill least
+        if first is None:
+            return base + search.terms.least_seconds(c), 0.0, 0.0
+        added = search.terms.seconds_at(c, first.assignment)
+        return base + search.terms.least_seconds(c), added, search.terms.bytes_at(c, first.assignment)
 
     best: _Solved | None = None
     for i, choice in enumerate(sorted(left, key=order)):
@@ -92,7 +103,9 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
             break
         # shares as if every choice were solved: what a skipped one leaves goes to the later ones,
         # and a solve whose plan overflows the budget can be solved again (see _solve_choice)
-        found = _solve_choice(search, choice, constrained=True, ways=len(choices) - i)
+        found = _solve_choice(
+            search, choice, constrained=True, ways=len(choices) - i, margin=max(0.0, margin)
+        )
         if found is not None and (best is None or found.plan.step_time_s < best.plan.step_time_s):
             best = found
     return (None if best is None else best.plan), True
@@ -116,17 +129,18 @@ def _ilp(search: Search, choice: MemoryChoice, limit: float | None = None) -> St
     node_costs, pair_costs, constant = search.tables
     extra = search.terms.of(choice)
     costs = {r: c + extra.seconds[r] for r, c in node_costs.items()}
-    return StrategyILP(
-        costs, pair_costs, constant + extra.seconds_constant, (extra.nbytes, extra.bytes_constant), limit
-    )
+    return StrategyILP(costs, pair_costs, constant + extra.seconds_constant, extra.rows(), limit)
 
 
-def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways: int = 1) -> _Solved | None:
+def _solve_choice(
+    search: Search, choice: MemoryChoice, constrained: bool, ways: int = 1, margin: float = 0.0
+) -> _Solved | None:
     """The fastest plan under ``choice`` that fits the budget (with its ILP's report and
     assignment), or None.
 
-    ``constrained`` puts the budget into the ILP; each solve takes a ``ways``-th of the
-    solver time left (the candidates still to solve share it). Its memory estimate is per node (see
+    ``constrained`` puts the budget less ``margin`` into the ILP (without the margin again
+    when that has no solution); each solve takes a ``ways``-th of the solver time left (the
+    candidates still to solve share it). Its memory estimate is per node (see
     :mod:`autopar.planning.memory_tables`); the plan's figure is exact (:mod:`autopar.planning.memory`).
     Where it exceeds the budget, the ILP's limit is lowered by the difference and solved
     again (twice at most, and only while the exact figure keeps falling). Under a pipeline
@@ -135,7 +149,7 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways:
     With no limit, ``constrained`` only says that a plan that does not fit is None.
     """
     budget = search.setting.budget
-    limit = budget if search.setting.pipeline is None and constrained else None
+    limit = budget - margin if search.setting.pipeline is None and constrained else None
     if limit is None:
         key = (choice.zero, frozenset(choice.recompute.items()))
         if key not in search.unlimited:
@@ -150,6 +164,9 @@ def _solve_choice(search: Search, choice: MemoryChoice, constrained: bool, ways:
         if search.clock.share(ways) <= 0:
             return None
         solved = _solve_within(search, choice, limit, ways)
+        if solved is None and limit < budget and least == math.inf:
+            limit = budget  # the margin left no solution: the budget itself may
+            continue
         if solved is None:
             return None
         peak = solved.plan.peak_memory_bytes

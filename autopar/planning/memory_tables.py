@@ -13,7 +13,7 @@ region's own values (the one being recomputed). A plan's figure is exact
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from autopar.ir.ops import is_selective_save
 from autopar.ir.options import FULL, SELECTIVE, Memory
 from autopar.ir.plan import ChoiceKind, CollectiveKind
 from autopar.planning.cost import Collective
+from autopar.planning.edge_costs import edge_layouts, edge_table, fold_edge, table_key
 from autopar.planning.memory import (
     MemoryChoice,
     largest_operand,
@@ -34,20 +35,27 @@ from autopar.planning.memory import (
     zero_split,
 )
 from autopar.planning.recompute import Region, module_regions
-from autopar.planning.saved_tensors import saved_by
-from autopar.planning.strategy_graph import Choice, StrategyGraph
-from autopar.rules import OpCall, shape_of
+from autopar.planning.saved_tensors import SavedSpec, saved_by
+from autopar.planning.solver import MemoryRows, reduce_pairs
+from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
+from autopar.rules import OpCall, Strategy, shape_of
 
 
 @dataclass
 class MemoryTables:
     """Per root, a vector over its strategies of seconds (``seconds``) and bytes (``nbytes``);
-    what no root decides in ``seconds_constant`` and ``bytes_constant``."""
+    per pair of roots joined by edges, a matrix of bytes (``pairs``: redistributed operands
+    kept); what no root decides in ``seconds_constant`` and ``bytes_constant``."""
 
     seconds: dict[str, np.ndarray]
     nbytes: dict[str, np.ndarray]
+    pairs: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)  # bytes per pair of roots
     seconds_constant: float = 0.0
     bytes_constant: float = 0.0
+
+    def rows(self) -> MemoryRows:
+        """The bytes as the ILP's memory constraint takes them."""
+        return MemoryRows(self.nbytes, self.pairs, self.bytes_constant)
 
     def add_seconds(self, choice: Choice, values: np.ndarray) -> None:
         """Add ``values`` (one per strategy of ``choice``) to the seconds of its root."""
@@ -93,19 +101,26 @@ class MemoryTerms:
         return MemoryTables(
             seconds={r: state.seconds[r] + acts.seconds[r] for r in state.seconds},
             nbytes={r: state.nbytes[r] + acts.nbytes[r] for r in state.nbytes},
+            pairs=acts.pairs,  # ZeRO's state has none
             seconds_constant=state.seconds_constant + acts.seconds_constant,
             bytes_constant=state.bytes_constant + acts.bytes_constant,
         )
 
     def least_bytes(self, choice: MemoryChoice) -> float:
-        """A lower bound of the estimate under ``choice``: each root at its fewest bytes."""
+        """A lower bound of the estimate under ``choice``: each root at its fewest bytes, once
+        the pairs' row and column minima are moved into the roots (what is left is not negative)."""
         t = self.of(choice)
-        return t.bytes_constant + sum(float(b.min()) for b in t.nbytes.values() if b.size)
+        per_root, _ = reduce_pairs(t.nbytes, t.pairs)
+        return t.bytes_constant + sum(float(b.min()) for b in per_root.values() if b.size)
 
     def bytes_at(self, choice: MemoryChoice, assignment: Mapping[str, int]) -> float:
         """The estimate under ``choice`` of the strategies ``assignment`` picks per root."""
+        return self.of(choice).rows().at(assignment)
+
+    def seconds_at(self, choice: MemoryChoice, assignment: Mapping[str, int]) -> float:
+        """The seconds ``choice`` adds to the strategies ``assignment`` picks per root."""
         t = self.of(choice)
-        return t.bytes_constant + sum(float(b[assignment[r]]) for r, b in t.nbytes.items())
+        return t.seconds_constant + sum(float(v[assignment[r]]) for r, v in t.seconds.items())
 
     def least_seconds(self, choice: MemoryChoice) -> float:
         """The fewest seconds ``choice`` can add: each root at its cheapest."""
@@ -146,17 +161,32 @@ def _state_terms(g: StrategyGraph, choice: MemoryChoice, memory: Memory, tables:
 
 
 def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTables) -> None:
-    """Each op's saved values under each of its strategies, and the seconds recompute adds."""
+    """Each op's saved values under each of its strategies (its operands' per edge, see
+    :func:`_operand_bytes`), and the seconds recompute adds."""
     regions = module_regions(g.captured.graph, choice.recompute)
     first = next((name for name, _ in regions.values()), None)
-    claimed: set[object] = set()  # storages already counted
+    claimed: set[object] = set()  # storages already counted in their producer's layout
+    into: dict[torch.fx.Node, list[Edge]] = {}
+    for e in g.edges:
+        into.setdefault(e.dst, []).append(e)
+    cache: dict[tuple, np.ndarray] = {}
     for node in g.captured.graph.nodes:
         c = g.choices.get(node)
         if c is None or node.op != "call_function" or c.kind in (ChoiceKind.GETITEM, ChoiceKind.OUTPUT):
             continue
-        items = _saved_items(g, node, regions, claimed)
         region = regions.get(node)
-        weights = [1.0 if kept or (region is not None and region[0] == first) else 0.0 for *_, kept in items]
+        in_first = region is not None and region[0] == first
+        spec = saved_by(node, [bool(g.requires_grad.get(op)) for op in OpCall.of(node).operands])
+        for e in into.get(node, []):
+            weights = _operand_weights(e, spec.inputs, regions, in_first, claimed)
+            if weights is None:
+                continue
+            key = (table_key(g, e), *weights)
+            if key not in cache:
+                cache[key] = edge_table(g, e, lambda a, b, e=e, w=weights: _operand_bytes(g, e, a, b, *w))
+            tables.bytes_constant += fold_edge(g, e, cache[key], tables.nbytes, tables.pairs)
+        items = _saved_items(node, spec, regions, claimed)
+        weights = [1.0 if kept or in_first else 0.0 for *_, kept in items]
         values = []
         for s in c.strategies:
             total = 0.0
@@ -171,24 +201,58 @@ def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTabl
                 tables.add_seconds(c, c.compute / 3.0 + g.cost.cluster.op_overhead_s)
 
 
+def _operand_weights(
+    e: Edge,
+    saved: tuple[int, ...],
+    regions: Mapping[torch.fx.Node, Region],
+    in_first: bool,
+    claimed: set[object],
+) -> tuple[float, float, float] | None:
+    """What the consumer of edge ``e`` keeps of its operand, as :func:`_operand_bytes` weighs
+    it: ``(bytes of the storage, weight of a redistributed copy, weight of the producer's
+    own layout)``; None when it keeps nothing. Outside recompute a saved operand is kept,
+    a copy per edge and the producer's layout once per storage (not a placeholder's, which
+    the step does not allocate); a recompute region keeps its inputs from outside and its
+    collectives' outputs, and the first region's saved operands count at the peak (the
+    module docstring)."""
+    source, index = source_of(e.src)
+    storage, size = storage_of(source, index)
+    placeholder = source.op == "placeholder"
+    region = regions.get(e.dst)
+    is_saved = e.slot in saved
+    if region is None:
+        copy, own = float(is_saved), float(is_saved and not placeholder)
+    else:
+        outside = regions.get(source, (None,))[0] != region[0]
+        copy = float(not placeholder or (is_saved and in_first))
+        own = float(not placeholder and (outside or (is_saved and in_first)))
+    if own and storage in claimed:
+        own = 0.0
+    elif own:
+        claimed.add(storage)
+    return None if copy == own == 0.0 else (float(size), copy, own)
+
+
+def _operand_bytes(
+    g: StrategyGraph, e: Edge, src: Strategy, dst: Strategy | None, size: float, copy: float, own: float
+) -> float:
+    """Bytes of edge ``e``'s operand kept by its consumer: ``copy`` times the copy in the
+    layout it needs when that is not the producer's, else ``own`` times the value."""
+    have, need, _ = edge_layouts(e, src, dst)
+    if need is None:
+        return 0.0
+    return size * local_fraction(need, g.mesh) * (copy if need != have else own)
+
+
 def _saved_items(
-    g: StrategyGraph, node: torch.fx.Node, regions: Mapping[torch.fx.Node, Region], claimed: set[object]
+    node: torch.fx.Node, spec: SavedSpec, regions: Mapping[torch.fx.Node, Region], claimed: set[object]
 ) -> list[tuple[str, int, float, bool]]:
-    """What ``node`` saves, each value at its first saver (``claimed``: the storages counted so
-    far): ``(operand or output, index, global bytes, kept)``; ``kept`` is False for what its
+    """What ``node`` saves of its own, each value at its first saver (``claimed``: the storages
+    counted so far): ``(operand or output, index, global bytes, kept)``, its other tensors
+    (statistics, masks) scaled like its largest operand; ``kept`` is False for what its
     region recomputes."""
-    call = OpCall.of(node)
-    spec = saved_by(node, [bool(g.requires_grad.get(op)) for op in call.operands])
     region = regions.get(node)
     items = []
-    for i in spec.inputs:
-        src, index = source_of(call.operands[i])
-        storage, size = storage_of(src, index)
-        if src.op == "placeholder" or storage in claimed:
-            continue
-        claimed.add(storage)
-        kept = region is None or regions.get(src, (None,))[0] != region[0]
-        items.append(("operand", i, size, kept))
     for j in spec.outputs:
         storage, size = storage_of(node, j)
         if storage not in claimed:
@@ -196,7 +260,7 @@ def _saved_items(
             kept = region is None or (region[1] == SELECTIVE and is_selective_save(node.target))
             items.append(("output", j, size, kept))
     if spec.extra_bytes:
-        largest = largest_operand(call)
+        largest = largest_operand(OpCall.of(node))
         which = ("operand", largest) if largest is not None else ("output", 0)
         items.append((*which, float(spec.extra_bytes), region is None))
     return items

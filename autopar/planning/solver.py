@@ -24,14 +24,18 @@ made the automatic mesh's Llama-3-8B plan 16% slower, 381 against 328 ms).
 
 Constraints
     (one-hot)        \sum_i s_{r,i} = 1                                 for every r
-    (edge)           e_{uv,ij} \ge s_{u,i} + s_{v,j} - 1               for every R'_{uv,ij} > 0
-    (memory)         m_0 + \sum_r \sum_i m_{r,i} s_{r,i} \le B          when a budget B is given
+    (edge)           e_{uv,ij} \ge s_{u,i} + s_{v,j} - 1        for every R'_{uv,ij} > 0 or M'_{uv,ij} > 0
+    (memory)         m_0 + \sum_r \sum_i m_{r,i} s_{r,i}
+                         + \sum_{(u,v)} \sum_{i,j} M'_{uv,ij} e_{uv,ij} \le B   when a budget B is given
 
 ``m_{r,i}`` are the bytes per device that choosing strategy i for root r implies
 (parameters, gradients, optimizer state and activations of every node sharing the
-variable, see :mod:`autopar.planning.memory`), ``m_0`` those of fixed nodes; bytes are counted
-in KiB for CP-SAT. :meth:`StrategyILP.minimum_memory` solves ``min m_0 + \sum m s``
-instead, for the error that names the least memory any plan needs.
+variable, see :mod:`autopar.planning.memory`), ``M_{uv}`` those of a pair (a consumer's
+saved copy of its operand redistributed from the producer's layout), reduced like ``R``;
+``m_0`` those of fixed nodes; bytes are counted in KiB for CP-SAT. An edge variable of
+positive bytes on the left of the budget is pushed to the product too, so both terms share
+the edge variables. :meth:`StrategyILP.minimum_memory` solves ``min`` of the memory's left
+side instead, for the error that names the least memory any plan needs.
 
 Annotated nodes (constrained activations, annotated parameters) have a single
 strategy, so the planner gives them no variable: their edges fold into the cost
@@ -56,7 +60,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -66,6 +72,42 @@ from autopar.ir.errors import PlanError
 NANOSECONDS = 1e9
 MAX_OBJECTIVE = float(2**52)  # keep CP-SAT's integer objective far from overflow
 KIB = 1024.0
+Edges = dict[tuple[str, str, int, int], cp_model.IntVar]  # edge variables by (root u, root v, i, j)
+
+
+class MemoryRows(NamedTuple):
+    """The memory constraint's bytes: per root and strategy, per pair of roots and strategies, fixed."""
+
+    per_root: dict[str, np.ndarray]
+    pairs: dict[tuple[str, str], np.ndarray]
+    constant: float
+
+    def at(self, assignment: Mapping[str, int]) -> float:
+        """The bytes of the plan picking ``assignment[r]`` for every root."""
+        return (
+            self.constant
+            + sum(float(m[assignment[r]]) for r, m in self.per_root.items())
+            + sum(float(m[assignment[u], assignment[v]]) for (u, v), m in self.pairs.items())
+        )
+
+
+def reduce_pairs(
+    nodes: Mapping[str, np.ndarray], pairs: Mapping[tuple[str, str], np.ndarray]
+) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray]]:
+    """Move the row and column minima of every pair matrix into its roots' vectors: the
+    rest is non-negative and as sparse as it can be (matrices left all zero are dropped)."""
+    out = {r: c.astype(float).copy() for r, c in nodes.items()}
+    rests = {}
+    for (u, v), m in pairs.items():
+        a = m.min(axis=1)
+        rest = m - a[:, None]
+        b = rest.min(axis=0)
+        rest = rest - b[None, :]
+        out[u] += a
+        out[v] += b
+        if (rest > 0).any():
+            rests[(u, v)] = rest
+    return out, rests
 
 
 @dataclass
@@ -106,13 +148,13 @@ class StrategyILP:
         node_costs: dict[str, np.ndarray],
         pair_costs: dict[tuple[str, str], np.ndarray],
         constant: float = 0.0,
-        memory: tuple[dict[str, np.ndarray], float] | None = None,
+        memory: MemoryRows | None = None,
         budget: float | None = None,
     ) -> None:
         self.node_costs = node_costs
         self.pair_costs = pair_costs
         self.constant = constant
-        self.memory = memory  # (bytes per root and strategy, bytes of fixed nodes)
+        self.memory = memory
         self.budget = budget
         self.spent = 0.0  # deterministic solver seconds used (read and reset by SolverClock.spend)
 
@@ -137,21 +179,6 @@ class StrategyILP:
         return best
 
     # --- model ----------------------------------------------------------------------
-    def _reduced(self) -> tuple[dict[str, np.ndarray], dict[tuple[str, str], np.ndarray]]:
-        """Move row and column minima of every edge matrix into the node costs."""
-        nodes = {r: c.astype(float).copy() for r, c in self.node_costs.items()}
-        pairs = {}
-        for (u, v), m in self.pair_costs.items():
-            a = m.min(axis=1)
-            rest = m - a[:, None]
-            b = rest.min(axis=0)
-            rest = rest - b[None, :]
-            nodes[u] += a
-            nodes[v] += b
-            if (rest > 0).any():
-                pairs[(u, v)] = rest
-        return nodes, pairs
-
     def _choose_one(self, model: cp_model.CpModel, nodes: dict[str, np.ndarray]) -> dict[str, list]:
         """One-hot constraints: every root takes exactly one strategy."""
         s = {}
@@ -160,23 +187,24 @@ class StrategyILP:
             model.AddExactlyOne(s[r])
         return s
 
-    def _memory_budget(self, model: cp_model.CpModel, s: dict[str, list]) -> None:
-        """Memory constraint: the bytes every choice implies fit the budget (in KiB)."""
-        _, fixed = self.memory
-        model.Add(self._memory_terms(s) <= int(math.floor((self.budget - fixed) / KIB)))
+    def _memory_budget(self, model: cp_model.CpModel, s: dict[str, list], edges: Edges) -> None:
+        """Memory constraint: the bytes every choice and pair implies fit the budget (in KiB)."""
+        room = int(math.floor((self.budget - self.memory.constant) / KIB))
+        model.Add(self._memory_terms(model, s, edges) <= room)
 
-    def _memory_terms(self, s: dict[str, list]) -> object:
-        per_root, _ = self.memory
-        return sum(
-            int(math.ceil(m[i] / KIB)) * s[r][i] for r, m in per_root.items() for i in np.nonzero(m > 0)[0]
-        )
+    def _memory_terms(self, model: cp_model.CpModel, s: dict[str, list], edges: Edges) -> object:
+        """The memory's left side less its constant, in KiB; a pair's entries on (new or shared) ``edges``."""
+        per_root, pairs = reduce_pairs(self.memory.per_root, self.memory.pairs)
+        terms = [(_kib(m[i]), s[r][i]) for r, m in per_root.items() for i in np.nonzero(m > 0)[0]]
+        for (u, v), m in pairs.items():
+            terms += [(_kib(m[i, j]), _edge(model, s, edges, u, v, i, j)) for i, j in zip(*np.nonzero(m))]
+        return sum(k * v for k, v in terms if k > 0)
 
     def minimum_memory(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], float]:
         """The choices needing the least memory, and those bytes (the memory objective alone)."""
-        per_root, fixed = self.memory
         model = cp_model.CpModel()
         s = self._choose_one(model, self.node_costs)
-        model.Minimize(self._memory_terms(s))
+        model.Minimize(self._memory_terms(model, s, {}))
         solver = self._solver(time_limit, seed)
         status = self._run(solver, model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -185,7 +213,7 @@ class StrategyILP:
                 f"({solver.StatusName(status)}); raise time_limit"
             )
         assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
-        return assignment, fixed + sum(float(per_root[r][i]) for r, i in assignment.items() if r in per_root)
+        return assignment, self.memory.at(assignment)
 
     def _run(self, solver: cp_model.CpSolver, model: cp_model.CpModel) -> int:
         status = solver.Solve(model)
@@ -209,26 +237,27 @@ class StrategyILP:
         worst = sum(float(c.max()) for c in nodes.values()) + sum(float(m.max()) for m in pairs.values())
         return min(NANOSECONDS, MAX_OBJECTIVE / worst) if worst > 0 else NANOSECONDS
 
-    def _edges(self, model: cp_model.CpModel, s: dict[str, list], pairs: dict) -> list[tuple[int, object]]:
-        """Edge constraints: e_ij >= s_ui + s_vj - 1 wherever the reduced cost is positive."""
-        terms = []
-        for (u, v), m in pairs.items():
-            for i, j in zip(*np.nonzero(m)):
-                e = model.NewBoolVar(f"e[{u},{v},{i},{j}]")
-                model.AddBoolOr([s[u][i].Not(), s[v][j].Not(), e])
-                terms.append((self._int(m[i, j]), e))
-        return terms
+    def _edges(
+        self, model: cp_model.CpModel, s: dict[str, list], pairs: dict, edges: Edges
+    ) -> list[tuple[int, object]]:
+        """The objective's edge terms, on ``edges`` wherever the reduced cost is positive."""
+        return [
+            (self._int(m[i, j]), _edge(model, s, edges, u, v, i, j))
+            for (u, v), m in pairs.items()
+            for i, j in zip(*np.nonzero(m))
+        ]
 
     def solve(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], SolverStats] | None:
         """The cheapest choices and the solver's report; None if no choice fits the memory budget."""
         t0 = time.perf_counter()
-        nodes, pairs = self._reduced()
+        nodes, pairs = reduce_pairs(self.node_costs, self.pair_costs)
         self.scale = self._scale(nodes, pairs)
         model = cp_model.CpModel()
         s = self._choose_one(model, nodes)
-        terms = self._edges(model, s, pairs)
+        edges: Edges = {}
+        terms = self._edges(model, s, pairs, edges)
         if self.budget is not None:
-            self._memory_budget(model, s)
+            self._memory_budget(model, s, edges)
         # + i units: of strategies priced alike, the first wins (see the module docstring)
         weights = [(self._int(c[i]) + i, s[r][i]) for r, c in nodes.items() for i in range(len(c))]
         objective = [(w, v) for w, v in weights if w > 0]
@@ -286,3 +315,20 @@ class StrategyILP:
 
     def _int(self, seconds: float) -> int:
         return max(0, int(math.floor(seconds * self.scale + 0.5)))
+
+
+def _kib(nbytes: float) -> int:
+    return int(math.ceil(nbytes / KIB))
+
+
+def _edge(
+    model: cp_model.CpModel, s: dict[str, list], edges: Edges, u: str, v: str, i: int, j: int
+) -> cp_model.IntVar:
+    """The edge variable of entry (i, j) of pair (u, v), made with its constraint
+    e_ij >= s_ui + s_vj - 1 the first time it is asked for."""
+    key = (u, v, i, j)
+    if key not in edges:
+        e = model.NewBoolVar(f"e[{u},{v},{i},{j}]")
+        model.AddBoolOr([s[u][i].Not(), s[v][j].Not(), e])
+        edges[key] = e
+    return edges[key]

@@ -142,8 +142,8 @@ def _solve_choice(
     when that has no solution); each solve takes a ``ways``-th of the solver time left (the
     candidates still to solve share it). Its memory estimate is per node (see
     :mod:`autopar.planning.memory_tables`); the plan's figure is exact (:mod:`autopar.planning.memory`).
-    Where it exceeds the budget, the ILP's limit is lowered by the difference and solved
-    again (twice at most, and only while the exact figure keeps falling). Under a pipeline
+    Where it exceeds the budget, the ILP is solved again with its limit the plan's estimate
+    less the difference (twice at most, and only while the exact figure keeps falling). Under a pipeline
     the budget bounds each stage (the ILP does not see microbatches in flight), so the ILP
     has no limit and each choice is solved once.
     With no limit, ``constrained`` only says that a plan that does not fit is None.
@@ -174,7 +174,10 @@ def _solve_choice(
             return solved
         if peak >= least:  # a lower limit did not lower the exact figure: another will not either
             return None
-        least, limit = peak, limit - (peak - budget)
+        # lowered from the plan's own estimate, which may sit below the limit: from the limit the
+        # ILP could return the same plan
+        estimate = search.terms.bytes_at(choice, solved.assignment)
+        least, limit = peak, min(limit, estimate) - (peak - budget)
     return None
 
 

@@ -28,6 +28,10 @@ class MemoryFitError(PlanError):
         super().__init__(message)
         self.least_bytes = least_bytes
 
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        # pickled with both arguments (a mesh planned in a forked process sends it back)
+        return type(self), (str(self), self.least_bytes)
+
 
 class CompileError(AutoparError, RuntimeError):
     """The plan cannot be turned into a per-rank program, or the program disagrees with the plan."""

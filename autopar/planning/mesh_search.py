@@ -11,7 +11,8 @@ Enumerated
     two stages per rank when the model has at least ``2·pp`` blocks (half the bubble, more
     sends and more microbatches in flight); or the ``Pipeline`` the user gave. GPipe is not
     enumerated: its bubble is 1F1B's and it keeps every microbatch in flight. Axes are
-    ordered ``pp, dp, tp``: tensor parallelism innermost, on the links within a node.
+    ordered ``pp, dp, tp``: tensor parallelism innermost, on the links within a node. Where
+    no annotation names an axis, meshes of the same sizes are one candidate.
 Pruned
     candidates are planned in the order of a lower bound of their step: the whole model's
     compute spread perfectly over every device, times the pipeline's
@@ -33,6 +34,7 @@ mesh (no ``shard`` annotations, no ``constrain`` calls); otherwise once per cand
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from autopar.ir.ops import LAYOUT_CONSTRAINT
 from autopar.ir.options import Pipeline
 from autopar.ir.plan import Plan
 from autopar.planning.cost import Cluster, CostModel
+from autopar.planning.forked import ForkedCalls
 from autopar.planning.strategy_graph import build_strategy_graph
 
 Capture = Callable[[MeshSpec, Pipeline | None], Captured]
@@ -71,9 +74,19 @@ class MeshCandidate:
 
 
 def candidate_meshes(
-    devices: int, cluster: Cluster, blocks: int, batch: int | None, pipeline: Pipeline | None
+    devices: int,
+    cluster: Cluster,
+    blocks: int,
+    batch: int | None,
+    pipeline: Pipeline | None,
+    names_matter: bool = True,
 ) -> list[tuple[dict[str, int], Pipeline | None]]:
-    """Every ``pp × dp × tp`` split of ``devices`` the search plans (see the module docstring)."""
+    """Every ``pp × dp × tp`` split of ``devices`` the search plans (see the module docstring).
+
+    Where no annotation names an axis (``names_matter`` False), meshes of the same sizes in
+    the same order are one candidate, listed under the first name (``pp=8×dp=8``, not also
+    ``pp=8×tp=8``; ``dp=4``, not also ``tp=4``): the cost model knows an axis by its place
+    and size alone, so both would plan alike."""
     out: list[tuple[dict[str, int], Pipeline | None]] = []
     for tp in _divisors(devices):
         if tp > cluster.devices_per_node:
@@ -84,7 +97,15 @@ def candidate_meshes(
                 out.append((sizes, None))
             elif pp <= blocks:
                 out += [(sizes, p) for p in _pipelines(pp, blocks, batch, pipeline)]
-    return out
+    if names_matter:
+        return out
+    seen: set[tuple[tuple[int, ...], Pipeline | None]] = set()
+    once = []
+    for sizes, p in out:
+        if (tuple(sizes.values()), p) not in seen:
+            seen.add((tuple(sizes.values()), p))
+            once.append((sizes, p))
+    return once
 
 
 def _without_ones(sizes: dict[str, int]) -> dict[str, int]:
@@ -135,8 +156,10 @@ def search_meshes(
     capture: Capture,
     plan_captured: PlanCaptured,
     time_limit: float,
+    workers: int = 1,
 ) -> Plan:
-    """The fastest plan over :func:`candidate_meshes` (see the module docstring)."""
+    """The fastest plan over :func:`candidate_meshes` (see the module docstring), the candidates
+    planned in up to ``workers`` processes at once (:class:`~autopar.planning.forked.ForkedCalls`)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise OptionError(f"mesh as a device count must be a positive int, got {devices!r}")
     t0 = time.perf_counter()
@@ -144,7 +167,8 @@ def search_meshes(
     whole = capture(one, None)
     reuse = mesh_free(whole)
     compute = whole_compute_s(whole, one, cluster)
-    meshes = candidate_meshes(devices, cluster, len(repeated_blocks(whole.graph)), batch, pipeline)
+    blocks = len(repeated_blocks(whole.graph))
+    meshes = candidate_meshes(devices, cluster, blocks, batch, pipeline, names_matter=not reuse)
     if pipeline is not None and pipeline.axis != "pp":
         raise OptionError(
             f"with a device count the pipeline axis is called 'pp', got Pipeline(axis={pipeline.axis!r})"
@@ -153,53 +177,84 @@ def search_meshes(
         (MeshCandidate(sizes, p, compute / devices * _bubble(sizes, p, cluster)) for sizes, p in meshes),
         key=lambda c: c.bound_s,
     )
+    rows: list[dict[str, Any]] = [{"mesh": c.describe(), "bound_s": c.bound_s} for c in candidates]
     captures: dict[int | None, Captured] = {None: whole}
-    best: Plan | None = None
-    rows: list[dict[str, Any]] = []
-    for c in candidates:
-        row: dict[str, Any] = {"mesh": c.describe(), "bound_s": c.bound_s}
-        rows.append(row)
-        if best is not None and c.bound_s >= best.step_time_s:
-            row["outcome"] = f"not planned: its bound {c.bound_s * 1e3:.1f} ms is not below the best step"
-            continue
+
+    def planning(c: MeshCandidate) -> Callable[[], Plan]:
+        # captured here, in this process, so that every later candidate of the same microbatch
+        # shape reuses it; the plan may be made in another
         key = None if c.pipeline is None else c.pipeline.microbatches
         mesh = MeshSpec.of(c.sizes)
-        try:
-            if not reuse or key not in captures:
-                captures[key] = capture(mesh, c.pipeline)
-            found = plan_captured(captures[key], mesh, c.pipeline, time_limit)
-        except MemoryFitError as e:
-            row.update(outcome=f"no plan fits: the least memory reached is {e.least_bytes / 2**30:.2f} GiB")
-            row["least_bytes"], row["error"] = e.least_bytes, str(e)
-            continue
-        except (PlanError, AnnotationError) as e:  # this mesh cannot run the model as annotated, say
-            row["outcome"] = f"no plan: {e}"
-            continue
-        row.update(step_s=found.step_time_s, memory_bytes=found.peak_memory_bytes, outcome="planned")
-        if best is None or found.step_time_s < best.step_time_s:
-            best = found
-    if best is None and not any("least_bytes" in r for r in rows):
+        if not reuse or key not in captures:
+            captures[key] = capture(mesh, c.pipeline)
+        return functools.partial(plan_captured, captures[key], mesh, c.pipeline, time_limit)
+
+    with ForkedCalls(workers) as calls:
+        chosen = _plan_in_order(candidates, rows, calls, planning)
+    if chosen is None and not any("least_bytes" in r for r in rows):
         raise PlanError(
             f"no mesh of {devices} devices has a plan: "
             + "; ".join(f"{r['mesh']}: {r['outcome']}" for r in rows)
         )
-    if best is None:
+    if chosen is None:
         closest = min((r for r in rows if "least_bytes" in r), key=lambda r: r["least_bytes"])
         raise MemoryFitError(
             f"no mesh of {devices} devices has a plan that fits; the closest, {closest['mesh']}: "
             f"{closest['error']}",
             closest["least_bytes"],
         )
-    chosen = best.device_mesh_spec
-    for row, c in zip(rows, candidates):
-        if MeshSpec.of(c.sizes) == chosen and row.get("step_s") == best.step_time_s:
-            row["outcome"] = "chosen"
+    best, index = chosen
+    rows[index]["outcome"] = "chosen"
     best.mesh_candidates = rows
+    processes = f" on {calls.workers} processes" if calls.workers > 1 else ""
     best.warnings.append(
         f"mesh chosen from {len(candidates)} candidates for {devices} devices in "
-        f"{time.perf_counter() - t0:.1f} s (plan.mesh_candidates lists them)"
+        f"{time.perf_counter() - t0:.1f} s{processes} (plan.mesh_candidates lists them)"
     )
     return best
+
+
+def _plan_in_order(
+    candidates: list[MeshCandidate],
+    rows: list[dict[str, Any]],
+    calls: ForkedCalls,
+    planning: Callable[[MeshCandidate], Callable[[], Plan]],
+) -> tuple[Plan, int] | None:
+    """Plan ``candidates`` in their order on ``calls`` (``planning`` gives each one's call), each
+    only while its bound is below the best step found; the fastest plan and its index (of
+    equally fast ones the first), each candidate's outcome written on its row of ``rows``."""
+    best: tuple[Plan, int] | None = None
+    left = list(range(len(candidates)))
+    while left or calls.running:
+        while left and calls.running < calls.workers:
+            i = left.pop(0)
+            bound = candidates[i].bound_s
+            if best is not None and bound >= best[0].step_time_s:
+                rows[i]["outcome"] = f"not planned: its bound {bound * 1e3:.1f} ms is not below the best step"
+                continue
+            try:
+                calls.submit(i, planning(candidates[i]))
+            except (PlanError, AnnotationError) as e:  # its capture: this mesh cannot run the annotations
+                _record(rows[i], e)
+        if calls.running:
+            i, (ok, found) = calls.next_done()
+            _record(rows[i], found)
+            if ok and (best is None or (found.step_time_s, i) < (best[0].step_time_s, best[1])):
+                best = found, i
+    return best
+
+
+def _record(row: dict[str, Any], found: Plan | BaseException) -> None:
+    """Write a candidate's plan, or why it has none, on its ``row``; raise any other error."""
+    if isinstance(found, Plan):
+        row.update(step_s=found.step_time_s, memory_bytes=found.peak_memory_bytes, outcome="planned")
+    elif isinstance(found, MemoryFitError):
+        row["outcome"] = f"no plan fits: the least memory reached is {found.least_bytes / 2**30:.2f} GiB"
+        row["least_bytes"], row["error"] = found.least_bytes, str(found)
+    elif isinstance(found, (PlanError, AnnotationError)):  # this mesh cannot run the model as annotated
+        row["outcome"] = f"no plan: {found}"
+    else:
+        raise found
 
 
 def _bubble(sizes: dict[str, int], pipeline: Pipeline | None, cluster: Cluster) -> float:

@@ -33,6 +33,7 @@ from autopar.planning.assemble import PlanSetting
 from autopar.planning.axis_groups import graph_within, merged_axes
 from autopar.planning.cost import Cluster, CostModel, get_cluster
 from autopar.planning.edge_costs import cost_tables
+from autopar.planning.forked import default_workers
 from autopar.planning.memory_search import Search, memory_choices, memory_search, no_fit
 from autopar.planning.memory_tables import MemoryTerms
 from autopar.planning.mesh_search import search_meshes
@@ -56,13 +57,16 @@ def plan(
     memory_budget: float | None = None,
     precision: MixedPrecision | None = None,
     update: Update | None = None,
+    workers: int | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh``: capture, read annotations, solve, report.
 
     ``mesh`` is a ``{axis: size}`` mapping, a :class:`MeshSpec` or a named ``DeviceMesh``; no
     process group is needed. A number of devices instead searches the mesh too (``pp``, ``dp`` and
     ``tp`` axes and the pipeline: see :mod:`autopar.planning.mesh_search`; ``pipeline`` then fixes
-    the pipeline of meshes with one, and ``time_limit`` bounds each mesh's planning). ``cluster`` is
+    the pipeline of meshes with one, ``time_limit`` bounds each mesh's planning, and the meshes are
+    planned in up to ``workers`` processes at once: by default one per CPU this process may use,
+    at most 8; 1 plans them here, one after another). ``cluster`` is
     a preset name (default ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the solver
     in deterministic seconds (about wall seconds on one core), every solve of the memory search
     included, and sizes the ILP (``autopar.planning.axis_groups``); with the same ``seed`` every
@@ -114,6 +118,7 @@ def plan(
             lambda spec, p: capture_for(model, example_args, example_kwargs, spec, p, precision),
             plan_one,
             time_limit,
+            default_workers() if workers is None else check_int(workers, "workers", minimum=1),
         )
     mesh = MeshSpec.of(mesh)
     t0 = time.perf_counter()

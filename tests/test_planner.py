@@ -43,6 +43,27 @@ def test_ilp_equals_exhaustive_search_on_random_problems(seed):
     assert stats.objective == pytest.approx(best, abs=1e-8)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_hinted_ilp_finds_the_same_optimum(seed):
+    """A hint (the memory search's last solve) only changes where the search starts: from a
+    solve of a neighbouring problem, from a random plan, or from one naming too few roots."""
+    rng = np.random.default_rng(seed)
+    ilp = _random_problem(rng, roots=6, k=4, density=0.6)
+    want, _ = ilp.solve()
+    neighbour = StrategyILP(
+        {r: c * rng.uniform(0.5, 1.5, c.shape) for r, c in ilp.node_costs.items()}, ilp.pair_costs
+    )
+    hints = [
+        neighbour.solve()[0],
+        {r: int(rng.integers(len(c))) for r, c in ilp.node_costs.items()},
+        {"r0": 1},
+    ]
+    for hint in hints:
+        hinted = StrategyILP(ilp.node_costs, ilp.pair_costs, ilp.constant, hint=hint)
+        assignment, stats = hinted.solve()
+        assert stats.status == "OPTIMAL" and assignment == want
+
+
 def test_time_limit_returns_the_best_plan_found_and_its_gap():
     ilp = _random_problem(np.random.default_rng(0), roots=40, k=12, density=0.2)
     assignment, stats = ilp.solve(time_limit=0.2)

@@ -49,6 +49,8 @@ class Search:
     # solves whose split into pipeline stages did not fit, assembled without a budget if needed
     unassembled: list[tuple[MemoryChoice, dict[str, int], SolverReport]] = field(default_factory=list)
     unlimited: dict[tuple, _Solved | None] = field(default_factory=dict)  # solves without a limit, per choice
+    # the last solve's strategy per root: the next solve's hint (see StrategyILP._hint)
+    last: dict[str, int] = field(default_factory=dict)
 
 
 # CP-SAT works in integer units: objectives and bounds agree to about this fraction
@@ -129,7 +131,8 @@ def _ilp(search: Search, choice: MemoryChoice, limit: float | None = None) -> St
     node_costs, pair_costs, constant = search.tables
     extra = search.terms.of(choice)
     costs = {r: c + extra.seconds[r] for r, c in node_costs.items()}
-    return StrategyILP(costs, pair_costs, constant + extra.seconds_constant, extra.rows(), limit)
+    seconds = constant + extra.seconds_constant
+    return StrategyILP(costs, pair_costs, seconds, extra.rows(), limit, hint=dict(search.last))
 
 
 def _solve_choice(
@@ -194,6 +197,8 @@ def _solve_within(search: Search, choice: MemoryChoice, limit: float | None, way
     if solved is None:
         return None
     assignment, stats = solved
+    search.last.clear()
+    search.last.update(assignment)
     report = _report(g, stats)
     try:
         result = assemble_plan(setting, choice, assignment, report)

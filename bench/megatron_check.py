@@ -18,10 +18,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
+from pathlib import Path
 
-import autopar
-from examples import gpt
+# the repository's root, for `examples` and `bench` when this runs as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from examples import gpt  # noqa: E402
 
 COLUMN = {"weight": ("tp", None), "bias": ("tp",)}
 ROW = {"weight": (None, "tp")}

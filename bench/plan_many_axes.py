@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import autopar
-from bench.plan_scale import llama
-from examples import gpt
+# the repository's root, for `examples` and `bench` when this runs as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from bench.plan_scale import llama  # noqa: E402
+from examples import gpt  # noqa: E402
 
 TIME_LIMIT = 30.0
 LLAMA_MESHES = [

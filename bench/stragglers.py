@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import autopar
-from autopar.planning.update_cost import predict_update
-from autopar.tools.launch import spawn
-from examples import gpt
+# the repository's root, for `examples` and `bench` when this runs as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from autopar.planning.update_cost import predict_update  # noqa: E402
+from autopar.tools.launch import spawn  # noqa: E402
+from examples import gpt  # noqa: E402
 
 WORKERS, SLOW = 4, 3
 CONFIG = dict(vocab_size=64, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)

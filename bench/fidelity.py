@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
 from autopar.planning.cost import get_cluster  # noqa: E402
-from autopar.tools.calibrate import host_speed  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402
+from autopar.tools.rank_speed import host_speed  # noqa: E402
 from examples import gpt  # noqa: E402
 
 BATCH = 16

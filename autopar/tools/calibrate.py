@@ -26,13 +26,15 @@ from autopar.ir.options import dtype_name
 from autopar.ir.plan import CollectiveKind
 from autopar.planning.cost import ONE_HOST, Cluster, LinkSpec, ring_terms, this_machine
 from autopar.tools.launch import init_restartable_process_group, spawn
+from autopar.tools.rank_speed import (
+    MEASURED_DTYPES,
+    matmul_flops,
+    median_seconds,
+    memory_bandwidth,
+    op_overhead,
+    transcendentals,
+)
 
-_MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MATMUL_N = 2048
-_MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
-_EXP_NUMEL = 1 << 16  # 256 KiB per fp32 vector: in cache, so that exp's arithmetic is what is timed
-_EXP_CALLS = 64  # exps per timed call (one takes some 40 us)
-_CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _FIT_ROUNDS = 20  # reweightings of fit_ring's least squares (it settles in a few)
 _STALLED = 2.0  # a collective this many times slower than its fit stalled (fit_ring leaves it out)
 _BURSTS = (2, 8, 32, 128)  # 256 x 256 fp32 products per burst timed for straggling
@@ -46,97 +48,6 @@ LEVELS = ("intra_node", "inter_node")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    # Median, not min: on a shared 2-core host single calls stall for a scheduler tick
-    # (~4 ms) now and then, and the plan should price the typical call, not the luckiest.
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _together_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Seconds per call of ``fn`` when every rank calls it ``repeats`` times at once: the wall time
-    from a barrier to the barrier after the last rank's last call. On ranks sharing cores the
-    scheduler runs them unevenly, and the first to finish hands its share to the others, as in a
-    step whose ranks meet at a collective: a rank's own median would flatter the unlucky ones'."""
-    fn()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    dist.barrier()
-    return (time.perf_counter() - start) / repeats
-
-
-def _matmul_flops(dtype: torch.dtype) -> float:
-    # The largest square up to _MATMUL_N whose product takes under 50 ms: a dtype the CPU has no
-    # fast kernel for (fp16 on some: 0.3 GFLOP/s) is timed on a small one rather than for minutes.
-    n = 256
-    while n < _MATMUL_N and _one_product_seconds(n, dtype) < 0.05:
-        n *= 2
-    # every rank the same size, so that all of them compute until the barrier
-    size = torch.tensor(n)
-    dist.all_reduce(size, op=dist.ReduceOp.MIN)
-    n = int(size)
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _together_seconds(lambda: torch.mm(a, b), 11)
-
-
-def _one_product_seconds(n: int, dtype: torch.dtype) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return _median_seconds(lambda: torch.mm(a, b), 1, warmup=0)
-
-
-def _memory_bandwidth() -> float:
-    x, y, out = (torch.rand(_MEMORY_NUMEL) for _ in range(3))
-    # add reads two buffers and writes one
-    return 3 * x.nbytes / _together_seconds(lambda: torch.add(x, y, out=out), 11)
-
-
-def host_speed() -> tuple[float, float]:
-    """``(float32 FLOP/s, memory bytes/s)`` of the world's slowest rank, measured as ``autopar
-    calibrate`` measures ``peak_flops`` and ``memory_bandwidth_Bps`` (call it on every rank, with
-    the threads per rank a calibration gives them): a run compares them with its cluster file to
-    tell a host that changed speed since the calibration from a model that priced it wrong."""
-    speeds = torch.tensor([_matmul_flops(torch.float32), _memory_bandwidth()], dtype=torch.float64)
-    dist.all_reduce(speeds, op=dist.ReduceOp.MIN)
-    return float(speeds[0]), float(speeds[1])
-
-
-def _transcendentals() -> float:
-    """exp values per second on one rank (the rate of exp, log, erf and the like, which a CPU
-    computes far below its product FLOP/s); on a vector in cache so that memory does not count."""
-    x, out = torch.rand(_EXP_NUMEL), torch.empty(_EXP_NUMEL)
-
-    def exps() -> None:
-        for _ in range(_EXP_CALLS):
-            torch.exp(x, out=out)
-
-    return _EXP_NUMEL * _EXP_CALLS / _together_seconds(exps, 11)
-
-
-def _op_overhead() -> float:
-    """Seconds per executed op, besides its arithmetic: a chain of :data:`_CHAIN` products of 4 x 4
-    matrices that need gradients, forward and backward, runs three ops per link (a product
-    forward, two backward), each too small for its arithmetic to count; launch, dispatch and the
-    autograd engine's bookkeeping are what is timed, as a training step's ops pay them."""
-    weights = [torch.randn(4, 4, requires_grad=True) for _ in range(_CHAIN)]
-    x = torch.randn(4, 4)
-
-    def chain() -> None:
-        y = x
-        for w in weights:
-            y = y @ w
-        y.sum().backward()
-
-    return _together_seconds(chain, 25) / (3 * _CHAIN)
-
-
 def _straggling() -> dict[str, Any]:
     """How long a synchronising collective waits for its slowest rank after the ranks compute apart.
 
@@ -147,7 +58,7 @@ def _straggling() -> dict[str, Any]:
     all_reduce's time back to back; :func:`_straggle` turns every rank's into the figure.
     """
     a, one = torch.randn(256, 256), torch.zeros(1)
-    back_to_back = _median_seconds(lambda: dist.all_reduce(one), 11)
+    back_to_back = median_seconds(lambda: dist.all_reduce(one), 11)
     rounds = []
     for _ in range(_BURST_ROUNDS):
         bursts = []
@@ -226,7 +137,7 @@ def _collective_samples(group: dist.ProcessGroup, n: int) -> dict[str, list[tupl
         for nbytes in _COLLECTIVE_BYTES:
             size, call = _collective_call(kind, nbytes, group, n)
             dist.barrier()
-            samples[kind.value].append((size, _median_seconds(call, 25 if nbytes < 1 << 22 else 7)))
+            samples[kind.value].append((size, median_seconds(call, 25 if nbytes < 1 << 22 else 7)))
     return samples
 
 
@@ -255,13 +166,13 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
     # from one minute to the next here, each window alone 7.5-13 GB/s within a minute): the
     # median of six windows spread over the calibration, one between each of its measurements
     measurements: dict[str, Callable[[], Any]] = {
-        "peak_flops": lambda: {dtype_name(dtype): _matmul_flops(dtype) for dtype in _MEASURED_DTYPES},
-        "transcendentals_per_s": _transcendentals,
-        "op_overhead_s": _op_overhead,
+        "peak_flops": lambda: {dtype_name(dtype): matmul_flops(dtype) for dtype in MEASURED_DTYPES},
+        "transcendentals_per_s": transcendentals,
+        "op_overhead_s": op_overhead,
     }
     bandwidths, mine = [], {}
     for name, measure in measurements.items():
-        bandwidths.append(_memory_bandwidth())
+        bandwidths.append(memory_bandwidth())
         mine[name] = measure()
     mine.update(
         # one thread each where ranks outnumber cores (above): they take turns on them
@@ -271,18 +182,18 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
         ranks={},
         links={},
     )
-    bandwidths.append(_memory_bandwidth())
+    bandwidths.append(memory_bandwidth())
     for level, groups in _level_groups(world, per_node).items():
         # every rank creates every group of the level, in the same order, as new_group requires
         group, _ = dist.new_subgroups_by_enumeration(groups)
         mine["ranks"][level] = len(groups[0])
         mine["links"][level] = _collective_samples(group, len(groups[0]))
-    bandwidths.append(_memory_bandwidth())
+    bandwidths.append(memory_bandwidth())
     # last, with the levels' groups in place as a run has its mesh's: timed amid the rest, before
     # them, a 20 ms burst's wait read 0.2-2.5 ms in four calibrations, 2-12 ms in ten timed once
     # the groups existed, and tensor parallelism was priced up to 35% fast with the former
     mine["straggling"] = _straggling()
-    mine["memory_bandwidth_Bps"] = statistics.median([*bandwidths, _memory_bandwidth()])
+    mine["memory_bandwidth_Bps"] = statistics.median([*bandwidths, memory_bandwidth()])
     everyone: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     return _slowest(everyone) if everyone is not None else None

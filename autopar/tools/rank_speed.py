@@ -1,0 +1,114 @@
+"""What one rank computes per second, timed with every rank of the world at once.
+
+The rates ``autopar calibrate`` writes into a cluster file (:mod:`autopar.tools.calibrate`):
+product FLOP/s per dtype, memory bandwidth, transcendentals, the overhead of one op and of one
+parameter tensor of the optimizer step. Every rank calls each function at the same time, so
+that ranks sharing cores contend as they do in a run (:func:`together_seconds`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MATMUL_N = 2048
+_MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
+_EXP_NUMEL = 1 << 16  # 256 KiB per fp32 vector: in cache, so that exp's arithmetic is what is timed
+_EXP_CALLS = 64  # exps per timed call (one takes some 40 us)
+_CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    # Median, not min: on a shared 2-core host single calls stall for a scheduler tick
+    # (~4 ms) now and then, and the plan should price the typical call, not the luckiest.
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def together_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Seconds per call of ``fn`` when every rank calls it ``repeats`` times at once: the wall time
+    from a barrier to the barrier after the last rank's last call. On ranks sharing cores the
+    scheduler runs them unevenly, and the first to finish hands its share to the others, as in a
+    step whose ranks meet at a collective: a rank's own median would flatter the unlucky ones'."""
+    fn()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - start) / repeats
+
+
+def matmul_flops(dtype: torch.dtype) -> float:
+    # The largest square up to _MATMUL_N whose product takes under 50 ms: a dtype the CPU has no
+    # fast kernel for (fp16 on some: 0.3 GFLOP/s) is timed on a small one rather than for minutes.
+    n = 256
+    while n < _MATMUL_N and _one_product_seconds(n, dtype) < 0.05:
+        n *= 2
+    # every rank the same size, so that all of them compute until the barrier
+    size = torch.tensor(n)
+    dist.all_reduce(size, op=dist.ReduceOp.MIN)
+    n = int(size)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / together_seconds(lambda: torch.mm(a, b), 11)
+
+
+def _one_product_seconds(n: int, dtype: torch.dtype) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return median_seconds(lambda: torch.mm(a, b), 1, warmup=0)
+
+
+def memory_bandwidth() -> float:
+    x, y, out = (torch.rand(_MEMORY_NUMEL) for _ in range(3))
+    # add reads two buffers and writes one
+    return 3 * x.nbytes / together_seconds(lambda: torch.add(x, y, out=out), 11)
+
+
+def host_speed() -> tuple[float, float]:
+    """``(float32 FLOP/s, memory bytes/s)`` of the world's slowest rank, measured as ``autopar
+    calibrate`` measures ``peak_flops`` and ``memory_bandwidth_Bps`` (call it on every rank, with
+    the threads per rank a calibration gives them): a run compares them with its cluster file to
+    tell a host that changed speed since the calibration from a model that priced it wrong."""
+    speeds = torch.tensor([matmul_flops(torch.float32), memory_bandwidth()], dtype=torch.float64)
+    dist.all_reduce(speeds, op=dist.ReduceOp.MIN)
+    return float(speeds[0]), float(speeds[1])
+
+
+def transcendentals() -> float:
+    """exp values per second on one rank (the rate of exp, log, erf and the like, which a CPU
+    computes far below its product FLOP/s); on a vector in cache so that memory does not count."""
+    x, out = torch.rand(_EXP_NUMEL), torch.empty(_EXP_NUMEL)
+
+    def exps() -> None:
+        for _ in range(_EXP_CALLS):
+            torch.exp(x, out=out)
+
+    return _EXP_NUMEL * _EXP_CALLS / together_seconds(exps, 11)
+
+
+def op_overhead() -> float:
+    """Seconds per executed op, besides its arithmetic: a chain of :data:`_CHAIN` products of 4 x 4
+    matrices that need gradients, forward and backward, runs three ops per link (a product
+    forward, two backward), each too small for its arithmetic to count; launch, dispatch and the
+    autograd engine's bookkeeping are what is timed, as a training step's ops pay them."""
+    weights = [torch.randn(4, 4, requires_grad=True) for _ in range(_CHAIN)]
+    x = torch.randn(4, 4)
+
+    def chain() -> None:
+        y = x
+        for w in weights:
+            y = y @ w
+        y.sum().backward()
+
+    return together_seconds(chain, 25) / (3 * _CHAIN)

@@ -129,14 +129,23 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         "host_link_Bps",
         "host_memory_bandwidth_Bps",
         "transcendentals_per_s",
+        "optimizer_tensor_s",
     )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 0.0, 1.0, None, None, None]
-    measured = replace(cluster, op_overhead_s=5e-6, straggler_s=0.01, ranks_per_core=2.0, host_link_Bps=6e10)
+    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 0.0, 1.0, None, None, None, None]
+    measured = replace(
+        cluster,
+        op_overhead_s=5e-6,
+        straggler_s=0.01,
+        ranks_per_core=2.0,
+        host_link_Bps=6e10,
+        optimizer_tensor_s=3e-4,
+    )
     assert Cluster.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
     for bad in (
         {"op_overhead_s": -1.0},
+        {"optimizer_tensor_s": -1e-6},
         {"ranks_per_core": 0.5},
         {"host_link_Bps": 0.0},
         {"transcendentals_per_s": 0.0},
@@ -194,6 +203,7 @@ def _check_calibrated(path: Path, devices_per_node: int) -> None:
     assert cluster.measured_on == this_machine() and cluster.name == "calibrated"
     assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
     assert cluster.devices_per_node == devices_per_node
+    assert cluster.op_overhead_s > 0 and cluster.optimizer_tensor_s > 0
     for link in (cluster.intra_node, cluster.inter_node):
         assert set(link.collectives) == set(CollectiveKind) and link.bandwidth_Bps > 0
         assert all(k.latency_s >= 0 and k.bandwidth_Bps > 0 for k in link.collectives.values())

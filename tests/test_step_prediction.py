@@ -130,6 +130,11 @@ def test_the_optimizer_step_is_memory_bound_and_offload_adds_its_copies():
     expected = 2 * 4e6 / 1e9 + 1e6 * FP32_BYTES * 20 / 1e8 + ops + 2e-6
     assert update_seconds(update, gpu, offload) == pytest.approx(expected)
     assert update_seconds(Update(0.0, 4), cluster, memory) == 0.0  # frozen
+    # calibrated: a tensor's step on the device (DTensors) costs what autopar calibrate measured;
+    # offload steps plain host copies, priced by their ops as before
+    measured = replace(cluster, optimizer_tensor_s=3e-4)
+    assert update_seconds(update, measured, memory) == pytest.approx(device - ops + 3e-4)
+    assert update_seconds(update, measured, offload) == update_seconds(update, cluster, offload)
 
 
 def test_stragglers_are_waited_for_at_each_synchronising_point():

@@ -86,6 +86,10 @@ class Cluster:
     a file written before they existed reads 0, 0 and 1. ``transcendentals_per_s`` is how many
     exp, log or erf values per second one rank computes (on a CPU, far fewer than its FLOP/s);
     None where they are no limit (a GPU's special function units keep up with its memory).
+    ``optimizer_tensor_s`` is what the optimizer step spends per parameter tensor besides
+    moving its bytes: torch's AdamW on the compiled module's DTensor parameters, whose every op
+    goes through DTensor's dispatch (0.6 ms a tensor on a CPU rank sharing a core, ten times the
+    ten plain ops it runs); None where not measured: ten ops' ``op_overhead_s``.
     ``host_link_Bps`` is one rank's bandwidth to host memory, one direction (optimizer offload's
     copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
     host gets (the offloaded update); None for both where the device is the host (CPU ranks):
@@ -107,6 +111,7 @@ class Cluster:
     host_link_Bps: float | None = None
     host_memory_bandwidth_Bps: float | None = None
     transcendentals_per_s: float | None = None
+    optimizer_tensor_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -117,11 +122,12 @@ class Cluster:
         if self.memory_bytes <= 0 or self.devices_per_node < 1:
             raise OptionError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
         host = (self.host_link_Bps, self.host_memory_bandwidth_Bps, self.transcendentals_per_s)
-        overheads = (self.op_overhead_s, self.straggler_s, self.straggler_base_s)
+        optimizer = self.optimizer_tensor_s or 0.0
+        overheads = (self.op_overhead_s, optimizer, self.straggler_s, self.straggler_base_s)
         if min(overheads) < 0 or any(b is not None and b <= 0 for b in host):
             raise OptionError(
-                f"cluster {self.name!r}: op_overhead_s and the straggler figures must be >= 0, "
-                "host bandwidths and transcendentals_per_s positive"
+                f"cluster {self.name!r}: op_overhead_s, optimizer_tensor_s and the straggler figures must be "
+                ">= 0, host bandwidths and transcendentals_per_s positive"
             )
         if self.ranks_per_core < 1:
             raise OptionError(f"cluster {self.name!r}: ranks_per_core must be at least 1")
@@ -144,15 +150,16 @@ class Cluster:
             "host_link_Bps": self.host_link_Bps,
             "host_memory_bandwidth_Bps": self.host_memory_bandwidth_Bps,
             "transcendentals_per_s": self.transcendentals_per_s,
+            "optimizer_tensor_s": self.optimizer_tensor_s,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
         """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
-        the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``) are optional, so
-        files written before them still load."""
+        the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``,
+        ``optimizer_tensor_s``) are optional, so files written before them still load."""
         host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
-        transcendentals = data.get("transcendentals_per_s")
+        transcendentals, optimizer = data.get("transcendentals_per_s"), data.get("optimizer_tensor_s")
         return cls(
             name=str(data["name"]),
             peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
@@ -169,4 +176,5 @@ class Cluster:
             host_link_Bps=None if host_link is None else float(host_link),
             host_memory_bandwidth_Bps=None if host_memory is None else float(host_memory),
             transcendentals_per_s=None if transcendentals is None else float(transcendentals),
+            optimizer_tensor_s=None if optimizer is None else float(optimizer),
         )

@@ -87,7 +87,10 @@ def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
     (``update.itemsize`` bytes each) and the ``memory.optimizer_states`` fp32 states, at
     ``memory_bandwidth_Bps``. Offloaded, the gradient is copied to an fp32 host copy, the update
     runs there on fp32 values (at ``host_memory_bandwidth_Bps``) and the parameter is copied back
-    (:func:`copy_seconds`). Each tensor the optimizer touches also costs its ops' overhead.
+    (:func:`copy_seconds`). Each tensor the optimizer touches also costs its ops' overhead: on the
+    device, where it steps DTensors (parameters or ZeRO shards), ``Cluster.optimizer_tensor_s``
+    where calibrated; on the host copies of offload, and where not calibrated,
+    :data:`OPTIMIZER_OPS_PER_TENSOR` ops'.
     """
     if update.elements <= 0:
         return 0.0
@@ -95,7 +98,8 @@ def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
     values, states = update_passes(memory.optimizer_states)
     ops = OPTIMIZER_OPS_PER_TENSOR * cluster.op_overhead_s
     if not memory.offload_optimizer:
-        return e * (values * item + states * FP32_BYTES) / cluster.memory_bandwidth_Bps + ops
+        per_tensor = ops if cluster.optimizer_tensor_s is None else cluster.optimizer_tensor_s
+        return e * (values * item + states * FP32_BYTES) / cluster.memory_bandwidth_Bps + per_tensor
     host_bandwidth = cluster.host_memory_bandwidth_Bps or cluster.memory_bandwidth_Bps
     host_update = e * FP32_BYTES * (values + states) / host_bandwidth
     copies = copy_seconds(e * item, e * FP32_BYTES, cluster) + copy_seconds(e * FP32_BYTES, e * item, cluster)

@@ -32,6 +32,7 @@ from autopar.tools.rank_speed import (
     median_seconds,
     memory_bandwidth,
     op_overhead,
+    optimizer_tensor,
     transcendentals,
 )
 
@@ -169,6 +170,7 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
         "peak_flops": lambda: {dtype_name(dtype): matmul_flops(dtype) for dtype in MEASURED_DTYPES},
         "transcendentals_per_s": transcendentals,
         "op_overhead_s": op_overhead,
+        "optimizer_tensor_s": lambda: optimizer_tensor(bandwidths[-1]),
     }
     bandwidths, mine = [], {}
     for name, measure in measurements.items():
@@ -212,6 +214,7 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "memory_bandwidth_Bps": min(r["memory_bandwidth_Bps"] for r in per_rank),
         "transcendentals_per_s": min(r["transcendentals_per_s"] for r in per_rank),
         "op_overhead_s": max(r["op_overhead_s"] for r in per_rank),
+        "optimizer_tensor_s": max(r["optimizer_tensor_s"] for r in per_rank),
         "stragglers": _straggle([r["straggling"] for r in per_rank]),
         "ranks_per_core": max(r["ranks_per_core"] for r in per_rank),
         "memory_bytes": min(r["memory_bytes"] for r in per_rank),
@@ -305,6 +308,7 @@ def _cluster(
         devices_per_node=devices_per_node,
         measured_on=measured_on,
         op_overhead_s=measured["op_overhead_s"],
+        optimizer_tensor_s=measured["optimizer_tensor_s"],
         straggler_base_s=measured["stragglers"][0],
         straggler_s=measured["stragglers"][1],
         ranks_per_core=measured["ranks_per_core"],
@@ -384,7 +388,8 @@ def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: 
         f"{measured['world']} ranks at once ({nodes}) on {', '.join(sorted(set(measured['hosts'])))}: "
         f"GFLOP/s per rank {flops}; memory {cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s; "
         f"{(cluster.transcendentals_per_s or 0) / 1e9:.2f} G exp/s; "
-        f"{cluster.op_overhead_s * 1e6:.1f} us per op; "
+        f"{cluster.op_overhead_s * 1e6:.1f} us per op, {(cluster.optimizer_tensor_s or 0) * 1e6:.0f} us per "
+        "tensor of the optimizer step; "
         f"a collective waits {cluster.straggler_base_s * 1e3:.1f} ms for stragglers, "
         f"and {cluster.straggler_s * 1e3:.1f} ms more after 1 s of compute"
     ]

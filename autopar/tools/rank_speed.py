@@ -14,6 +14,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from autopar.planning.step_overheads import FP32_BYTES, update_passes
 
 MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MATMUL_N = 2048
@@ -21,6 +25,8 @@ _MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
 _EXP_NUMEL = 1 << 16  # 256 KiB per fp32 vector: in cache, so that exp's arithmetic is what is timed
 _EXP_CALLS = 64  # exps per timed call (one takes some 40 us)
 _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
+_STEPPED = 64  # parameter tensors of the optimizer step timed per tensor
+_STEPPED_NUMEL = 1 << 10  # elements of each: their bytes move in a few microseconds
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -112,3 +118,19 @@ def op_overhead() -> float:
         y.sum().backward()
 
     return together_seconds(chain, 25) / (3 * _CHAIN)
+
+
+def optimizer_tensor(bandwidth: float) -> float:
+    """Seconds torch's AdamW spends per parameter tensor of a step besides moving its bytes (at
+    ``bandwidth``), on DTensor parameters replicated over the world, as the compiled module's
+    are: each of its ops goes through DTensor's dispatch (``Cluster.optimizer_tensor_s``)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = []
+    for _ in range(_STEPPED):
+        p = torch.nn.Parameter(DTensor.from_local(torch.zeros(_STEPPED_NUMEL), mesh, [Replicate()]))
+        p.grad = DTensor.from_local(torch.ones(_STEPPED_NUMEL), mesh, [Replicate()])
+        params.append(p)
+    step = torch.optim.AdamW(params, lr=1e-3).step
+    values, states = update_passes(2)
+    moved = _STEPPED_NUMEL * (values + states) * FP32_BYTES / bandwidth
+    return max(0.0, together_seconds(step, 11) / _STEPPED - moved)

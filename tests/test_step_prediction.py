@@ -209,3 +209,9 @@ def test_ranks_sharing_cores_fill_the_pipeline_bubble():
     work = 4 * sum(st.seconds for st in alone.stages) / 2  # the average rank's compute
     assert work < shared.step_time_s < alone.step_time_s
     assert alone.step_time_s > 1.2 * work  # the bubble of 1F1B over 2 ranks and 4 microbatches
+    # what the critical path waits for (the sends between stages) is no work a core can share:
+    # it is not shortened by the ranks beside it (a tiny GPT's pipeline on 4 ranks sharing 2 cores
+    # measured 85 ms a step with 8 microbatches, priced 47 ms when it was, 69 ms since)
+    slow = replace(BASE, ranks_per_core=2.0, intra_node=replace(BASE.intra_node, latency_s=0.05))
+    sends = autopar.plan(model, args, {"pp": 2, "dp": 2}, cluster=slow, pipeline=pipeline).pipeline
+    assert sends.step_time_s > (4 + 1) * max(st.p2p_seconds for st in sends.stages)

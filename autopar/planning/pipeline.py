@@ -229,20 +229,25 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
     stage_of = complete_stages(captured, anchors, n_stages)
     cuts = _crossing_bytes(captured.graph, stage_of, n_stages, value_bytes)
     stages = tuple(_stage_plan(inputs, costs, stage_of, cuts, s) for s in range(n_stages))
+    # ranks sharing cores lend each other the time they wait: a rank's compute on the critical path
+    # runs up to ranks_per_core times faster while others wait, but what it waits for itself (the
+    # sends between stages, the slowest rank) passes no faster; and the step takes no less than
+    # the average rank's work
     busiest = max(
         sum(
-            st.seconds + st.p2p_seconds + _waits(inputs, st, stage_of) - _hidden_sends(inputs, st, cuts)
+            st.seconds / inputs.ranks_per_core
+            + st.p2p_seconds
+            + _waits(inputs, st, stage_of)
+            - _hidden_sends(inputs, st, cuts)
             for st in stages
             if st.rank == r
         )
         for r in range(p)
     )
     after = max(_after_backward(inputs, stages, stage_of, r) for r in range(p))
-    # ranks sharing cores lend each other the time they wait: the step takes no less than the
-    # average rank's work, nor than the schedule with each rank sped up by the cores waiting ones leave
     work = m * sum(st.seconds for st in stages) / p
     critical = busiest * (m + (p - 1) / pipeline.virtual_stages)
-    step = max(critical / inputs.ranks_per_core, work) + after
+    step = max(critical, work) + after
     return PipelinePlan(
         axis=pipeline.axis,
         size=p,

@@ -75,8 +75,9 @@ class ForkedCalls:
         if self.workers == 1:
             self._done.append((key, _outcome(call)))
             return
-        receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
-        child = multiprocessing.get_context("fork").Process(target=_child, args=(call, send), daemon=True)
+        fork = multiprocessing.get_context("fork")
+        receive, send = fork.Pipe(duplex=False)
+        child = fork.Process(target=_child, args=(call, send), daemon=True)
         child.start()
         send.close()  # the child's end: the parent's copy would keep the pipe open after the child died
         self._children[receive] = (key, child)

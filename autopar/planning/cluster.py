@@ -88,8 +88,9 @@ class Cluster:
     None where they are no limit (a GPU's special function units keep up with its memory).
     ``optimizer_tensor_s`` is what the optimizer step spends per parameter tensor besides
     moving its bytes: torch's AdamW on the compiled module's DTensor parameters, whose every op
-    goes through DTensor's dispatch (0.6 ms a tensor on a CPU rank sharing a core, ten times the
-    ten plain ops it runs); None where not measured: ten ops' ``op_overhead_s``.
+    goes through DTensor's dispatch (0.32-0.38 ms a tensor measured on 4 CPU ranks sharing 2
+    cores, three times the overhead of the ten plain ops it runs); None where not measured: ten
+    ops' ``op_overhead_s``.
     ``host_link_Bps`` is one rank's bandwidth to host memory, one direction (optimizer offload's
     copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
     host gets (the offloaded update); None for both where the device is the host (CPU ranks):

@@ -24,6 +24,7 @@ from autopar.planning.step_overheads import (
     Update,
     bucket_times,
     buckets,
+    gradient_seconds,
     hidden_sends,
     step_terms,
     update_passes,
@@ -66,7 +67,7 @@ def test_a_bucket_is_hidden_behind_the_backward_that_follows_its_launch_but_the_
 class _ElementPasses(TorchDispatchMode):
     """Counts the ops (but the profiler's markers), and the elements of ``numel``-element tensors
     each reads (distinct operands) and writes (operands its schema marks written, new results);
-    scalars are left out."""
+    scalars are left out, and views read nothing."""
 
     def __init__(self, numel: int) -> None:
         super().__init__()
@@ -81,6 +82,8 @@ class _ElementPasses(TorchDispatchMode):
         ]
         results = out if isinstance(out, tuple) else (out,)
         new = [r for r, s in zip(results, schema.returns) if s.alias_info is None]
+        if not written and not new:  # a view (detach, expand) moves nothing
+            return out
         operands = {id(a): a for a in tree_leaves(args) if self._counted(a)}  # foreach ops take lists
         for value in (list(operands.values()), written, new):
             self.elements += sum(a.numel() for a in tree_leaves(value) if self._counted(a))
@@ -137,6 +140,23 @@ def test_the_optimizer_step_is_memory_bound_and_offload_adds_its_copies():
     assert update_seconds(update, measured, offload) == update_seconds(update, cluster, offload)
 
 
+def test_later_backward_passes_add_their_gradient_to_the_first_as_priced():
+    """gradient_seconds prices a pipeline's later microbatches an add over each gradient (both read,
+    the sum written) and the first none (autograd takes the new gradient as it is): fails when
+    torch's accumulation changes."""
+    w, x = torch.nn.Parameter(torch.zeros(1000)), torch.ones(1000)
+    passes = []
+    for _ in range(2):
+        loss = (w * x).sum()
+        with _ElementPasses(w.numel()) as counted:
+            loss.backward()
+        passes.append(counted)
+    assert passes[1].elements - passes[0].elements == 3 * w.numel()
+    cluster = replace(BASE, op_overhead_s=1e-6)
+    one, four = (gradient_seconds(4e6, m, False, cluster) for m in (1, 4))
+    assert four - one == pytest.approx(3 * (3 * 4e6 / cluster.memory_bandwidth_Bps + 1e-6) + 3 * 2e-6)
+
+
 def test_stragglers_are_waited_for_at_each_synchronising_point():
     ops = [
         OpTime("a", 3.0, grad=True, forward_syncs=1, backward_syncs=1, backward_comm_s=0.5),
@@ -144,7 +164,7 @@ def test_stragglers_are_waited_for_at_each_synchronising_point():
         OpTime("output", 0.0, grad=False, runs=False),
     ]
     cluster = replace(BASE, straggler_s=0.1, op_overhead_s=1e-3)
-    terms = step_terms(ops, {"w": 4.0}, {}, cluster)
+    terms = step_terms(ops, {"w": 4.0}, {}, cluster, {})
     # forward: sync, a (1 s), sync, sync, b (2 s); backward: b (4 s), a (2 s), sync
     assert terms.segments() == ([0.0, 1.0, 0.0, 2.0], [6.0, 0.0])
     extras = whole_step(terms)
@@ -152,10 +172,10 @@ def test_stragglers_are_waited_for_at_each_synchronising_point():
     assert extras.wait_s == pytest.approx(0.1 * (1 + math.sqrt(2 + 6) + math.sqrt(4)))
     assert extras.overhead_s == pytest.approx(2 * 3 * 1e-3)  # the output runs no op
     assert extras.optimizer_s == 4.0
-    summed = step_terms(ops, {"w": 4.0}, {"w": _sum("w", first_use="a")}, cluster)
+    summed = step_terms(ops, {"w": 4.0}, {"w": _sum("w", first_use="a")}, cluster, {})
     assert whole_step(summed).wait_s == pytest.approx(0.1 * (1 + math.sqrt(8) + 0 + math.sqrt(4)))
     # and a wait per synchronising point after any compute (ranks sharing cores): three stretches
-    based = step_terms(ops, {"w": 4.0}, {}, replace(cluster, straggler_base_s=0.01))
+    based = step_terms(ops, {"w": 4.0}, {}, replace(cluster, straggler_base_s=0.01), {})
     assert whole_step(based).wait_s == pytest.approx(extras.wait_s + 3 * 0.01)
 
 
@@ -171,12 +191,21 @@ def test_a_plan_adds_up_its_step_and_prices_each_term():
     parts = p.compute_s + p.comm_s + p.overhead_s + p.optimizer_s + p.wait_s - p.hidden_comm_s
     assert p.step_time_s == pytest.approx(parts)
     assert p.optimizer_s > 0 and p.wait_s > 0
-    ops = [n for n in plan.nodes if n.op.startswith("aten.")]
-    assert len(ops) < p.overhead_s / 1e-4 <= 3 * len(ops)  # forward, and backward where a gradient flows
-    plain = _plan(BASE).prediction  # a cluster without the new figures: none of the new terms
-    assert plain.overhead_s == plain.wait_s == 0.0
-    # the gradient sums (all in one bucket) pay their latency once: one all_reduce over dp
+    # every parameter's gradient: its accumulation and hook (two ops), and where summed over dp
+    # (fp32: the sum's bytes) its copy into the bucket (an op, its bytes read and written)
     sums = [r for r in plan.redistributions if r.dst == GRADIENT_SUM]
+    summed_bytes = sum(c.bytes for r in sums for c in r.backward)
+    trained = len(list(gpt.build()[0].parameters()))
+    copies = 2 * summed_bytes / cluster.memory_bandwidth_Bps
+    assert gradient_seconds(1e6, 1, True, cluster) == pytest.approx(3e-4 + 2e6 / cluster.memory_bandwidth_Bps)
+    gradients = (2 * trained + len(sums)) * 1e-4 + copies
+    ops = [n for n in plan.nodes if n.op.startswith("aten.")]
+    op_overhead = (p.overhead_s - gradients) / 1e-4
+    assert len(ops) < op_overhead <= 3 * len(ops)  # forward, and backward where a gradient flows
+    plain = _plan(BASE).prediction  # a cluster without op overhead and stragglers: of those
+    # terms only the gradients' copies into their bucket are left (memory-bound)
+    assert plain.overhead_s == pytest.approx(copies) and plain.wait_s == 0.0
+    # the gradient sums (all in one bucket) pay their latency once: one all_reduce over dp
     edges = sum(r.seconds for r in plan.redistributions)
     assert len(sums) > 1 and p.comm_s == pytest.approx(edges + 2 * 1 * BASE.intra_node.latency_s)
 

@@ -60,6 +60,7 @@ from autopar.planning.step_overheads import (
     GradSum,
     StepTerms,
     Update,
+    gradient_seconds,
     program_ops,
     step_terms,
     update_seconds,
@@ -91,12 +92,14 @@ class PlanSetting:
 @dataclass(frozen=True)
 class _State:
     """Parameters' and buffers' layouts by fully-qualified name (aliases included), each one's
-    bytes per rank by placeholder: (itself, its gradient, optimizer state, host), and what the
-    optimizer steps of each trained parameter on this rank."""
+    bytes per rank by placeholder: (itself, its gradient, optimizer state, host), what the
+    optimizer steps of each trained parameter on this rank, and the bytes of the leaf its
+    gradient accumulates in (the program's placeholder: ZeRO-3's shard, else the local whole)."""
 
     layouts: dict[str, str]
     held: dict[str, tuple[float, float, float, float]]
     updates: dict[str, Update]
+    leaves: dict[str, float]
 
 
 def assemble_plan(
@@ -129,7 +132,11 @@ def assemble_plan(
     recomputed = _recomputed(g, assignment, regions)
     ops = program_ops(graph, g.requires_grad, {d.name: d.compute_s for d in nodes}, recomputed, redists)
     updates = {p: update_seconds(u, setting.cluster, setting.memory) for p, u in state.updates.items()}
-    terms = step_terms(ops, updates, grad_sums, setting.cluster)
+    passes = setting.pipeline.microbatches if setting.pipeline is not None else 1
+    gradients = {
+        p: gradient_seconds(leaf, passes, p in grad_sums, setting.cluster) for p, leaf in state.leaves.items()
+    }
+    terms = step_terms(ops, updates, grad_sums, setting.cluster, gradients)
     redists += sums
     extras = whole_step(terms)
     compute = sum(d.compute_s for d in nodes) + sum(recomputed.values())
@@ -378,6 +385,7 @@ def _state(
     layouts: dict[str, str] = {}
     held: dict[str, tuple[float, float, float, float]] = {}
     updates: dict[str, Update] = {}
+    leaves: dict[str, float] = {}
     by_name = {n.name: n for n in g.choices}
     for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
         node = by_name[name]
@@ -396,7 +404,8 @@ def _state(
         held[name] = (b.param, b.grad, b.optimizer, b.host)
         if grad:  # the optimizer steps its shard under ZeRO, the whole local parameter otherwise
             updates[name] = Update(elements=local / itemsize / (n if zero else 1), itemsize=itemsize)
-    return _State(layouts=layouts, held=held, updates=updates)
+            leaves[name] = local / (n if zero == 3 else 1)
+    return _State(layouts=layouts, held=held, updates=updates, leaves=leaves)
 
 
 def _warnings(g: StrategyGraph) -> list[str]:

@@ -180,19 +180,24 @@ class PipelineInputs:
 @dataclass(frozen=True)
 class _NodeCosts:
     """Per node of a plan: seconds of one microbatch (its compute and the redistributions into
-    it), the bytes those move; per parameter, its gradient sum's seconds and bytes (once per step)."""
+    it; a parameter's, handling its gradient), the bytes those move; per parameter, its gradient
+    sum's seconds and bytes (once per step)."""
 
     seconds: dict[str, float]
     comm_bytes: dict[str, int]
     grad_sums: dict[str, tuple[float, int]]
 
     @classmethod
-    def of(cls, plan: Plan, terms: StepTerms) -> _NodeCosts:
-        """The costs of ``plan``'s nodes, each op's overhead and recompute (``terms``) included."""
+    def of(cls, plan: Plan, terms: StepTerms, microbatches: int) -> _NodeCosts:
+        """The costs of ``plan``'s nodes, each op's overhead and recompute (``terms``) included, and
+        each parameter's gradient handling (priced for the step) spread over ``microbatches``."""
         decisions = {d.name: d for d in plan.nodes}
-        recompute = terms.recompute_s
+        recompute, gradients = terms.recompute_s, terms.gradient_s
         seconds = {
-            name: d.compute_s + terms.op_s.get(name, 0.0) + recompute.get(name, 0.0)
+            name: d.compute_s
+            + terms.op_s.get(name, 0.0)
+            + recompute.get(name, 0.0)
+            + gradients.get(name, 0.0) / microbatches
             for name, d in decisions.items()
         }
         comm_bytes: dict[str, int] = {}
@@ -212,7 +217,7 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
     """The :class:`~autopar.ir.plan.PipelinePlan` of a solved ``plan`` (planned per microbatch)."""
     pipeline, captured = inputs.pipeline, inputs.captured
     p, n_stages, m = pipeline.size(inputs.mesh), pipeline.stages(inputs.mesh), pipeline.microbatches
-    costs = _NodeCosts.of(plan, inputs.terms)
+    costs = _NodeCosts.of(plan, inputs.terms, m)
     value_bytes = inputs.value_bytes()
     automatic = not captured.annotations.stages
     if automatic:

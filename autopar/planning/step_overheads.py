@@ -11,6 +11,9 @@ what the runtime does (``docs/cost_model.md``, "The whole step"):
   as torch's default optimizer makes (:func:`update_passes`), plus its ops; under
   optimizer offload the gradients' copies to the host, the update there, and the copies back
   (:func:`update_seconds`);
+* **gradients**: autograd accumulates each parameter's gradient and the runtime's hook takes it
+  at every backward pass, adds a pipeline's later microbatches' gradients to the first's, and
+  copies a summed gradient into its bucket (:func:`gradient_seconds`);
 * **gradient-sum buckets**: the runtime's :class:`~autopar.runtime.grad_reducer.GradReducer` packs
   gradient sums into buckets (:func:`buckets`, the same packing), pays each collective's latency
   once per bucket, and launches each bucket asynchronously as soon as backward completes its
@@ -30,7 +33,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,6 +107,19 @@ def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
     host_update = e * FP32_BYTES * (values + states) / host_bandwidth
     copies = copy_seconds(e * item, e * FP32_BYTES, cluster) + copy_seconds(e * FP32_BYTES, e * item, cluster)
     return copies + host_update + ops + 2 * cluster.op_overhead_s  # the two copies are ops too
+
+
+def gradient_seconds(leaf_bytes: float, passes: int, summed: bool, cluster: Cluster) -> float:
+    """Seconds one parameter's gradient (``leaf_bytes`` on this rank, before any ZeRO split) costs
+    the runtime in a step of ``passes`` backward passes (a pipeline's microbatches, else 1):
+    autograd's accumulation and :class:`~autopar.runtime.grad_reducer.GradReducer`'s hook at
+    every pass (an op each); at every pass after the first, adding the new gradient to the last
+    (reading both, writing the sum: an op); and, where it is summed, copying it into its bucket
+    (reading it, writing the bucket: an op)."""
+    op, bandwidth = cluster.op_overhead_s, cluster.memory_bandwidth_Bps
+    accumulate = (passes - 1) * (3 * leaf_bytes / bandwidth + op)
+    bucket = 2 * leaf_bytes / bandwidth + op if summed else 0.0
+    return 2 * passes * op + accumulate + bucket
 
 
 def copy_seconds(source_bytes: float, target_bytes: float, cluster: Cluster) -> float:
@@ -232,7 +248,9 @@ class StepTerms:
 
     ``ops`` are in forward order; ``op_s`` is each op's overhead (:func:`op_seconds`), ``update_s``
     each parameter's optimizer step, ``grad_sums`` each summed gradient, in the order the runtime
-    lists parameters; ``straggler_s`` and ``straggler_base_s`` are the cluster's (see :meth:`waits`).
+    lists parameters; ``gradient_s`` what handling each parameter's gradient costs in the whole
+    step (:func:`gradient_seconds`); ``straggler_s`` and ``straggler_base_s`` are the cluster's
+    (see :meth:`waits`).
     """
 
     ops: tuple[OpTime, ...]
@@ -241,6 +259,7 @@ class StepTerms:
     grad_sums: Mapping[str, GradSum]
     straggler_s: float  # the cluster's
     straggler_base_s: float = 0.0  # the cluster's
+    gradient_s: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def recompute_s(self) -> dict[str, float]:
@@ -283,7 +302,7 @@ class StepTerms:
 class StepExtras:
     """The terms of this module in one training step (not pipelined), in seconds."""
 
-    overhead_s: float  # the ops' overhead
+    overhead_s: float  # the ops' overhead and the gradients' handling
     optimizer_s: float  # the optimizer step, offload's copies included
     latency_s: float  # the gradient-sum buckets' latency
     hidden_s: float  # communication hidden behind backward
@@ -304,7 +323,7 @@ def whole_step(terms: StepTerms) -> StepExtras:
     else:
         stretches[-1] += optimizer
     return StepExtras(
-        overhead_s=sum(terms.op_s.values()),
+        overhead_s=sum(terms.op_s.values()) + sum(terms.gradient_s.values()),
         optimizer_s=optimizer,
         latency_s=buckets.latency_s,
         hidden_s=buckets.hidden_s,
@@ -346,8 +365,10 @@ def step_terms(
     update_s: Mapping[str, float],
     grad_sums: Mapping[str, GradSum],
     cluster: Cluster,
+    gradient_s: Mapping[str, float],
 ) -> StepTerms:
-    """The :class:`StepTerms` of ``ops`` (in forward order) and of the parameters' updates and sums."""
+    """The :class:`StepTerms` of ``ops`` (in forward order) and of the parameters' updates, sums and
+    gradients."""
     return StepTerms(
         ops=tuple(ops),
         op_s={op.name: op_seconds(cluster, op.grad, op.recompute_s > 0) for op in ops if op.runs},
@@ -355,4 +376,5 @@ def step_terms(
         grad_sums=dict(grad_sums),
         straggler_s=cluster.straggler_s,
         straggler_base_s=cluster.straggler_base_s,
+        gradient_s=dict(gradient_s),
     )

@@ -18,6 +18,7 @@ import autopar
 from autopar import OptionError
 from autopar.ir.plan import CollectiveKind
 from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster, this_machine
+from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 from autopar.tools.calibrate import _straggle, fit_ring
 from autopar.tools.cli import main
 from autopar.tools.launch import free_port
@@ -130,10 +131,11 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         "host_memory_bandwidth_Bps",
         "transcendentals_per_s",
         "optimizer_tensor_s",
+        "function_rates",
     )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 0.0, 1.0, None, None, None, None]
+    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}]
     measured = replace(
         cluster,
         op_overhead_s=5e-6,
@@ -141,6 +143,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         ranks_per_core=2.0,
         host_link_Bps=6e10,
         optimizer_tensor_s=3e-4,
+        function_rates={"gelu": 2e9, "gelu_backward": 1e9},
     )
     assert Cluster.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
     for bad in (
@@ -149,6 +152,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         {"ranks_per_core": 0.5},
         {"host_link_Bps": 0.0},
         {"transcendentals_per_s": 0.0},
+        {"function_rates": {"tanh": 0.0}},
     ):
         with pytest.raises(OptionError):
             replace(cluster, **bad)
@@ -176,11 +180,12 @@ def test_a_collective_fit_leaves_out_calls_that_stalled():
 def test_stragglers_are_fitted_to_a_wait_per_collective_and_the_square_root_of_the_compute_before_it():
     bursts = (0.001, 0.004, 0.016, 0.064)
 
-    def rank(base: float, wait: float, stalled: float = 0.0) -> dict[str, object]:
+    def rank(base: float, wait: float, stalled: float = 0.0, slow_b2b: float = 0.0) -> dict[str, object]:
         # each rank's typical burst, and the mean span of burst and all_reduce (1 ms back to back),
-        # in three rounds; ``stalled`` adds a wait to every burst of the second round
+        # in three rounds; ``stalled`` adds a wait to every burst of the second round, ``slow_b2b``
+        # to its back-to-back time alone
         return {
-            "back_to_back": 1e-3,
+            "back_to_back": [1e-3 + (slow_b2b if r == 1 else 0.0) for r in range(3)],
             "rounds": [
                 [(t, t + 1e-3 + base + wait * math.sqrt(t) + (stalled if r == 1 else 0.0)) for t in bursts]
                 for r in range(3)
@@ -192,7 +197,9 @@ def test_stragglers_are_fitted_to_a_wait_per_collective_and_the_square_root_of_t
     assert _straggle([rank(0.003, 0.01)]) == pytest.approx((0.003, 0.01))
     # ranks sharing cores wait a scheduler's slice whatever they computed before
     assert _straggle([rank(0.004, 0.0), rank(0.002, 0.0)]) == pytest.approx((0.004, 0.0), abs=1e-12)
-    assert _straggle([{"back_to_back": 1e-3, "rounds": [[(t, t) for t in bursts]] * 3}]) == (0.0, 0.0)
+    assert _straggle([{"back_to_back": [1e-3] * 3, "rounds": [[(t, t) for t in bursts]] * 3}]) == (0.0, 0.0)
+    # one round's back-to-back time taken at a slow moment: the median over the rounds leaves it out
+    assert _straggle([rank(0.003, 0.01, slow_b2b=0.05)]) == pytest.approx((0.003, 0.01))
     # one round the host stalled in: the median over the rounds leaves it out
     assert _straggle([rank(0.003, 0.01, stalled=0.05)]) == pytest.approx((0.003, 0.01))
 
@@ -204,6 +211,8 @@ def _check_calibrated(path: Path, devices_per_node: int) -> None:
     assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
     assert cluster.devices_per_node == devices_per_node
     assert cluster.op_overhead_s > 0 and cluster.optimizer_tensor_s > 0
+    timed = {*TIMED_FUNCTIONS, *(f"{name}_backward" for name in TIMED_BACKWARD)}
+    assert set(cluster.function_rates) == timed and min(cluster.function_rates.values()) > 0
     for link in (cluster.intra_node, cluster.inter_node):
         assert set(link.collectives) == set(CollectiveKind) and link.bandwidth_Bps > 0
         assert all(k.latency_s >= 0 and k.bandwidth_Bps > 0 for k in link.collectives.values())

@@ -331,3 +331,36 @@ def test_the_plan_prices_the_exps_of_activations_softmax_attention_and_the_loss(
     assert extra["aten.softmax.int"] == n  # an exp each; its backward none
     # capture writes cross-entropy out: the exps of its log_softmax, a log per row
     assert (extra["aten.exp.default"], extra["aten.log.default"]) == (n, 32)
+
+
+def test_timed_functions_are_priced_at_their_calibrated_rates():
+    """Where calibrate timed an elementwise function (forward, and backward where it is timed), that
+    rate prices the op instead of its transcendental count: GELU's two forms apart, SiLU's
+    backward at its own rate, tanh's backward (no function of its own) as before."""
+    import autopar
+
+    class Activations(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            exact = torch.nn.functional.gelu(h)
+            tanh_form = torch.nn.functional.gelu(h, approximate="tanh")
+            return (exact + tanh_form + torch.nn.functional.silu(h) + torch.tanh(h)).sum()
+
+    rates = {"gelu": 1.0, "gelu_backward": 0.5, "gelu_tanh": 0.25, "silu": 2.0, "silu_backward": 0.1}
+    rates["tanh"] = 1.0
+    base = get_cluster("fast-links")
+    seconds = {}
+    for name, cluster in {"plain": base, "timed": replace(base, function_rates=rates)}.items():
+        plan = autopar.plan(Activations(), (torch.randn(4, 16),), {"dp": 1}, cluster=cluster)
+        timed_ops = ("aten.gelu.default", "aten.silu.default", "aten.tanh.default")
+        seconds[name] = [n.compute_s for n in plan.nodes if n.op in timed_ops]
+    n = 4 * 16
+    gelu, gelu_tanh, silu, tanh = (t - p for t, p in zip(seconds["timed"], seconds["plain"]))
+    assert gelu == pytest.approx(n / 1.0 + n / 0.5, rel=1e-6)  # the values, at one per second
+    assert gelu_tanh == pytest.approx(n / 0.25, rel=1e-6)  # its backward not timed: as before
+    assert silu == pytest.approx(n / 2.0 + n / 0.1, rel=1e-6)
+    assert tanh == pytest.approx(n / 1.0, rel=1e-6)

@@ -91,6 +91,10 @@ class Cluster:
     goes through DTensor's dispatch (0.32-0.38 ms a tensor measured on 4 CPU ranks sharing 2
     cores, three times the overhead of the ten plain ops it runs); None where not measured: ten
     ops' ``op_overhead_s``.
+    ``function_rates`` is how many values per second one rank computes of each elementwise
+    function calibrate timed (:data:`~autopar.rules.elementwise.TIMED_FUNCTIONS`, and
+    ``<name>_backward`` for their backward), which then price those ops instead of their
+    transcendental count at ``transcendentals_per_s``; empty where not measured.
     ``host_link_Bps`` is one rank's bandwidth to host memory, one direction (optimizer offload's
     copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
     host gets (the offloaded update); None for both where the device is the host (CPU ranks):
@@ -113,9 +117,13 @@ class Cluster:
     host_memory_bandwidth_Bps: float | None = None
     transcendentals_per_s: float | None = None
     optimizer_tensor_s: float | None = None
+    function_rates: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        object.__setattr__(self, "function_rates", MappingProxyType(dict(self.function_rates)))
+        if any(rate <= 0 for rate in self.function_rates.values()):
+            raise OptionError(f"cluster {self.name!r}: function_rates must be positive")
         if FALLBACK_DTYPE not in self.peak_flops:
             raise OptionError(f"cluster {self.name!r}: peak_flops must have a {FALLBACK_DTYPE!r} entry")
         if min(self.peak_flops.values()) <= 0 or self.memory_bandwidth_Bps <= 0:
@@ -152,13 +160,15 @@ class Cluster:
             "host_memory_bandwidth_Bps": self.host_memory_bandwidth_Bps,
             "transcendentals_per_s": self.transcendentals_per_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
+            "function_rates": dict(self.function_rates),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
         """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
         the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``,
-        ``optimizer_tensor_s``) are optional, so files written before them still load."""
+        ``optimizer_tensor_s``, ``function_rates``) are optional, so files written before them
+        still load."""
         host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
         transcendentals, optimizer = data.get("transcendentals_per_s"), data.get("optimizer_tensor_s")
         return cls(
@@ -178,4 +188,5 @@ class Cluster:
             host_memory_bandwidth_Bps=None if host_memory is None else float(host_memory),
             transcendentals_per_s=None if transcendentals is None else float(transcendentals),
             optimizer_tensor_s=None if optimizer is None else float(optimizer),
+            function_rates={str(k): float(v) for k, v in data.get("function_rates", {}).items()},
         )

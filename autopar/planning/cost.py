@@ -243,15 +243,21 @@ class CostModel:
         return hops * alpha + share * wire
 
     def compute_time(
-        self, flops: float, bytes_accessed: float, dtype: torch.dtype, transcendentals: float = 0.0
+        self,
+        flops: float,
+        bytes_accessed: float,
+        dtype: torch.dtype,
+        transcendentals: float = 0.0,
+        timed_s: float = 0.0,
     ) -> float:
-        """Roofline on one device: ``max(flops / peak + transcendentals / rate, bytes_accessed /
-        memory_bandwidth)``; the transcendentals' rate is ``Cluster.transcendentals_per_s`` (None:
-        not a limit)."""
+        """Roofline on one device: ``max(flops / peak + transcendentals / rate + timed_s,
+        bytes_accessed / memory_bandwidth)``; the transcendentals' rate is
+        ``Cluster.transcendentals_per_s`` (None: not a limit), ``timed_s`` what functions priced
+        at their calibrated rates take."""
         peaks = self.cluster.peak_flops
         peak = peaks.get(dtype_name(dtype), peaks[FALLBACK_DTYPE])
         rate = self.cluster.transcendentals_per_s
-        arithmetic = flops / peak + (transcendentals / rate if rate else 0.0)
+        arithmetic = flops / peak + (transcendentals / rate if rate else 0.0) + timed_s
         return max(arithmetic, bytes_accessed / self.cluster.memory_bandwidth_Bps)
 
     def op_time(
@@ -261,12 +267,22 @@ class CostModel:
         dtype: torch.dtype,
         transcendentals: tuple[float, float] = (0.0, 0.0),
         grad: bool = False,
+        function: str | None = None,
     ) -> float:
         """One op's forward and, where a gradient flows (``grad``), its backward: twice the
-        forward's flops and bytes, and the ``(forward, backward)`` transcendentals its rule counts."""
-        forward, backward = transcendentals
-        seconds = self.compute_time(flops, bytes_accessed, dtype, forward)
-        return seconds + (self.compute_time(2 * flops, 2 * bytes_accessed, dtype, backward) if grad else 0.0)
+        forward's flops and bytes, and the ``(forward, backward)`` transcendentals its rule counts.
+        Where the cluster timed the elementwise ``function`` the op evaluates (``flops`` values;
+        ``Cluster.function_rates``: ``function``, ``<function>_backward``), that rate prices the
+        forward, or the backward, instead of its transcendentals."""
+        rates, inverse = self.cluster.function_rates, f"{function}_backward"
+        timed_forward = flops / rates[function] if function in rates else 0.0
+        timed_backward = flops / rates[inverse] if function is not None and inverse in rates else 0.0
+        forward = 0.0 if timed_forward else transcendentals[0]
+        seconds = self.compute_time(flops, bytes_accessed, dtype, forward, timed_forward)
+        if not grad:
+            return seconds
+        backward = 0.0 if timed_backward else transcendentals[1]
+        return seconds + self.compute_time(2 * flops, 2 * bytes_accessed, dtype, backward, timed_backward)
 
     def redistribute(
         self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int

@@ -452,7 +452,7 @@ class _Builder:
         itemsize = out_vals[0].element_size() if out_vals else 4
         moved = itemsize * sum(math.prod(s) for s in (*call.shapes, *call.out_shapes))
         grad = self.requires_grad.get(node, False)
-        whole = self.cost.op_time(spec.flops, moved, dtype, spec.transcendentals, grad)
+        whole = self.cost.op_time(spec.flops, moved, dtype, spec.transcendentals, grad, spec.function)
         costs = [whole / s.split for s in strategies]  # the roofline scales with its arguments
         return Choice(root=root, strategies=strategies, kind=kind, compute=np.array(costs))
 

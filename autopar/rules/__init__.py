@@ -70,7 +70,10 @@ class DimSpec:
     rank passes as its share (a grouped convolution splits its channels only by whole
     groups, and each rank convolves ``groups / c`` of them). ``flops`` (the forward's arithmetic)
     and ``transcendentals`` (the values of exp, log, erf and their kind that its forward and its
-    backward compute, which run far below a product's rate) price it (``autopar.planning.cost``).
+    backward compute, which run far below a product's rate) price it (``autopar.planning.cost``);
+    ``function`` names the elementwise function it evaluates once per output element (``flops``
+    of them) where ``autopar calibrate`` times that function
+    (:data:`~autopar.rules.elementwise.TIMED_FUNCTIONS`): a calibrated rate then prices it.
     """
 
     operands: tuple[Labels | None, ...]
@@ -87,6 +90,7 @@ class DimSpec:
     max_over: frozenset[str] = frozenset()
     indexed: tuple[tuple[str, int], ...] = ()
     parts: tuple[tuple[str, int], ...] = ()
+    function: str | None = None
 
     def stridable(self, label: str) -> bool:
         """Whether ``label`` may split as a strided shard (not a looked-up or counted one)."""

@@ -22,8 +22,8 @@ aten = torch.ops.aten
 # Transcendental functions (exp, log, erf, trigonometric, hyperbolic) each output element of an
 # op evaluates in forward and in backward, counted as XLA's cost analysis counts them: GELU's
 # forward an erf, its backward the erf and the Gaussian's exp; SiLU's backward recomputes its
-# sigmoid. The cost model prices every one at exp's rate; a CPU's differ per function (this
-# machine's tanh runs at a quarter of exp's rate), which the count does not follow.
+# sigmoid. The cost model prices every one at exp's rate, but where calibrate timed the function
+# (TIMED_FUNCTIONS below) at that function's own rate.
 TRANSCENDENTALS: dict[object, tuple[int, int]] = {
     aten.gelu.default: (1, 2),
     aten.silu.default: (1, 1),
@@ -70,6 +70,39 @@ TRANSCENDENTALS: dict[object, tuple[int, int]] = {
 }
 
 
+# The elementwise functions whose rates `autopar calibrate` measures (``Cluster.function_rates``),
+# which then price them in place of their transcendental count: a CPU computes them at rates
+# several times apart (this machine: exp 3.9 G values/s on one core, erf 1.7, GELU's tanh
+# approximation 0.47). Name -> the op and its keyword arguments; the functions whose backward
+# computes them again have that backward timed too, named ``<name>_backward``
+# (:data:`TIMED_BACKWARD`: the op, called with the output's gradient and the input).
+TIMED_FUNCTIONS: dict[str, tuple[torch._ops.OpOverload, dict[str, str]]] = {
+    "exp": (aten.exp.default, {}),
+    "log": (aten.log.default, {}),
+    "erf": (aten.erf.default, {}),
+    "tanh": (aten.tanh.default, {}),
+    "sigmoid": (aten.sigmoid.default, {}),
+    "silu": (aten.silu.default, {}),
+    "gelu": (aten.gelu.default, {}),
+    "gelu_tanh": (aten.gelu.default, {"approximate": "tanh"}),
+}
+TIMED_BACKWARD: dict[str, tuple[torch._ops.OpOverload, dict[str, str]]] = {
+    "silu": (aten.silu_backward.default, {}),
+    "gelu": (aten.gelu_backward.default, {}),
+    "gelu_tanh": (aten.gelu_backward.default, {"approximate": "tanh"}),
+}
+
+
+def timed_function(node: torch.fx.Node) -> str | None:
+    """The name in :data:`TIMED_FUNCTIONS` of the function ``node`` computes, if any (GELU's
+    ``approximate`` is keyword-only: its one argument that changes the function)."""
+    approximate = node.kwargs.get("approximate", "none")
+    for name, (op, kwargs) in TIMED_FUNCTIONS.items():
+        if node.target is op and kwargs.get("approximate", "none") == approximate:
+            return name
+    return None
+
+
 def _pointwise(
     call: OpCall, linear: frozenset[int] = frozenset(), additive: frozenset[int] = frozenset()
 ) -> DimSpec:
@@ -79,7 +112,13 @@ def _pointwise(
     n = math.prod(out_shape)
     forward, backward = TRANSCENDENTALS.get(call.node.target, (0, 0))
     return DimSpec(
-        operands, outs, linear=linear, additive=additive, flops=n, transcendentals=(forward * n, backward * n)
+        operands,
+        outs,
+        linear=linear,
+        additive=additive,
+        flops=n,
+        transcendentals=(forward * n, backward * n),
+        function=timed_function(call.node),
     )
 
 

@@ -28,6 +28,7 @@ from autopar.planning.cost import ONE_HOST, Cluster, LinkSpec, ring_terms, this_
 from autopar.tools.launch import init_restartable_process_group, spawn
 from autopar.tools.rank_speed import (
     MEASURED_DTYPES,
+    function_rates,
     matmul_flops,
     median_seconds,
     memory_bandwidth,
@@ -55,13 +56,15 @@ def _straggling() -> dict[str, Any]:
     Every rank computes bursts of :data:`_BURSTS` products (about 1 to 80 ms on a rank sharing a
     core), each followed by a one-element all_reduce over the world, in :data:`_BURST_ROUNDS`
     rounds of the whole series; it returns, per round and burst size, its typical burst (the
-    median) and the mean span of burst and all_reduce (a step adds spans up), and the
+    median) and the mean span of burst and all_reduce (a step adds spans up), and per round the
     all_reduce's time back to back; :func:`_straggle` turns every rank's into the figure.
     """
     a, one = torch.randn(256, 256), torch.zeros(1)
-    back_to_back = median_seconds(lambda: dist.all_reduce(one), 11)
-    rounds = []
+    back_to_back, rounds = [], []
     for _ in range(_BURST_ROUNDS):
+        # timed in every round, as the bursts are: once, a slow moment of the host put it above
+        # every burst's wait and the calibration priced no stragglers at all
+        back_to_back.append(median_seconds(lambda: dist.all_reduce(one), 11))
         bursts = []
         for products in _BURSTS:
             own, spans = [], []
@@ -83,10 +86,9 @@ def _straggle(per_rank: list[dict[str, Any]]) -> tuple[float, float]:
     """``(Cluster.straggler_base_s, Cluster.straggler_s)`` from every rank's :func:`_straggling`:
     a burst's wait is the slowest rank's mean span less its typical burst (what the cost model
     prices) and the all_reduce back to back (what its latency prices), the median over the rounds
-    (one round's fit put a 10 ms burst's wait anywhere from 0.8 to 3.7 ms); fitted to
-    ``straggler_base_s + straggler_s * sqrt(burst / 1 s)`` by least squares with both figures at
-    least 0 (both 0 where the ranks never wait)."""
-    b2b = max(r["back_to_back"] for r in per_rank)
+    (one round's fit put a 10 ms burst's wait anywhere from 0.8 to 3.7 ms), each round less its own
+    back-to-back time; fitted to ``straggler_base_s + straggler_s * sqrt(burst / 1 s)`` by least
+    squares with both figures at least 0 (both 0 where the ranks never wait)."""
     rows = []
     for size in range(len(per_rank[0]["rounds"][0])):
         bursts, waits = [], []
@@ -94,6 +96,7 @@ def _straggle(per_rank: list[dict[str, Any]]) -> tuple[float, float]:
             timed = [r["rounds"][round_][size] for r in per_rank]
             burst = max(own for own, _ in timed)
             bursts.append(burst)
+            b2b = max(r["back_to_back"][round_] for r in per_rank)
             waits.append(max(span for _, span in timed) - burst - b2b)
         rows.append((math.sqrt(statistics.median(bursts)), statistics.median(waits)))
     n, sx, sy = len(rows), sum(x for x, _ in rows), sum(y for _, y in rows)
@@ -169,6 +172,7 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
     measurements: dict[str, Callable[[], Any]] = {
         "peak_flops": lambda: {dtype_name(dtype): matmul_flops(dtype) for dtype in MEASURED_DTYPES},
         "transcendentals_per_s": transcendentals,
+        "function_rates": function_rates,
         "op_overhead_s": op_overhead,
         "optimizer_tensor_s": lambda: optimizer_tensor(bandwidths[-1]),
     }
@@ -213,6 +217,7 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_flops": {d: min(r["peak_flops"][d] for r in per_rank) for d in first["peak_flops"]},
         "memory_bandwidth_Bps": min(r["memory_bandwidth_Bps"] for r in per_rank),
         "transcendentals_per_s": min(r["transcendentals_per_s"] for r in per_rank),
+        "function_rates": {f: min(r["function_rates"][f] for r in per_rank) for f in first["function_rates"]},
         "op_overhead_s": max(r["op_overhead_s"] for r in per_rank),
         "optimizer_tensor_s": max(r["optimizer_tensor_s"] for r in per_rank),
         "stragglers": _straggle([r["straggling"] for r in per_rank]),
@@ -313,6 +318,7 @@ def _cluster(
         straggler_s=measured["stragglers"][1],
         ranks_per_core=measured["ranks_per_core"],
         transcendentals_per_s=measured["transcendentals_per_s"],
+        function_rates=measured["function_rates"],
         **links,
     )
     return cluster, notes
@@ -387,7 +393,8 @@ def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: 
     lines = [
         f"{measured['world']} ranks at once ({nodes}) on {', '.join(sorted(set(measured['hosts'])))}: "
         f"GFLOP/s per rank {flops}; memory {cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s; "
-        f"{(cluster.transcendentals_per_s or 0) / 1e9:.2f} G exp/s; "
+        f"{(cluster.transcendentals_per_s or 0) / 1e9:.2f} G exp/s; G values/s "
+        f"{', '.join(f'{f} {rate / 1e9:.2f}' for f, rate in cluster.function_rates.items())}; "
         f"{cluster.op_overhead_s * 1e6:.1f} us per op, {(cluster.optimizer_tensor_s or 0) * 1e6:.0f} us per "
         "tensor of the optimizer step; "
         f"a collective waits {cluster.straggler_base_s * 1e3:.1f} ms for stragglers, "

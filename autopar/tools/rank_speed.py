@@ -1,9 +1,10 @@
 """What one rank computes per second, timed with every rank of the world at once.
 
 The rates ``autopar calibrate`` writes into a cluster file (:mod:`autopar.tools.calibrate`):
-product FLOP/s per dtype, memory bandwidth, transcendentals, the overhead of one op and of one
-parameter tensor of the optimizer step. Every rank calls each function at the same time, so
-that ranks sharing cores contend as they do in a run (:func:`together_seconds`).
+product FLOP/s per dtype, memory bandwidth, transcendentals, the elementwise functions' rates,
+the overhead of one op and of one parameter tensor of the optimizer step. Every rank calls each
+function at the same time, so that ranks sharing cores contend as they do in a run
+(:func:`together_seconds`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.planning.step_overheads import FP32_BYTES, update_passes
+from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 
 MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MATMUL_N = 2048
 _MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
 _EXP_NUMEL = 1 << 16  # 256 KiB per fp32 vector: in cache, so that exp's arithmetic is what is timed
 _EXP_CALLS = 64  # exps per timed call (one takes some 40 us)
+_FUNCTION_NUMEL = 1 << 18  # 1 MiB per fp32 vector: one of a small layer's activations
 _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _STEPPED = 64  # parameter tensors of the optimizer step timed per tensor
 _STEPPED_NUMEL = 1 << 10  # elements of each: their bytes move in a few microseconds
@@ -101,6 +104,22 @@ def transcendentals() -> float:
             torch.exp(x, out=out)
 
     return _EXP_NUMEL * _EXP_CALLS / together_seconds(exps, 11)
+
+
+def function_rates() -> dict[str, float]:
+    """Values per second one rank computes of each of
+    :data:`~autopar.rules.elementwise.TIMED_FUNCTIONS` (``<name>_backward`` for those whose
+    backward :data:`~autopar.rules.elementwise.TIMED_BACKWARD` times too), on vectors of the
+    size a layer's activations have, in fp32 (``Cluster.function_rates``)."""
+    x = torch.rand(_FUNCTION_NUMEL) + 0.5  # log's domain
+    grad = torch.rand(_FUNCTION_NUMEL)
+    rates = {}
+    for name, (op, kwargs) in TIMED_FUNCTIONS.items():
+        rates[name] = _FUNCTION_NUMEL / together_seconds(lambda op=op, kw=kwargs: op(x, **kw), 11)
+    for name, (op, kwargs) in TIMED_BACKWARD.items():
+        seconds = together_seconds(lambda op=op, kw=kwargs: op(grad, x, **kw), 11)
+        rates[f"{name}_backward"] = _FUNCTION_NUMEL / seconds
+    return rates
 
 
 def op_overhead() -> float:

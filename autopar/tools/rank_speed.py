@@ -27,6 +27,9 @@ _MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
 _EXP_NUMEL = 1 << 16  # 256 KiB per fp32 vector: in cache, so that exp's arithmetic is what is timed
 _EXP_CALLS = 64  # exps per timed call (one takes some 40 us)
 _FUNCTION_NUMEL = 1 << 18  # 1 MiB per fp32 vector: one of a small layer's activations
+# calls per timed call: 11 single calls (4 to 20 ms in all) read rates up to 3x apart from one
+# calibration to the next on ranks sharing cores, whose scheduler slices are some 4 ms
+_FUNCTION_CALLS = 8
 _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _STEPPED = 64  # parameter tensors of the optimizer step timed per tensor
 _STEPPED_NUMEL = 1 << 10  # elements of each: their bytes move in a few microseconds
@@ -113,12 +116,19 @@ def function_rates() -> dict[str, float]:
     size a layer's activations have, in fp32 (``Cluster.function_rates``)."""
     x = torch.rand(_FUNCTION_NUMEL) + 0.5  # log's domain
     grad = torch.rand(_FUNCTION_NUMEL)
+
+    def rate(call: Callable[[], object]) -> float:
+        def calls() -> None:
+            for _ in range(_FUNCTION_CALLS):
+                call()
+
+        return _FUNCTION_NUMEL * _FUNCTION_CALLS / together_seconds(calls, 11)
+
     rates = {}
     for name, (op, kwargs) in TIMED_FUNCTIONS.items():
-        rates[name] = _FUNCTION_NUMEL / together_seconds(lambda op=op, kw=kwargs: op(x, **kw), 11)
+        rates[name] = rate(lambda op=op, kw=kwargs: op(x, **kw))
     for name, (op, kwargs) in TIMED_BACKWARD.items():
-        seconds = together_seconds(lambda op=op, kw=kwargs: op(grad, x, **kw), 11)
-        rates[f"{name}_backward"] = _FUNCTION_NUMEL / seconds
+        rates[f"{name}_backward"] = rate(lambda op=op, kw=kwargs: op(grad, x, **kw))
     return rates
 
 

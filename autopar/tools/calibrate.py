@@ -41,9 +41,11 @@ _FIT_ROUNDS = 20  # reweightings of fit_ring's least squares (it settles in a fe
 _STALLED = 2.0  # a collective this many times slower than its fit stalled (fit_ring leaves it out)
 _BURSTS = (2, 8, 32, 128)  # 256 x 256 fp32 products per burst timed for straggling
 _BURST_REPEATS = 7  # per round
-# the bursts' series, repeated: a wait per burst size is their median (three rounds fitted a
-# wait of 0 to 3.2 ms per collective in five calibrations of one hour)
-_BURST_ROUNDS = 5
+# the bursts' series, repeated: a wait per burst size is their median. One round's waits read
+# 2-3 ms either side of the median here, and the fit moved ZeRO-3's prediction (205 waits) by
+# 10%: three rounds fitted a base wait of 0 to 3.2 ms in five calibrations of one hour, five
+# rounds a wait after a 5 ms stretch of 1.1 to 2.9 ms
+_BURST_ROUNDS = 12
 # 1 KiB .. 16 MiB input per rank: the small ones fix latency, the large ones bandwidth; larger
 # buffers add little to the fit but seconds to a run (an all_gather's output is n times its input).
 _COLLECTIVE_BYTES = tuple(1 << k for k in range(10, 25, 2))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -101,12 +102,18 @@ def transcendentals() -> float:
     """exp values per second on one rank (the rate of exp, log, erf and the like, which a CPU
     computes far below its product FLOP/s); on a vector in cache so that memory does not count."""
     x, out = torch.rand(_EXP_NUMEL), torch.empty(_EXP_NUMEL)
+    return _values_per_second(lambda: torch.exp(x, out=out), _EXP_NUMEL, _EXP_CALLS)
 
-    def exps() -> None:
-        for _ in range(_EXP_CALLS):
-            torch.exp(x, out=out)
 
-    return _EXP_NUMEL * _EXP_CALLS / together_seconds(exps, 11)
+def _values_per_second(call: Callable[[], object], values: int, calls: int) -> float:
+    """Values per second of ``call`` (``values`` each), timed ``calls`` at a time on every rank at
+    once (:func:`together_seconds`)."""
+
+    def repeated() -> None:
+        for _ in range(calls):
+            call()
+
+    return values * calls / together_seconds(repeated, 11)
 
 
 def function_rates() -> dict[str, float]:
@@ -116,19 +123,12 @@ def function_rates() -> dict[str, float]:
     size a layer's activations have, in fp32 (``Cluster.function_rates``)."""
     x = torch.rand(_FUNCTION_NUMEL) + 0.5  # log's domain
     grad = torch.rand(_FUNCTION_NUMEL)
-
-    def rate(call: Callable[[], object]) -> float:
-        def calls() -> None:
-            for _ in range(_FUNCTION_CALLS):
-                call()
-
-        return _FUNCTION_NUMEL * _FUNCTION_CALLS / together_seconds(calls, 11)
-
     rates = {}
     for name, (op, kwargs) in TIMED_FUNCTIONS.items():
-        rates[name] = rate(lambda op=op, kw=kwargs: op(x, **kw))
+        rates[name] = _values_per_second(partial(op, x, **kwargs), _FUNCTION_NUMEL, _FUNCTION_CALLS)
     for name, (op, kwargs) in TIMED_BACKWARD.items():
-        rates[f"{name}_backward"] = rate(lambda op=op, kw=kwargs: op(grad, x, **kw))
+        backward = partial(op, grad, x, **kwargs)
+        rates[f"{name}_backward"] = _values_per_second(backward, _FUNCTION_NUMEL, _FUNCTION_CALLS)
     return rates
 
 

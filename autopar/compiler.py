@@ -41,6 +41,7 @@ from autopar.runtime.async_updates import Rejoining, compile_for_update
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import materialize
 from autopar.runtime.module import DistributedModule, LossFn
+from autopar.runtime.pipeline_runtime import device_of
 
 _ON_FIRST_CALL = object()  # example_args not given: the first call is the example
 
@@ -230,6 +231,7 @@ def lower(captured: Captured, plan: Plan, stage_mesh: Any) -> tuple[torch.fx.Gra
     """
     ctx = PassContext(
         mesh=MeshSpec.of(stage_mesh),
+        device=device_of(stage_mesh.device_type),
         plan=plan,
         cost=CostModel(MeshSpec.of(stage_mesh), Cluster.from_dict(plan.cluster)),
         captured=captured,

@@ -14,6 +14,7 @@ from autopar.passes import (
     localize_shapes,
     lower_collectives,
     mark_recompute,
+    place_on_device,
     split_stages,
     strip_export_checks,
     verify_layouts,
@@ -21,6 +22,7 @@ from autopar.passes import (
 
 PIPELINE = (
     strip_export_checks,  # drop export's checks of global shapes and devices
+    place_on_device,  # tensors the program creates: on this rank's device, not the capture's
     apply_plan,  # the plan's layouts onto the nodes; the plan must fit the model
     insert_redistributions,  # a redistribute wherever a value's or gradient's layout changes
     lower_collectives,  # each redistribute -> one autograd-aware collective per mesh axis

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from autopar.capture.export import Captured
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.plan import Plan
@@ -20,6 +22,7 @@ class PassContext:
     """
 
     mesh: MeshSpec  # the mesh layouts refer to: one stage's under a pipeline
+    device: torch.device  # the device this rank computes on
     plan: Plan
     cost: CostModel
     captured: Captured

@@ -6,12 +6,15 @@ enough to build meshes, DTensors and the per-rank program.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import autopar
+from autopar.passes import place_on_device
 from examples import gpt
 
 
@@ -59,6 +62,7 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
     # every pass's graph can be read
     assert list(dmodel.pass_snapshots) == [
         "strip_export_checks",
+        "place_on_device",
         "apply_plan",
         "insert_redistributions",
         "lower_collectives",
@@ -243,3 +247,20 @@ def test_a_lookup_into_a_split_integer_table_keeps_its_dtype(mesh):
     dmodel = autopar.compile(model, mesh, (pos,))
     assert "aten.gather(" in dmodel.code and ", 0)  # R" in dmodel.code
     assert torch.isfinite(dmodel(*dmodel.shard_inputs(pos)[0]))
+
+
+def test_tensors_the_program_creates_are_on_the_rank_device():
+    """Export records a factory's device as the example inputs had it (``meta`` here, the CPU for
+    a model planned there and run on GPUs); ``place_on_device`` creates it on the rank's device."""
+
+    class AddPositions(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+
+    exported = torch.export.export(AddPositions(), (torch.zeros(2, 4, device="meta"),), strict=False)
+    gm = exported.graph_module
+    assert "device = device(type='meta')" in gm.code
+    gm = place_on_device.run(gm, SimpleNamespace(device=torch.device("cpu")))
+    gm.recompile()
+    x = torch.ones(2, 4)
+    torch.testing.assert_close(gm(x)[0], x + torch.arange(4.0))

@@ -104,7 +104,8 @@ def lower(edge: Edge, mesh: MeshSpec, cost: CostModel, shape: tuple = SHAPE) -> 
     node.meta.update({"val": x.meta["val"], REDISTRIBUTION: edge})
     graph.output(node)
     keys = {a: a for a in mesh.axis_names}
-    ctx = PassContext(mesh=mesh, plan=None, cost=cost, captured=None, axis_keys=keys)
+    cpu = torch.device("cpu")
+    ctx = PassContext(mesh=mesh, device=cpu, plan=None, cost=cost, captured=None, axis_keys=keys)
     return lower_collectives.run(torch.fx.GraphModule(torch.nn.Module(), graph), ctx)
 
 

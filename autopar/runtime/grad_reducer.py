@@ -81,8 +81,7 @@ class GradReducer:
             self.offsets.append(offsets)
         self.sizes = [sum(self.leaf_of[id(p)].numel() for p in b) for b in self.buckets]
         self.flat: list[torch.Tensor | None] = [
-            None if self.split[i] else torch.empty(self.sizes[i], dtype=self._dtype(i))
-            for i in range(len(self.buckets))
+            None if self.split[i] else self._new_flat(i) for i in range(len(self.buckets))
         ]
         self.pending = [len(b) for b in self.buckets]
         self.launched: list[tuple[int, list]] = []
@@ -111,6 +110,11 @@ class GradReducer:
         """Bucket ``i``'s dtype: the reduce dtype, else its parameters' own."""
         own = self.leaf_of[id(self.buckets[i][0])].dtype
         return self.reduce_dtype if self.reduce_dtype is not None and own.is_floating_point else own
+
+    def _new_flat(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s flat buffer, on its parameters' device (a GPU's, for NCCL to sum)."""
+        first = self.leaf_of[id(self.buckets[i][0])]
+        return torch.empty(self.sizes[i], dtype=self._dtype(i), device=first.device)
 
     def expect(self, passes: int) -> None:
         """Sum each gradient after ``passes`` backward passes reach it (a pipeline's microbatches)."""
@@ -142,7 +146,7 @@ class GradReducer:
         """Copy a ZeRO-2 gradient into its bucket, piece ``r`` into rank ``r``'s region."""
         zero = self.scattered[id(p)]
         if self.flat[i] is None:  # the full bucket exists only during this backward pass
-            self.flat[i] = torch.empty(self.sizes[i], dtype=self._dtype(i))
+            self.flat[i] = self._new_flat(i)
         regions = self.flat[i].view(zero.n, -1)
         at, size = self.offsets[i][id(p)], grad.numel() // zero.n
         pieces = grad.unflatten(zero.dim, (zero.n, -1)).movedim(zero.dim, 0)

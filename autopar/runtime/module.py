@@ -97,6 +97,7 @@ class DistributedModule(torch.nn.Module):
         """
         super().__init__()
         self.device_mesh = device_mesh
+        self._device = device_of(device_mesh.device_type)  # where this rank computes
         # a CPU step's activations would page-fault back in every step (runtime/host_memory.py)
         self.host_memory = keep_freed_host_memory() if device_mesh.device_type == "cpu" else None
         # the mesh layouts and DTensor parameters live on: one stage's under a pipeline
@@ -128,7 +129,7 @@ class DistributedModule(torch.nn.Module):
                 pipeline,
                 device_mesh.get_group(pipeline.axis),
                 [[self._state[name] for name in st.state] for st in local_stages],
-                device_of(device_mesh.device_type),
+                self._device,
             )
 
     def _hold_state(self, model: torch.nn.Module, kept: set[str] | None) -> dict[str, torch.Tensor]:
@@ -161,7 +162,8 @@ class DistributedModule(torch.nn.Module):
             if s.kind in (InputKind.PARAMETER, InputKind.BUFFER) and s.target in named:
                 self._state[s.arg.name] = self._leaves[id(named[s.target])]
             elif s.kind == InputKind.CONSTANT_TENSOR:
-                self._state[s.arg.name] = exported.constants[s.target]
+                # captured on the example inputs' device: the program runs on this rank's
+                self._state[s.arg.name] = exported.constants[s.target].to(self._device)
             elif s.kind != InputKind.USER_INPUT and s.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
                 self._state[s.arg.name] = None
 
@@ -245,8 +247,10 @@ class DistributedModule(torch.nn.Module):
         leaves = self._user_leaves(args, kwargs)
         for name, t in zip(self._input_names, leaves):
             self._check(name, t, is_global=True)
-        local = [
-            local_piece(t, self._input_layouts[n], self.stage_mesh) if isinstance(t, torch.Tensor) else t
+        local = [  # on this rank's device, as the batch of a model on a GPU need not be
+            local_piece(t, self._input_layouts[n], self.stage_mesh).to(self._device)
+            if isinstance(t, torch.Tensor)
+            else t
             for t, n in zip(leaves, self._input_names)
         ]
         local_args, local_kwargs = pytree.tree_unflatten(local, self._in_spec)
@@ -358,7 +362,7 @@ class DistributedModule(torch.nn.Module):
 
         # torch's schedules hand the loss function one target per microbatch; a model that
         # computes its own loss gets placeholders
-        local_target = torch.zeros(m) if tail is None else tail.local_target(target, m)
+        local_target = torch.zeros(m, device=self._device) if tail is None else tail.local_target(target, m)
         self.grad_reducer.expect(m)
         return self.pipeline.step(local, local_target, microbatch_loss, loss_fn) / self._loss_scale
 

@@ -4,7 +4,9 @@ The rates ``autopar calibrate`` writes into a cluster file (:mod:`autopar.tools.
 product FLOP/s per dtype, memory bandwidth, transcendentals, the elementwise functions' rates,
 the overhead of one op and of one parameter tensor of the optimizer step. Every rank calls each
 function at the same time, so that ranks sharing cores contend as they do in a run
-(:func:`together_seconds`).
+(:func:`together_seconds`). Each takes the ``device`` it times (the CPU unless told): on a GPU a
+timing waits for the device to finish (:func:`synchronize`), since its kernels run after their
+launch returns.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ from autopar.planning.step_overheads import FP32_BYTES, update_passes
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 
 MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MATMUL_N = 2048
+# the largest product timed: on a GPU a 2048-cube takes some 20 us, too short to time its arithmetic
+_MATMUL_N = {"cpu": 2048, "cuda": 8192}
 _MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
-_EXP_NUMEL = 1 << 16  # 256 KiB per fp32 vector: in cache, so that exp's arithmetic is what is timed
-_EXP_CALLS = 64  # exps per timed call (one takes some 40 us)
-_FUNCTION_NUMEL = 1 << 18  # 1 MiB per fp32 vector: one of a small layer's activations
+# 256 KiB per fp32 vector on a CPU: in cache, so that exp's arithmetic is what is timed; on a GPU
+# 64 MiB, so that its launch is not (exp's arithmetic there runs at the memory's pace anyway)
+_EXP_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 24}
+_EXP_CALLS = 64  # exps per timed call (one takes some 40 us on a CPU)
+# 1 MiB per fp32 vector on a CPU: one of a small layer's activations; 64 MiB on a GPU, whose launch
+# a 1 MiB vector's few microseconds would time instead (the cost model prices launches per op)
+_FUNCTION_NUMEL = {"cpu": 1 << 18, "cuda": 1 << 24}
 # calls per timed call: 11 single calls (4 to 20 ms in all) read rates up to 3x apart from one
 # calibration to the next on ranks sharing cores, whose scheduler slices are some 4 ms
 _FUNCTION_CALLS = 8
@@ -36,56 +43,68 @@ _STEPPED = 64  # parameter tensors of the optimizer step timed per tensor
 _STEPPED_NUMEL = 1 << 10  # elements of each: their bytes move in a few microseconds
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work launched on ``device`` (a no-op on the CPU, whose ops return done)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2, device: str = "cpu") -> float:
     # Median, not min: on a shared 2-core host single calls stall for a scheduler tick
     # (~4 ms) now and then, and the plan should price the typical call, not the luckiest.
     for _ in range(warmup):
         fn()
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def together_seconds(fn: Callable[[], object], repeats: int) -> float:
+def together_seconds(fn: Callable[[], object], repeats: int, device: str = "cpu") -> float:
     """Seconds per call of ``fn`` when every rank calls it ``repeats`` times at once: the wall time
-    from a barrier to the barrier after the last rank's last call. On ranks sharing cores the
-    scheduler runs them unevenly, and the first to finish hands its share to the others, as in a
-    step whose ranks meet at a collective: a rank's own median would flatter the unlucky ones'."""
+    from a barrier to the barrier after the last rank's last call (its device done with them). On
+    ranks sharing cores the scheduler runs them unevenly, and the first to finish hands its share
+    to the others, as in a step whose ranks meet at a collective: a rank's own median would
+    flatter the unlucky ones'."""
     fn()
+    synchronize(device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
+    synchronize(device)
     dist.barrier()
     return (time.perf_counter() - start) / repeats
 
 
-def matmul_flops(dtype: torch.dtype) -> float:
+def matmul_flops(dtype: torch.dtype, device: str = "cpu") -> float:
     # The largest square up to _MATMUL_N whose product takes under 50 ms: a dtype the CPU has no
     # fast kernel for (fp16 on some: 0.3 GFLOP/s) is timed on a small one rather than for minutes.
     n = 256
-    while n < _MATMUL_N and _one_product_seconds(n, dtype) < 0.05:
+    while n < _MATMUL_N[torch.device(device).type] and _one_product_seconds(n, dtype, device) < 0.05:
         n *= 2
     # every rank the same size, so that all of them compute until the barrier
-    size = torch.tensor(n)
+    size = torch.tensor(n, device=device)
     dist.all_reduce(size, op=dist.ReduceOp.MIN)
     n = int(size)
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / together_seconds(lambda: torch.mm(a, b), 11)
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return 2 * n**3 / together_seconds(lambda: torch.mm(a, b), 11, device)
 
 
-def _one_product_seconds(n: int, dtype: torch.dtype) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return median_seconds(lambda: torch.mm(a, b), 1, warmup=0)
+def _one_product_seconds(n: int, dtype: torch.dtype, device: str) -> float:
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    # one warm-up on a GPU, whose first product of a shape picks and loads its kernel
+    return median_seconds(lambda: torch.mm(a, b), 1, warmup=int(device != "cpu"), device=device)
 
 
-def memory_bandwidth() -> float:
-    x, y, out = (torch.rand(_MEMORY_NUMEL) for _ in range(3))
+def memory_bandwidth(device: str = "cpu") -> float:
+    x, y, out = (torch.rand(_MEMORY_NUMEL, device=device) for _ in range(3))
     # add reads two buffers and writes one
-    return 3 * x.nbytes / together_seconds(lambda: torch.add(x, y, out=out), 11)
+    return 3 * x.nbytes / together_seconds(lambda: torch.add(x, y, out=out), 11, device)
 
 
 def host_speed() -> tuple[float, float]:
@@ -98,14 +117,15 @@ def host_speed() -> tuple[float, float]:
     return float(speeds[0]), float(speeds[1])
 
 
-def transcendentals() -> float:
+def transcendentals(device: str = "cpu") -> float:
     """exp values per second on one rank (the rate of exp, log, erf and the like, which a CPU
     computes far below its product FLOP/s); on a vector in cache so that memory does not count."""
-    x, out = torch.rand(_EXP_NUMEL), torch.empty(_EXP_NUMEL)
-    return _values_per_second(lambda: torch.exp(x, out=out), _EXP_NUMEL, _EXP_CALLS)
+    numel = _EXP_NUMEL[torch.device(device).type]
+    x, out = torch.rand(numel, device=device), torch.empty(numel, device=device)
+    return _values_per_second(lambda: torch.exp(x, out=out), numel, _EXP_CALLS, device)
 
 
-def _values_per_second(call: Callable[[], object], values: int, calls: int) -> float:
+def _values_per_second(call: Callable[[], object], values: int, calls: int, device: str) -> float:
     """Values per second of ``call`` (``values`` each), timed ``calls`` at a time on every rank at
     once (:func:`together_seconds`)."""
 
@@ -113,32 +133,33 @@ def _values_per_second(call: Callable[[], object], values: int, calls: int) -> f
         for _ in range(calls):
             call()
 
-    return values * calls / together_seconds(repeated, 11)
+    return values * calls / together_seconds(repeated, 11, device)
 
 
-def function_rates() -> dict[str, float]:
+def function_rates(device: str = "cpu") -> dict[str, float]:
     """Values per second one rank computes of each of
     :data:`~autopar.rules.elementwise.TIMED_FUNCTIONS` (``<name>_backward`` for those whose
     backward :data:`~autopar.rules.elementwise.TIMED_BACKWARD` times too), on vectors of the
     size a layer's activations have, in fp32 (``Cluster.function_rates``)."""
-    x = torch.rand(_FUNCTION_NUMEL) + 0.5  # log's domain
-    grad = torch.rand(_FUNCTION_NUMEL)
+    numel = _FUNCTION_NUMEL[torch.device(device).type]
+    x = torch.rand(numel, device=device) + 0.5  # log's domain
+    grad = torch.rand(numel, device=device)
     rates = {}
     for name, (op, kwargs) in TIMED_FUNCTIONS.items():
-        rates[name] = _values_per_second(partial(op, x, **kwargs), _FUNCTION_NUMEL, _FUNCTION_CALLS)
+        rates[name] = _values_per_second(partial(op, x, **kwargs), numel, _FUNCTION_CALLS, device)
     for name, (op, kwargs) in TIMED_BACKWARD.items():
         backward = partial(op, grad, x, **kwargs)
-        rates[f"{name}_backward"] = _values_per_second(backward, _FUNCTION_NUMEL, _FUNCTION_CALLS)
+        rates[f"{name}_backward"] = _values_per_second(backward, numel, _FUNCTION_CALLS, device)
     return rates
 
 
-def op_overhead() -> float:
+def op_overhead(device: str = "cpu") -> float:
     """Seconds per executed op, besides its arithmetic: a chain of :data:`_CHAIN` products of 4 x 4
     matrices that need gradients, forward and backward, runs three ops per link (a product
     forward, two backward), each too small for its arithmetic to count; launch, dispatch and the
     autograd engine's bookkeeping are what is timed, as a training step's ops pay them."""
-    weights = [torch.randn(4, 4, requires_grad=True) for _ in range(_CHAIN)]
-    x = torch.randn(4, 4)
+    weights = [torch.randn(4, 4, device=device, requires_grad=True) for _ in range(_CHAIN)]
+    x = torch.randn(4, 4, device=device)
 
     def chain() -> None:
         y = x
@@ -146,20 +167,21 @@ def op_overhead() -> float:
             y = y @ w
         y.sum().backward()
 
-    return together_seconds(chain, 25) / (3 * _CHAIN)
+    return together_seconds(chain, 25, device) / (3 * _CHAIN)
 
 
-def optimizer_tensor(bandwidth: float) -> float:
+def optimizer_tensor(bandwidth: float, device: str = "cpu") -> float:
     """Seconds torch's AdamW spends per parameter tensor of a step besides moving its bytes (at
     ``bandwidth``), on DTensor parameters replicated over the world, as the compiled module's
     are: each of its ops goes through DTensor's dispatch (``Cluster.optimizer_tensor_s``)."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     params = []
     for _ in range(_STEPPED):
-        p = torch.nn.Parameter(DTensor.from_local(torch.zeros(_STEPPED_NUMEL), mesh, [Replicate()]))
-        p.grad = DTensor.from_local(torch.ones(_STEPPED_NUMEL), mesh, [Replicate()])
+        zeros, ones = torch.zeros(_STEPPED_NUMEL, device=device), torch.ones(_STEPPED_NUMEL, device=device)
+        p = torch.nn.Parameter(DTensor.from_local(zeros, mesh, [Replicate()]))
+        p.grad = DTensor.from_local(ones, mesh, [Replicate()])
         params.append(p)
     step = torch.optim.AdamW(params, lr=1e-3).step
     values, states = update_passes(2)
     moved = _STEPPED_NUMEL * (values + states) * FP32_BYTES / bandwidth
-    return max(0.0, together_seconds(step, 11) / _STEPPED - moved)
+    return max(0.0, together_seconds(step, 11, device) / _STEPPED - moved)

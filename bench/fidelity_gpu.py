@@ -1,0 +1,201 @@
+"""Fidelity of the cost model on one GPU: predicted against measured step time of one-device plans.
+
+Usage, from the repository root, on a machine with a CUDA GPU::
+
+    python bench/fidelity_gpu.py [--steps 8] [--json out.json] [--plans "fp32 b16,bf16 b64"]
+
+The device is timed first as ``autopar calibrate`` times a rank (:mod:`autopar.tools.rank_speed`
+on the GPU: product FLOP/s per dtype, memory bandwidth, exp and the elementwise functions' rates,
+the overhead of an op and of an optimizer tensor) into a cluster whose links and host figures
+are the ``h100`` preset's: one GPU has no link to time, and a one-device plan sends nothing over
+one. Then the example GPT is planned, compiled on a mesh of that one device (an NCCL world of
+one) and trained under every plan of :data:`PLANS` (two model sizes; fp32 or bf16 mixed
+precision; recompute; the optimizer offloaded to the host), the plans taking turns one step each.
+Each plan's predicted step under the measured cluster and under the ``h100`` preset (vendor
+peaks) is printed beside the median measured step, with the ratios and the Spearman rank
+correlation, and its first loss beside the plain model's on the same device (the compiled
+program must compute what the model does). ``--device cpu`` runs the same on a gloo world of
+one, to try the script where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from autopar.ir.options import dtype_name  # noqa: E402
+from autopar.planning.cost import Cluster, get_cluster  # noqa: E402
+from autopar.tools import rank_speed  # noqa: E402
+from autopar.tools.launch import spawn  # noqa: E402
+from bench.fidelity import spearman  # noqa: E402
+from examples import gpt  # noqa: E402
+
+# 8 layers of width 1024 over 1024 tokens: some 160M parameters, a step of a few TFLOP, so that
+# the GPU's arithmetic rather than the launch of its kernels sets the pace
+WIDE = gpt.GPTConfig(vocab_size=32000, seq_len=1024, d_model=1024, n_heads=16, n_layers=8, d_ff=4096)
+BF16 = {"precision": autopar.MixedPrecision(torch.bfloat16)}
+# name: model, global batch, options (``recompute``: every block's, in full)
+PLANS: dict[str, tuple[gpt.GPTConfig, int, dict[str, Any]]] = {
+    "fp32 b16": (gpt.DEMO, 16, {}),
+    "fp32 b64": (gpt.DEMO, 64, {}),
+    "recompute b64": (gpt.DEMO, 64, {"recompute": True}),
+    "bf16 b64": (gpt.DEMO, 64, BF16),
+    "offloaded optimizer b16": (gpt.DEMO, 16, {"memory": autopar.Memory(offload_optimizer=True)}),
+    "wide fp32 b8": (WIDE, 8, {}),
+    "wide bf16 b8": (WIDE, 8, BF16),
+    "wide bf16 recompute b8": (WIDE, 8, {**BF16, "recompute": True}),
+}
+
+
+def measured_cluster(device: str) -> Cluster:
+    """The device timed as ``autopar calibrate`` times a rank; links and host figures from the
+    preset of its kind (``h100`` on a GPU, ``cpu-gloo`` on the CPU)."""
+    bandwidth = rank_speed.memory_bandwidth(device)
+    gpu = device != "cpu"
+    return dataclasses.replace(
+        get_cluster("h100" if gpu else "cpu-gloo"),
+        name=f"measured {torch.cuda.get_device_name(device) if gpu else 'cpu'}",
+        peak_flops={dtype_name(d): rank_speed.matmul_flops(d, device) for d in rank_speed.MEASURED_DTYPES},
+        memory_bandwidth_Bps=bandwidth,
+        memory_bytes=torch.cuda.get_device_properties(device).total_memory if gpu else 1 << 34,
+        op_overhead_s=rank_speed.op_overhead(device),
+        optimizer_tensor_s=rank_speed.optimizer_tensor(bandwidth, device),
+        transcendentals_per_s=rank_speed.transcendentals(device),
+        function_rates=rank_speed.function_rates(device),
+    )
+
+
+def _build(name: str, cluster: Cluster, device: str) -> dict[str, Any]:
+    """Plan and compile ``name``: its predictions, the plain model's first loss and the compiled
+    one's, and a function running one training step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config, batch, options = PLANS[name]
+    options = dict(options)
+    recompute = options.pop("recompute", False)
+
+    def model_and_batch() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+        torch.manual_seed(0)
+        model, batch_ = gpt.build(config, batch_size=batch)
+        if recompute:
+            for block in model.blocks:
+                autopar.recompute(block, "full")
+        return model, batch_
+
+    model, (idx, targets) = model_and_batch()
+    plain_loss = _plain_loss(model, idx, targets, device, options.get("precision"))
+    model, _ = model_and_batch()
+    preset = autopar.plan(model, (idx, targets), {"dp": 1}, cluster="h100", **options).step_time_s
+    mesh = init_device_mesh(torch.device(device).type, (1,), mesh_dim_names=("dp",))
+    dmodel = autopar.compile(model, mesh, (idx, targets), cluster=cluster, **options)
+    optimizer = dmodel.optimizer(torch.optim.AdamW, lr=1e-3)
+    inputs = (idx.to(device), targets.to(device))
+
+    def step() -> float:
+        loss = dmodel.train_step(inputs)  # the model computes its loss
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss)
+
+    first = step()
+    return {
+        "predicted": dmodel.plan.step_time_s,
+        "preset": preset,
+        "losses": (plain_loss, first),
+        "step": step,
+    }
+
+
+def _plain_loss(
+    model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, device: str, precision: Any
+) -> float:
+    """The uncompiled model's loss on ``device``, its parameters in the plan's compute dtype (mixed
+    precision computes in it from a cast of the fp32 weights)."""
+    dtype = torch.float32 if precision is None else precision.param_dtype
+    with torch.no_grad():
+        return float(model.to(device, dtype)(idx.to(device), targets.to(device)))
+
+
+def _world(device: str, names: list[str], steps: int) -> dict[str, Any]:
+    """Every plan's figures (:func:`_build`) and measured median step, on this world of one."""
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    started = time.perf_counter()
+    cluster = measured_cluster(device)
+    timed = time.perf_counter() - started
+    built, failed = {}, {}
+    for name in names:
+        try:
+            built[name] = _build(name, cluster, device)
+        except Exception as error:  # noqa: BLE001 - a plan that fails is reported, the others go on
+            failed[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}"
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for round_ in range(steps + 2):
+        for name, plan in built.items():
+            rank_speed.synchronize(device)
+            t0 = time.perf_counter()
+            plan["step"]()  # float(loss) waits for the device
+            if round_ >= 2:  # two warm-up steps each, after the first above
+                times[name].append(time.perf_counter() - t0)
+    rows = {
+        name: {**{k: v for k, v in plan.items() if k != "step"}, "measured": statistics.median(times[name])}
+        for name, plan in built.items()
+    }
+    return {"cluster": cluster.to_dict(), "calibration_s": timed, "plans": rows, "failed": failed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda:0", help="the device timed and trained on (default cuda:0)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
+    parser.add_argument("--plans", help="comma-separated names of PLANS to run (default: all)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    a = parser.parse_args()
+    names = list(PLANS) if a.plans is None else [n.strip() for n in a.plans.split(",")]
+    if unknown := sorted(set(names) - set(PLANS)):
+        parser.error(f"unknown plans {unknown}; the plans are {list(PLANS)}")
+    backend = "gloo" if a.device == "cpu" else "nccl"
+    found = spawn(_world, 1, a.device, names, a.steps, backend=backend)[0]
+    _print(found, a.device)
+    if a.json:
+        a.json.write_text(json.dumps(found, indent=1))
+
+
+def _print(found: dict[str, Any], device: str) -> None:
+    cluster = found["cluster"]
+    flops = ", ".join(f"{d} {f / 1e12:.1f}" for d, f in cluster["peak_flops"].items())
+    print(
+        f"{cluster['name']} on {device}, timed in {found['calibration_s']:.0f} s: TFLOP/s {flops}; memory "
+        f"{cluster['memory_bandwidth_Bps'] / 1e9:.0f} GB/s; {cluster['op_overhead_s'] * 1e6:.1f} us per op"
+    )
+    print("| plan | predicted ms | h100 preset ms | measured ms | ratio | to preset | loss plain, ours |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    rows = found["plans"]
+    for name, row in rows.items():
+        p, h, m = row["predicted"], row["preset"], row["measured"]
+        plain, compiled = row["losses"]
+        print(
+            f"| {name} | {p * 1e3:.2f} | {h * 1e3:.2f} | {m * 1e3:.2f} | {m / p:.2f} | {m / h:.2f} "
+            f"| {plain:.4f}, {compiled:.4f} |"
+        )
+    if len(rows) > 1:
+        pred = [r["predicted"] for r in rows.values()]
+        print(f"Spearman rank correlation: {spearman(pred, [r['measured'] for r in rows.values()]):.2f}")
+    for name, why in found["failed"].items():
+        print(f"FAILED {name}: {why}")
+
+
+if __name__ == "__main__":
+    main()

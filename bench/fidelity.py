@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -78,18 +79,19 @@ def _build(name: str, cluster: str) -> tuple[float, Callable[[], None]]:
     return dmodel.plan.step_time_s, step
 
 
-def _world(cluster: str, steps: int) -> dict[str, Any]:
+def _world(cluster: str, steps: int, names: list[str]) -> dict[str, Any]:
     """``plans``: (predicted, measured median) seconds of every plan; ``host``: the host's float32
     FLOP/s and memory bandwidth (:func:`host_speed`) before and after, over the cluster's. The
     plans take turns, one step each per round, so that the machine's speed drifting during the
     run (other work on the host) slows every plan alike instead of the plans measured while it
     lasts; the host's speed says whether it drifted since the calibration."""
-    torch.set_num_threads(1)
+    # the threads per rank a calibration of 4 ranks gives them (autopar.tools.calibrate)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 4))
     calibrated = get_cluster(cluster)
     nominal = (calibrated.peak_flops["float32"], calibrated.memory_bandwidth_Bps)
     before = host_speed()
-    built = {name: _build(name, cluster) for name in PLANS}
-    times: dict[str, list[float]] = {name: [] for name in PLANS}
+    built = {name: _build(name, cluster) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(steps + 2):
         for name, (_, step) in built.items():
             dist.barrier()
@@ -101,7 +103,7 @@ def _world(cluster: str, steps: int) -> dict[str, Any]:
                 times[name].append(elapsed.item())
     after = host_speed()
     return {
-        "plans": {name: (built[name][0], statistics.median(times[name])) for name in PLANS},
+        "plans": {name: (built[name][0], statistics.median(times[name])) for name in names},
         "host": {
             kind: [speed[i] / nominal[i] for speed in (before, after)]
             for i, kind in enumerate(("float32 FLOP/s", "memory bandwidth"))
@@ -128,8 +130,12 @@ def main() -> None:
     parser.add_argument("--cluster", default="cpu-gloo", help="a preset or a file from autopar calibrate")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per plan")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--plans", help="comma-separated names of PLANS to run (default: all)")
     a = parser.parse_args()
-    found = spawn(_world, 4, a.cluster, a.steps)[0]
+    names = list(PLANS) if a.plans is None else [n.strip() for n in a.plans.split(",")]
+    if unknown := sorted(set(names) - set(PLANS)):
+        parser.error(f"unknown plans {unknown}; the plans are {list(PLANS)}")
+    found = spawn(_world, 4, a.cluster, a.steps, names)[0]
     results = found["plans"]
     print(f"| plan | predicted ms | measured ms | measured / predicted |  (cluster {a.cluster})")
     print("| --- | --- | --- | --- |")

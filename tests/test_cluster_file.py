@@ -132,10 +132,14 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         "transcendentals_per_s",
         "optimizer_tensor_s",
         "function_rates",
+        "recompute_op_s",
+        "asynchronous",
+        "host_op_overhead_s",
     )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    assert [getattr(cluster, k) for k in added] == [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}]
+    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, False, None]
+    assert [getattr(cluster, k) for k in added] == defaults
     measured = replace(
         cluster,
         op_overhead_s=5e-6,
@@ -144,11 +148,16 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         host_link_Bps=6e10,
         optimizer_tensor_s=3e-4,
         function_rates={"gelu": 2e9, "gelu_backward": 1e9},
+        recompute_op_s=6e-5,
+        asynchronous=True,
+        host_op_overhead_s=4e-6,
     )
     assert Cluster.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
     for bad in (
         {"op_overhead_s": -1.0},
         {"optimizer_tensor_s": -1e-6},
+        {"recompute_op_s": -1e-6},
+        {"host_op_overhead_s": -1e-6},
         {"ranks_per_core": 0.5},
         {"host_link_Bps": 0.0},
         {"transcendentals_per_s": 0.0},
@@ -211,6 +220,8 @@ def _check_calibrated(path: Path, devices_per_node: int) -> None:
     assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
     assert cluster.devices_per_node == devices_per_node
     assert cluster.op_overhead_s > 0 and cluster.optimizer_tensor_s > 0
+    # a recompute region's op: its relaunch and the checkpoint policy's dispatch, some 15 plain ops
+    assert cluster.recompute_op_s > cluster.op_overhead_s and not cluster.asynchronous
     timed = {*TIMED_FUNCTIONS, *(f"{name}_backward" for name in TIMED_BACKWARD)}
     assert set(cluster.function_rates) == timed and min(cluster.function_rates.values()) > 0
     for link in (cluster.intra_node, cluster.inter_node):
@@ -218,6 +229,15 @@ def _check_calibrated(path: Path, devices_per_node: int) -> None:
         assert all(k.latency_s >= 0 and k.bandwidth_Bps > 0 for k in link.collectives.values())
     model, args = gpt.build()
     assert autopar.plan(model, args, {"dp": 2, "tp": 2}, cluster=str(path)).cluster["name"] == "calibrated"
+
+
+def test_calibrate_refuses_a_torchrun_world_with_gpus(monkeypatch, capsys):
+    """It times CPU ranks over gloo: on GPUs it would write the CPUs' rates as theirs."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert main(["calibrate", "-o", "unused.json"]) != 0
+    assert "this world has GPUs" in capsys.readouterr().err
 
 
 @pytest.mark.slow

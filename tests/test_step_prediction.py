@@ -26,6 +26,8 @@ from autopar.planning.step_overheads import (
     buckets,
     gradient_seconds,
     hidden_sends,
+    launch_queue,
+    op_seconds,
     step_terms,
     update_passes,
     update_seconds,
@@ -138,6 +140,10 @@ def test_the_optimizer_step_is_memory_bound_and_offload_adds_its_copies():
     measured = replace(cluster, optimizer_tensor_s=3e-4)
     assert update_seconds(update, measured, memory) == pytest.approx(device - ops + 3e-4)
     assert update_seconds(update, measured, offload) == update_seconds(update, cluster, offload)
+    # a GPU's host runs offload's update with its own op overhead, the copies are device ops
+    host = replace(gpu, host_op_overhead_s=1e-7)
+    host_ops = OPTIMIZER_OPS_PER_TENSOR * 1e-7
+    assert update_seconds(update, host, offload) == pytest.approx(expected - ops + host_ops)
 
 
 def test_later_backward_passes_add_their_gradient_to_the_first_as_priced():
@@ -189,7 +195,7 @@ def test_a_plan_adds_up_its_step_and_prices_each_term():
     plan = _plan(cluster)
     p = plan.prediction
     parts = p.compute_s + p.comm_s + p.overhead_s + p.optimizer_s + p.wait_s - p.hidden_comm_s
-    assert p.step_time_s == pytest.approx(parts)
+    assert p.step_time_s == pytest.approx(parts) and p.hidden_launch_s == 0.0  # the host computes
     assert p.optimizer_s > 0 and p.wait_s > 0
     # every parameter's gradient: its accumulation and hook (two ops), and where summed over dp
     # (fp32: the sum's bytes) its copy into the bucket (an op, its bytes read and written)
@@ -244,3 +250,26 @@ def test_ranks_sharing_cores_fill_the_pipeline_bubble():
     slow = replace(BASE, ranks_per_core=2.0, intra_node=replace(BASE.intra_node, latency_s=0.05))
     sends = autopar.plan(model, args, {"pp": 2, "dp": 2}, cluster=slow, pipeline=pipeline).pipeline
     assert sends.step_time_s > (4 + 1) * max(st.p2p_seconds for st in sends.stages)
+
+
+def test_launches_overlap_the_compute_of_an_asynchronous_device():
+    """The host launches op after op; the device runs each once launched and the last is done."""
+    # launch-bound: the device waits for every launch, and only each op's compute after the
+    # last launch is not hidden; compute-bound: the host is ahead after the first launch
+    assert launch_queue([(1.0, 0.5)] * 4) == pytest.approx(4 * 1.5 - (4 + 0.5))
+    assert launch_queue([(0.5, 1.0)] * 4) == pytest.approx(4 * 1.5 - (0.5 + 4))
+    assert launch_queue([(1.0, 0.0), (0.0, 1.0)]) == 0.0  # one after the other: nothing overlaps
+    # a plan on an asynchronous device takes what overlaps off its step, and only that
+    cluster = replace(BASE, op_overhead_s=1e-4)
+    host = _plan(cluster).prediction
+    gpu = _plan(replace(cluster, asynchronous=True)).prediction
+    assert 0 < gpu.hidden_launch_s <= gpu.overhead_s and gpu.overhead_s == host.overhead_s
+    parts = gpu.compute_s + gpu.comm_s + gpu.overhead_s + gpu.optimizer_s + gpu.wait_s - gpu.hidden_comm_s
+    assert gpu.step_time_s == pytest.approx(parts - gpu.hidden_launch_s)
+
+
+def test_a_recomputed_op_costs_the_calibrated_recompute_overhead():
+    cluster = replace(BASE, op_overhead_s=1e-5)
+    assert op_seconds(cluster, True, True) == pytest.approx(4e-5)  # not measured: one more op
+    assert op_seconds(replace(cluster, recompute_op_s=6e-5), True, True) == pytest.approx(9e-5)
+    assert op_seconds(replace(cluster, recompute_op_s=6e-5), False, False) == pytest.approx(1e-5)

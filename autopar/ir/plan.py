@@ -129,12 +129,13 @@ class Redistribution:
 class Prediction:
     """Per-rank predictions for one training step: forward, backward and the optimizer step.
 
-    ``step_time_s = compute_s + comm_s + overhead_s + optimizer_s + wait_s - hidden_comm_s``: the
-    ops' roofline (recompute included), every collective, the ops' launch and dispatch overhead,
-    the optimizer step (with optimizer offload's host copies), the ranks' waits for the slowest at
-    synchronising collectives, less the communication that runs while backward computes
-    (gradient-sum buckets; see :mod:`autopar.planning.step_overheads`). Plans saved before the
-    last four figures existed read them as 0.
+    ``step_time_s = compute_s + comm_s + overhead_s + optimizer_s + wait_s - hidden_comm_s -
+    hidden_launch_s``: the ops' roofline (recompute included), every collective, the ops' launch
+    and dispatch overhead, the optimizer step (with optimizer offload's host copies), the ranks'
+    waits for the slowest at synchronising collectives, less the communication that runs while
+    backward computes (gradient-sum buckets) and the launch overhead and compute that overlap on
+    an asynchronous device (a GPU; see :mod:`autopar.planning.step_overheads`). Plans saved
+    before the last five figures existed read them as 0.
     """
 
     step_time_s: float
@@ -149,6 +150,7 @@ class Prediction:
     optimizer_s: float = 0.0
     wait_s: float = 0.0
     hidden_comm_s: float = 0.0
+    hidden_launch_s: float = 0.0
 
     @property
     def memory_bytes(self) -> int:

@@ -142,7 +142,7 @@ def assemble_plan(
     compute = sum(d.compute_s for d in nodes) + sum(recomputed.values())
     comm = sum(r.seconds for r in redists) + extras.latency_s
     prediction = Prediction(
-        step_time_s=compute + comm + extras.overhead_s + extras.optimizer_s + extras.wait_s - extras.hidden_s,
+        step_time_s=compute + comm + extras.added_s,
         compute_s=compute,
         comm_s=comm,
         comm_bytes=int(sum(c.bytes for r in redists for c in (*r.forward, *r.backward))),
@@ -154,6 +154,7 @@ def assemble_plan(
         optimizer_s=extras.optimizer_s,
         wait_s=extras.wait_s,
         hidden_comm_s=extras.hidden_s,
+        hidden_launch_s=extras.hidden_launch_s,
     )
     result = Plan(
         mesh=g.mesh.to_dict(),

@@ -95,6 +95,16 @@ class Cluster:
     function calibrate timed (:data:`~autopar.rules.elementwise.TIMED_FUNCTIONS`, and
     ``<name>_backward`` for their backward), which then price those ops instead of their
     transcendental count at ``transcendentals_per_s``; empty where not measured.
+    ``recompute_op_s`` is what one op of a recompute region costs besides its forward and
+    backward overhead: its second launch, and the selective-checkpoint policy's dispatch of it in
+    forward and again when backward recomputes it (on a CPU some 57 us against 4 us for a plain
+    op); None where not measured: one ``op_overhead_s``, its relaunch alone.
+    ``asynchronous`` says the device runs an op after its launch returns (a GPU): the host then
+    launches ahead while the device computes, and the ops' overhead overlaps their compute
+    (:func:`~autopar.planning.step_overheads.launch_queue`); False where the host computes (CPU
+    ranks), whose overhead adds to the compute.
+    ``host_op_overhead_s`` is what an op on the host's tensors costs (optimizer offload's update on
+    the host), None where the host is the device: ``op_overhead_s``.
     ``host_link_Bps`` is one rank's bandwidth to host memory, one direction (optimizer offload's
     copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
     host gets (the offloaded update); None for both where the device is the host (CPU ranks):
@@ -118,6 +128,9 @@ class Cluster:
     transcendentals_per_s: float | None = None
     optimizer_tensor_s: float | None = None
     function_rates: Mapping[str, float] = field(default_factory=dict, hash=False)
+    recompute_op_s: float | None = None
+    asynchronous: bool = False
+    host_op_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -131,12 +144,13 @@ class Cluster:
         if self.memory_bytes <= 0 or self.devices_per_node < 1:
             raise OptionError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
         host = (self.host_link_Bps, self.host_memory_bandwidth_Bps, self.transcendentals_per_s)
-        optimizer = self.optimizer_tensor_s or 0.0
-        overheads = (self.op_overhead_s, optimizer, self.straggler_s, self.straggler_base_s)
+        optimizer, recompute = self.optimizer_tensor_s or 0.0, self.recompute_op_s or 0.0
+        overheads = (self.op_overhead_s, optimizer, recompute, self.host_op_overhead_s or 0.0)
+        overheads += (self.straggler_s, self.straggler_base_s)
         if min(overheads) < 0 or any(b is not None and b <= 0 for b in host):
             raise OptionError(
-                f"cluster {self.name!r}: op_overhead_s, optimizer_tensor_s and the straggler figures must be "
-                ">= 0, host bandwidths and transcendentals_per_s positive"
+                f"cluster {self.name!r}: the ops' overheads, optimizer_tensor_s and the straggler figures "
+                "must be >= 0, host bandwidths and transcendentals_per_s positive"
             )
         if self.ranks_per_core < 1:
             raise OptionError(f"cluster {self.name!r}: ranks_per_core must be at least 1")
@@ -161,16 +175,20 @@ class Cluster:
             "transcendentals_per_s": self.transcendentals_per_s,
             "optimizer_tensor_s": self.optimizer_tensor_s,
             "function_rates": dict(self.function_rates),
+            "recompute_op_s": self.recompute_op_s,
+            "asynchronous": self.asynchronous,
+            "host_op_overhead_s": self.host_op_overhead_s,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
         """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
         the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``,
-        ``optimizer_tensor_s``, ``function_rates``) are optional, so files written before them
-        still load."""
+        ``optimizer_tensor_s``, ``function_rates``, ``recompute_op_s``, ``asynchronous``,
+        ``host_op_overhead_s``) are optional, so files written before them still load."""
         host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
         transcendentals, optimizer = data.get("transcendentals_per_s"), data.get("optimizer_tensor_s")
+        recompute, host_op = data.get("recompute_op_s"), data.get("host_op_overhead_s")
         return cls(
             name=str(data["name"]),
             peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
@@ -189,4 +207,7 @@ class Cluster:
             transcendentals_per_s=None if transcendentals is None else float(transcendentals),
             optimizer_tensor_s=None if optimizer is None else float(optimizer),
             function_rates={str(k): float(v) for k, v in data.get("function_rates", {}).items()},
+            recompute_op_s=None if recompute is None else float(recompute),
+            asynchronous=bool(data.get("asynchronous", False)),
+            host_op_overhead_s=None if host_op is None else float(host_op),
         )

@@ -88,8 +88,9 @@ _PRESETS: dict[str, Cluster] = {
     # - Host: PCIe Gen5 x16 per GPU, 128 GB/s both ways (H100 datasheet) -> 64e9 B/s each way; two
     #   Xeon Platinum 8480C per DGX H100, 8 channels of DDR5-4800 each (Intel ARK): 614 GB/s per
     #   node, a GPU's share 76.8e9 B/s.
-    # - ~5 µs per op is a typical kernel launch with PyTorch's dispatch, assumed. Stragglers are
-    #   not known without measuring (autopar calibrate does): 0.
+    # - ~5 µs per op is a typical kernel launch with PyTorch's dispatch, assumed; a GPU runs its
+    #   kernels after their launch returns, so the launches overlap the compute (asynchronous).
+    #   Stragglers are not known without measuring (autopar calibrate does): 0.
     "h100": Cluster(
         name="h100",
         peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
@@ -99,6 +100,7 @@ _PRESETS: dict[str, Cluster] = {
         intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=450e9),
         inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=50e9),
         op_overhead_s=5e-6,
+        asynchronous=True,
         host_link_Bps=64e9,
         host_memory_bandwidth_Bps=76.8e9,
     ),

@@ -5,8 +5,9 @@ what the runtime does (``docs/cost_model.md``, "The whole step"):
 
 * **op overhead**: every op the program executes costs ``Cluster.op_overhead_s`` (launch and
   dispatch) on top of its roofline time: once in forward, :data:`BACKWARD_OPS_PER_OP` times in
-  backward when a gradient flows through it, once more when a recompute region runs it again
-  (:func:`op_seconds`);
+  backward when a gradient flows through it, and ``Cluster.recompute_op_s`` when a recompute
+  region runs it (:func:`op_seconds`); on an asynchronous device (a GPU) the host launches ahead
+  while the device computes, and what of the two overlaps is taken off (:func:`launch_queue`);
 * **the optimizer step**: a memory-bound update of each rank's optimizer shard, as many passes
   as torch's default optimizer makes (:func:`update_passes`), plus its ops; under
   optimizer offload the gradients' copies to the host, the update there, and the copies back
@@ -56,9 +57,26 @@ FP32_BYTES = 4
 
 def op_seconds(cluster: Cluster, grad: bool, recomputed: bool) -> float:
     """Overhead of one op of the program per microbatch: its forward, its backward ops where a
-    gradient flows, its second forward where it is recomputed."""
-    ops = 1 + (BACKWARD_OPS_PER_OP if grad else 0) + (1 if recomputed else 0)
-    return ops * cluster.op_overhead_s
+    gradient flows, its second forward and the recompute policy's dispatch where it is recomputed
+    (``Cluster.recompute_op_s``; one more op where not measured)."""
+    ops = 1 + (BACKWARD_OPS_PER_OP if grad else 0)
+    recompute = cluster.op_overhead_s if cluster.recompute_op_s is None else cluster.recompute_op_s
+    return ops * cluster.op_overhead_s + (recompute if recomputed else 0.0)
+
+
+def launch_queue(launches: Iterable[tuple[float, float]]) -> float:
+    """What of ``launches`` overlaps on an asynchronous device: each is ``(host, device)``
+    seconds of one op in the order the host launches them; the host launches op after op, each
+    taking its ``host`` seconds, and the device runs each once it is launched and the previous
+    one is done. Returns the sum of every ``host`` and ``device`` less the time the last op ends,
+    what ran at the same time: up to the smaller side's sum (a launch-bound queue hides all its
+    compute but the last op's, a compute-bound one all its launches but the first)."""
+    launched = done = total = 0.0
+    for host, device in launches:
+        launched += host
+        done = max(done, launched) + device
+        total += host + device
+    return total - done
 
 
 @dataclass(frozen=True)
@@ -92,8 +110,8 @@ def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
     runs there on fp32 values (at ``host_memory_bandwidth_Bps``) and the parameter is copied back
     (:func:`copy_seconds`). Each tensor the optimizer touches also costs its ops' overhead: on the
     device, where it steps DTensors (parameters or ZeRO shards), ``Cluster.optimizer_tensor_s``
-    where calibrated; on the host copies of offload, and where not calibrated,
-    :data:`OPTIMIZER_OPS_PER_TENSOR` ops'.
+    where calibrated, else :data:`OPTIMIZER_OPS_PER_TENSOR` ops'; on the host copies of offload,
+    as many host ops (``Cluster.host_op_overhead_s``).
     """
     if update.elements <= 0:
         return 0.0
@@ -106,7 +124,9 @@ def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
     host_bandwidth = cluster.host_memory_bandwidth_Bps or cluster.memory_bandwidth_Bps
     host_update = e * FP32_BYTES * (values + states) / host_bandwidth
     copies = copy_seconds(e * item, e * FP32_BYTES, cluster) + copy_seconds(e * FP32_BYTES, e * item, cluster)
-    return copies + host_update + ops + 2 * cluster.op_overhead_s  # the two copies are ops too
+    host_op = cluster.op_overhead_s if cluster.host_op_overhead_s is None else cluster.host_op_overhead_s
+    host_ops = OPTIMIZER_OPS_PER_TENSOR * host_op
+    return copies + host_update + host_ops + 2 * cluster.op_overhead_s  # the two copies are ops too
 
 
 def gradient_seconds(leaf_bytes: float, passes: int, summed: bool, cluster: Cluster) -> float:
@@ -260,6 +280,18 @@ class StepTerms:
     straggler_s: float  # the cluster's
     straggler_base_s: float = 0.0  # the cluster's
     gradient_s: Mapping[str, float] = field(default_factory=dict)
+    asynchronous: bool = False  # the cluster's: its ops' overhead overlaps their compute
+    op_overhead_s: float = 0.0  # the cluster's
+
+    def launches(self) -> list[tuple[float, float]]:
+        """``(host, device)`` seconds of each op's forward in order, then of each one's backward in
+        reverse (its recompute included), for :func:`launch_queue`: the host's are its overhead
+        (``op_s``: one op forward, the rest backward), the device's its compute, and in backward
+        its operands' collectives."""
+        ops, launch = [op for op in self.ops if op.name in self.op_s], self.op_overhead_s
+        forward = [(launch, op.forward_s) for op in ops]
+        backward = [(self.op_s[op.name] - launch, op.backward_s + op.backward_comm_s) for op in ops]
+        return forward + backward[::-1]
 
     @property
     def recompute_s(self) -> dict[str, float]:
@@ -307,6 +339,12 @@ class StepExtras:
     latency_s: float  # the gradient-sum buckets' latency
     hidden_s: float  # communication hidden behind backward
     wait_s: float  # waiting for the slowest rank at synchronising points
+    hidden_launch_s: float = 0.0  # op overhead and compute that overlap on an asynchronous device
+
+    @property
+    def added_s(self) -> float:
+        """What these terms add to the step's compute and communication."""
+        return self.overhead_s + self.optimizer_s + self.wait_s - self.hidden_s - self.hidden_launch_s
 
 
 def whole_step(terms: StepTerms) -> StepExtras:
@@ -328,6 +366,7 @@ def whole_step(terms: StepTerms) -> StepExtras:
         latency_s=buckets.latency_s,
         hidden_s=buckets.hidden_s,
         wait_s=terms.waits(stretches),
+        hidden_launch_s=launch_queue(terms.launches()) if terms.asynchronous else 0.0,
     )
 
 
@@ -377,4 +416,6 @@ def step_terms(
         straggler_s=cluster.straggler_s,
         straggler_base_s=cluster.straggler_base_s,
         gradient_s=dict(gradient_s),
+        asynchronous=cluster.asynchronous,
+        op_overhead_s=cluster.op_overhead_s,
     )

@@ -34,6 +34,7 @@ from autopar.tools.rank_speed import (
     memory_bandwidth,
     op_overhead,
     optimizer_tensor,
+    recompute_overhead,
     transcendentals,
 )
 
@@ -178,6 +179,7 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
         "transcendentals_per_s": transcendentals,
         "function_rates": function_rates,
         "op_overhead_s": op_overhead,
+        "recompute_op_s": recompute_overhead,
         "optimizer_tensor_s": lambda: optimizer_tensor(bandwidths[-1]),
     }
     bandwidths, mine = [], {}
@@ -223,6 +225,7 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "transcendentals_per_s": min(r["transcendentals_per_s"] for r in per_rank),
         "function_rates": {f: min(r["function_rates"][f] for r in per_rank) for f in first["function_rates"]},
         "op_overhead_s": max(r["op_overhead_s"] for r in per_rank),
+        "recompute_op_s": max(r["recompute_op_s"] for r in per_rank),
         "optimizer_tensor_s": max(r["optimizer_tensor_s"] for r in per_rank),
         "stragglers": _straggle([r["straggling"] for r in per_rank]),
         "ranks_per_core": max(r["ranks_per_core"] for r in per_rank),
@@ -317,6 +320,7 @@ def _cluster(
         devices_per_node=devices_per_node,
         measured_on=measured_on,
         op_overhead_s=measured["op_overhead_s"],
+        recompute_op_s=measured["recompute_op_s"],
         optimizer_tensor_s=measured["optimizer_tensor_s"],
         straggler_base_s=measured["stragglers"][0],
         straggler_s=measured["stragglers"][1],
@@ -354,6 +358,11 @@ def under_torchrun() -> bool:
 def _measured_under_torchrun() -> dict[str, Any] | None:
     """:func:`_measure_world` on torchrun's world, nodes of ``LOCAL_WORLD_SIZE`` ranks; None off rank 0."""
     world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if torch.cuda.is_available():
+        raise OptionError(
+            "autopar calibrate times CPU ranks over gloo, and this world has GPUs, whose rates it would not "
+            "measure: plan with the h100 preset, or time one GPU as bench/fidelity_gpu.py does"
+        )
     if world < 2 or world % per_node:
         raise OptionError(
             f"calibrate needs at least 2 ranks in nodes of equal size, got {world} ranks, {per_node} per node"
@@ -399,8 +408,9 @@ def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: 
         f"GFLOP/s per rank {flops}; memory {cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s; "
         f"{(cluster.transcendentals_per_s or 0) / 1e9:.2f} G exp/s; G values/s "
         f"{', '.join(f'{f} {rate / 1e9:.2f}' for f, rate in cluster.function_rates.items())}; "
-        f"{cluster.op_overhead_s * 1e6:.1f} us per op, {(cluster.optimizer_tensor_s or 0) * 1e6:.0f} us per "
-        "tensor of the optimizer step; "
+        f"{cluster.op_overhead_s * 1e6:.1f} us per op, {(cluster.recompute_op_s or 0) * 1e6:.0f} us more "
+        f"in a recompute region, {(cluster.optimizer_tensor_s or 0) * 1e6:.0f} us per tensor of the "
+        "optimizer step; "
         f"a collective waits {cluster.straggler_base_s * 1e3:.1f} ms for stragglers, "
         f"and {cluster.straggler_s * 1e3:.1f} ms more after 1 s of compute"
     ]

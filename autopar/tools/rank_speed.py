@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.ir.options import FULL
+from autopar.passes.apply_recompute import Recomputed
 from autopar.planning.step_overheads import FP32_BYTES, update_passes
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 
@@ -153,13 +155,49 @@ def function_rates(device: str = "cpu") -> dict[str, float]:
     return rates
 
 
+def host_link(device: str) -> float:
+    """Bytes per second one rank copies between ``device`` and the host, one direction, by pageable
+    copies each way, as optimizer offload copies gradients and parameters (``Cluster.host_link_Bps``)."""
+    on_device, host = torch.rand(_MEMORY_NUMEL, device=device), torch.empty(_MEMORY_NUMEL)
+
+    def both_ways() -> None:
+        host.copy_(on_device)
+        on_device.copy_(host)
+
+    return 2 * host.nbytes / together_seconds(both_ways, 5, device)
+
+
 def op_overhead(device: str = "cpu") -> float:
     """Seconds per executed op, besides its arithmetic: a chain of :data:`_CHAIN` products of 4 x 4
     matrices that need gradients, forward and backward, runs three ops per link (a product
     forward, two backward), each too small for its arithmetic to count; launch, dispatch and the
     autograd engine's bookkeeping are what is timed, as a training step's ops pay them."""
+    chain, _ = _chains(device)
+    return together_seconds(chain, 25, device) / (3 * _CHAIN)
+
+
+def recompute_overhead(device: str = "cpu") -> float:
+    """Seconds one op of a recompute region costs besides its forward and backward overhead
+    (``Cluster.recompute_op_s``): the chain of :func:`op_overhead` run as the runtime runs a
+    recompute region (:class:`~autopar.passes.apply_recompute.Recomputed`, the full policy) less
+    the plain chain, per link: the product's second launch in backward, and the selective
+    checkpoint's policy consulted for it in forward and again in recompute."""
+    chain, recomputed = _chains(device)
+    extra = together_seconds(recomputed, 25, device) - together_seconds(chain, 25, device)
+    return max(0.0, extra / _CHAIN)
+
+
+def _chains(device: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Forward and backward of the chain of :data:`_CHAIN` products, plain and as a recompute
+    region."""
     weights = [torch.randn(4, 4, device=device, requires_grad=True) for _ in range(_CHAIN)]
     x = torch.randn(4, 4, device=device)
+    graph = torch.fx.Graph()
+    y, ws = graph.placeholder("x"), [graph.placeholder(f"w{i}") for i in range(_CHAIN)]
+    for w in ws:
+        y = graph.call_function(torch.mm, (y, w))
+    graph.output((y,))
+    region = Recomputed(torch.fx.GraphModule(torch.nn.Module(), graph), FULL)
 
     def chain() -> None:
         y = x
@@ -167,7 +205,10 @@ def op_overhead(device: str = "cpu") -> float:
             y = y @ w
         y.sum().backward()
 
-    return together_seconds(chain, 25, device) / (3 * _CHAIN)
+    def recomputed() -> None:
+        region(x, *weights)[0].sum().backward()
+
+    return chain, recomputed
 
 
 def optimizer_tensor(bandwidth: float, device: str = "cpu") -> float:

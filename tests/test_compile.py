@@ -254,13 +254,15 @@ def test_tensors_the_program_creates_are_on_the_rank_device():
     a model planned there and run on GPUs); ``place_on_device`` creates it on the rank's device."""
 
     class AddPositions(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            # a factory on x's device, and a copy to it (positional in the graph: to.device)
+            return x + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype) + ids.to(x.device, x.dtype)
 
-    exported = torch.export.export(AddPositions(), (torch.zeros(2, 4, device="meta"),), strict=False)
-    gm = exported.graph_module
-    assert "device = device(type='meta')" in gm.code
+    meta = (torch.zeros(2, 4, device="meta"), torch.zeros(4, dtype=torch.int64, device="meta"))
+    gm = torch.export.export(AddPositions(), meta, strict=False).graph_module
+    assert "aten.to.device" in gm.code and "device = device(type='meta')" in gm.code
     gm = place_on_device.run(gm, SimpleNamespace(device=torch.device("cpu")))
     gm.recompile()
-    x = torch.ones(2, 4)
-    torch.testing.assert_close(gm(x)[0], x + torch.arange(4.0))
+    assert "type='meta'" not in gm.code
+    x, ids = torch.ones(2, 4), torch.arange(4)
+    torch.testing.assert_close(gm(x, ids)[0], x + 2 * torch.arange(4.0))

@@ -267,6 +267,17 @@ def test_launches_overlap_the_compute_of_an_asynchronous_device():
     parts = gpu.compute_s + gpu.comm_s + gpu.overhead_s + gpu.optimizer_s + gpu.wait_s - gpu.hidden_comm_s
     assert gpu.step_time_s == pytest.approx(parts - gpu.hidden_launch_s)
 
+    # a pipeline's stages each queue their microbatch's launches
+    model, args = gpt.build(batch_size=8, n_layers=4)
+    pipeline = autopar.Pipeline(4, "1f1b")
+    staged = [
+        autopar.plan(model, args, {"pp": 2, "dp": 2}, cluster=c, pipeline=pipeline).pipeline
+        for c in (cluster, replace(cluster, asynchronous=True))
+    ]
+    assert [s.modules for s in staged[0].stages] == [s.modules for s in staged[1].stages]
+    assert all(a.seconds > b.seconds > 0 for a, b in zip(staged[0].stages, staged[1].stages))
+    assert staged[1].step_time_s < staged[0].step_time_s
+
 
 def test_a_recomputed_op_costs_the_calibrated_recompute_overhead():
     cluster = replace(BASE, op_overhead_s=1e-5)

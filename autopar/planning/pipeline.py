@@ -343,7 +343,9 @@ def _stage_plan(
         index=s,
         rank=s % p,
         modules=tuple(modules),
-        seconds=sum(costs.seconds.get(node.name, 0.0) for node in nodes),
+        # on an asynchronous device a microbatch's launches overlap its compute, stage by stage
+        seconds=sum(costs.seconds.get(node.name, 0.0) for node in nodes)
+        - inputs.terms.hidden_launches({node.name for node in nodes}),
         p2p_seconds=sum(inputs.p2p_seconds(c) for c in sent),
         grad_sum_seconds=sum(costs.grad_sums.get(node.name, (0.0, 0))[0] for node in nodes),
         comm_bytes=sum(costs.comm_bytes.get(node.name, 0) for node in nodes),

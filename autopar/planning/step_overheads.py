@@ -283,15 +283,21 @@ class StepTerms:
     asynchronous: bool = False  # the cluster's: its ops' overhead overlaps their compute
     op_overhead_s: float = 0.0  # the cluster's
 
-    def launches(self) -> list[tuple[float, float]]:
-        """``(host, device)`` seconds of each op's forward in order, then of each one's backward in
-        reverse (its recompute included), for :func:`launch_queue`: the host's are its overhead
-        (``op_s``: one op forward, the rest backward), the device's its compute, and in backward
-        its operands' collectives."""
-        ops, launch = [op for op in self.ops if op.name in self.op_s], self.op_overhead_s
+    def launches(self, names: Collection[str] | None = None) -> list[tuple[float, float]]:
+        """``(host, device)`` seconds of the forward of each op in ``names`` (all when None) in
+        order, then of each one's backward in reverse (its recompute included), for
+        :func:`launch_queue`: the host's are its overhead (``op_s``: one op forward, the rest
+        backward), the device's its compute, and in backward its operands' collectives."""
+        ops = [op for op in self._kept(names) if op.name in self.op_s]
+        launch = self.op_overhead_s
         forward = [(launch, op.forward_s) for op in ops]
         backward = [(self.op_s[op.name] - launch, op.backward_s + op.backward_comm_s) for op in ops]
         return forward + backward[::-1]
+
+    def hidden_launches(self, names: Collection[str] | None = None) -> float:
+        """What of the launches and compute of the ops in ``names`` (all when None) overlaps on an
+        asynchronous device (:func:`launch_queue`); 0 where the host computes."""
+        return launch_queue(self.launches(names)) if self.asynchronous else 0.0
 
     @property
     def recompute_s(self) -> dict[str, float]:
@@ -366,7 +372,7 @@ def whole_step(terms: StepTerms) -> StepExtras:
         latency_s=buckets.latency_s,
         hidden_s=buckets.hidden_s,
         wait_s=terms.waits(stretches),
-        hidden_launch_s=launch_queue(terms.launches()) if terms.asynchronous else 0.0,
+        hidden_launch_s=terms.hidden_launches(),
     )
 
 

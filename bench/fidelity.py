@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
 from autopar.planning.cost import get_cluster  # noqa: E402
+from autopar.tools.calibrate import threads_per_rank  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402
 from autopar.tools.rank_speed import host_speed  # noqa: E402
 from examples import gpt  # noqa: E402
@@ -85,8 +85,7 @@ def _world(cluster: str, steps: int, names: list[str]) -> dict[str, Any]:
     plans take turns, one step each per round, so that the machine's speed drifting during the
     run (other work on the host) slows every plan alike instead of the plans measured while it
     lasts; the host's speed says whether it drifted since the calibration."""
-    # the threads per rank a calibration of 4 ranks gives them (autopar.tools.calibrate)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 4))
+    torch.set_num_threads(threads_per_rank(4))  # as the calibration's ranks computed
     calibrated = get_cluster(cluster)
     nominal = (calibrated.peak_flops["float32"], calibrated.memory_bandwidth_Bps)
     before = host_speed()
@@ -125,6 +124,15 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+def chosen_plans(parser: argparse.ArgumentParser, given: str | None, plans: list[str]) -> list[str]:
+    """The plans ``--plans`` names (comma-separated; all of ``plans`` when not given), or the
+    parser's error naming those that are not plans."""
+    names = plans if given is None else [n.strip() for n in given.split(",")]
+    if unknown := sorted(set(names) - set(plans)):
+        parser.error(f"unknown plans {unknown}; the plans are {plans}")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default="cpu-gloo", help="a preset or a file from autopar calibrate")
@@ -132,10 +140,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--plans", help="comma-separated names of PLANS to run (default: all)")
     a = parser.parse_args()
-    names = list(PLANS) if a.plans is None else [n.strip() for n in a.plans.split(",")]
-    if unknown := sorted(set(names) - set(PLANS)):
-        parser.error(f"unknown plans {unknown}; the plans are {list(PLANS)}")
-    found = spawn(_world, 4, a.cluster, a.steps, names)[0]
+    found = spawn(_world, 4, a.cluster, a.steps, chosen_plans(parser, a.plans, list(PLANS)))[0]
     results = found["plans"]
     print(f"| plan | predicted ms | measured ms | measured / predicted |  (cluster {a.cluster})")
     print("| --- | --- | --- | --- |")

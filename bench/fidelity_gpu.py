@@ -45,7 +45,7 @@ from autopar.ir.options import dtype_name  # noqa: E402
 from autopar.planning.cost import Cluster, get_cluster  # noqa: E402
 from autopar.tools import rank_speed  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402
-from bench.fidelity import spearman  # noqa: E402
+from bench.fidelity import chosen_plans, spearman  # noqa: E402
 from examples import gpt  # noqa: E402
 
 # 8 layers of width 1024 over 1024 tokens: some 160M parameters, a step of a few TFLOP, so that
@@ -183,9 +183,7 @@ def main() -> None:
     parser.add_argument("--plans", help="comma-separated names of PLANS to run (default: all)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     a = parser.parse_args()
-    names = list(PLANS) if a.plans is None else [n.strip() for n in a.plans.split(",")]
-    if unknown := sorted(set(names) - set(PLANS)):
-        parser.error(f"unknown plans {unknown}; the plans are {list(PLANS)}")
+    names = chosen_plans(parser, a.plans, list(PLANS))
     backend = "gloo" if a.device == "cpu" else "nccl"
     found = spawn(_world, 1, a.device, names, a.steps, backend=backend)[0]
     _print(found, a.device)

@@ -161,6 +161,12 @@ def _level_groups(world: int, per_node: int) -> dict[str, list[list[int]]]:
     return {level: g for level, g in groups.items() if len(g[0]) > 1}
 
 
+def threads_per_rank(ranks: int) -> int:
+    """The threads each of ``ranks`` ranks on this host computes with, as calibrate measures them:
+    an equal share of the cores, at least one."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 def _measure_world(per_node: int) -> dict[str, Any] | None:
     """Measure from every rank of an initialised gloo world of nodes of ``per_node`` ranks each.
 
@@ -170,7 +176,7 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
     figures (:func:`_slowest`), the others None.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    torch.set_num_threads(threads_per_rank(per_node))
     # the memory bandwidth a rank gets moves with what else the host's memory serves (7 to 18 GB/s
     # from one minute to the next here, each window alone 7.5-13 GB/s within a minute): the
     # median of six windows spread over the calibration, one between each of its measurements

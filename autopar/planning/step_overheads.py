@@ -31,6 +31,7 @@ the memory and mesh searches compare plans by it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -64,19 +65,25 @@ def op_seconds(cluster: Cluster, grad: bool, recomputed: bool) -> float:
     return ops * cluster.op_overhead_s + (recompute if recomputed else 0.0)
 
 
-def launch_queue(launches: Iterable[tuple[float, float]]) -> float:
+def queue_end(jobs: Iterable[tuple[float, float]]) -> float:
+    """When the last of ``jobs`` ends: each is ``(ready, seconds)``, run one after another in the
+    order given, each once it is ready and the one before it has ended."""
+    end = 0.0
+    for ready, seconds in jobs:
+        end = max(end, ready) + seconds
+    return end
+
+
+def launch_queue(launches: Sequence[tuple[float, float]]) -> float:
     """What of ``launches`` overlaps on an asynchronous device: each is ``(host, device)``
     seconds of one op in the order the host launches them; the host launches op after op, each
     taking its ``host`` seconds, and the device runs each once it is launched and the previous
-    one is done. Returns the sum of every ``host`` and ``device`` less the time the last op ends,
-    what ran at the same time: up to the smaller side's sum (a launch-bound queue hides all its
-    compute but the last op's, a compute-bound one all its launches but the first)."""
-    launched = done = total = 0.0
-    for host, device in launches:
-        launched += host
-        done = max(done, launched) + device
-        total += host + device
-    return total - done
+    one is done (:func:`queue_end`). Returns the sum of every ``host`` and ``device`` less the time
+    the last op ends, what ran at the same time: up to the smaller side's sum (a launch-bound queue
+    hides all its compute but the last op's, a compute-bound one all its launches but the first)."""
+    launched = itertools.accumulate(host for host, _ in launches)
+    done = queue_end(zip(launched, (device for _, device in launches)))
+    return sum(host + device for host, device in launches) - done
 
 
 @dataclass(frozen=True)
@@ -210,11 +217,8 @@ def bucket_times(
         (max(after[position.get(s.first_use, 0)] for s in b), sum(s.wire_s for s in b) + b[0].latency_s)
         for b in packed
     )
-    end = 0.0
-    for launch, seconds in launches:
-        end = max(end, launch) + seconds
     total = sum(seconds for _, seconds in launches)
-    exposed = end - launches[-1][0]
+    exposed = queue_end(launches) - launches[-1][0]
     return BucketTimes(latency_s=sum(b[0].latency_s for b in packed), hidden_s=max(0.0, total - exposed))
 
 

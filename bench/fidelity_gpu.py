@@ -153,8 +153,8 @@ def _world(device: str, names: list[str], steps: int) -> dict[str, Any]:
             built[name] = _build(name, cluster, device)
         except Exception as error:  # noqa: BLE001 - a plan that fails is reported, the others go on
             failed[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}"
-    alone = {name: _median_step([plan["step"]] * (steps + 2), device)[0] for name, plan in built.items()}
-    in_turns = _median_step([plan["step"] for plan in built.values()] * (steps + 2), device)
+    alone = {name: _median_steps([plan["step"]], steps, device)[0] for name, plan in built.items()}
+    in_turns = _median_steps([plan["step"] for plan in built.values()], steps, device)
     rows = {
         name: {**{k: v for k, v in plan.items() if k != "step"}, "measured": alone[name], "in_turns": turns}
         for (name, plan), turns in zip(built.items(), in_turns)
@@ -162,17 +162,17 @@ def _world(device: str, names: list[str], steps: int) -> dict[str, Any]:
     return {"cluster": cluster.to_dict(), "calibration_s": timed, "plans": rows, "failed": failed}
 
 
-def _median_step(steps: list[Callable[[], float]], device: str) -> list[float]:
-    """The median seconds of each distinct function of ``steps``, which repeats the same functions
-    round after round in one order; the first two rounds warm up."""
-    distinct = len({id(f) for f in steps})
-    times: list[list[float]] = [[] for _ in range(distinct)]
-    for i, step in enumerate(steps):
-        rank_speed.synchronize(device)
-        t0 = time.perf_counter()
-        step()  # float(loss) waits for the device
-        if i >= 2 * distinct:
-            times[i % distinct].append(time.perf_counter() - t0)
+def _median_steps(steps: list[Callable[[], float]], rounds: int, device: str) -> list[float]:
+    """The median seconds of each of ``steps`` over ``rounds`` rounds, each round running every
+    step once in order, after two rounds of warm-up."""
+    times: list[list[float]] = [[] for _ in steps]
+    for round_ in range(rounds + 2):
+        for timed, step in zip(times, steps):
+            rank_speed.synchronize(device)
+            t0 = time.perf_counter()
+            step()  # float(loss) waits for the device
+            if round_ >= 2:
+                timed.append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
 
 

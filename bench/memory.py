@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-import autopar
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the ranks import examples/
+
+import autopar  # noqa: E402
 
 GB = 1e9
 MEASURED = [  # (mesh, annotation style, Memory options, recompute policy of every block)

@@ -245,3 +245,30 @@ def test_the_ilp_counts_the_copies_consumers_keep_of_redistributed_operands(monk
         )  # fmt: skip
     estimate, exact = seen[0]
     assert 0.85 * exact <= estimate <= exact
+
+
+@pytest.mark.parametrize(
+    ("style", "shape", "names"),
+    [("dp-tp", (2, 2), ("dp", "tp")), ("tp", (4,), ("tp",)), ("sp", (4,), ("tp",))],
+)
+def test_a_selective_region_keeps_what_the_plan_predicts(fake_process_group, style, shape, names):
+    """The peak activation memory of a step, measured on the fake ranks, is the plan's to 2%
+    under selective recompute. Two things the prediction once missed: a region keeps the
+    output of every collective it runs, the steps of a multi-axis redistribution and the copy a
+    ``grad_all_reduce`` makes among them (dp-tp measured 6.5% above, tp 2.6%); and a block's
+    output constraint, read by the next module, is outside the block's region once the compiler
+    drops it (its collectives are not kept)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.tools.activation_meter import ActivationMeter
+
+    model, args = _gpt()
+    gpt.annotate(model, style)
+    for block in model.blocks:
+        autopar.recompute(block, "selective")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dmodel = autopar.compile(model, mesh, args, cluster="fast-links")
+    with ActivationMeter() as meter:
+        dmodel(*dmodel.shard_inputs(*args)[0]).backward()
+    predicted = dmodel.plan.prediction.activation_bytes
+    assert abs(meter.peak - predicted) <= 0.02 * predicted, (meter.peak, predicted)

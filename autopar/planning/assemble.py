@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from autopar.capture.export import module_path
-from autopar.ir.layout import format_layout
+from autopar.ir.layout import Layout, format_layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import is_selective_save
@@ -40,16 +40,14 @@ from autopar.ir.printing import format_graph
 from autopar.ir.report import GRADIENT_SUM
 from autopar.planning.axis_roles import axis_roles
 from autopar.planning.cost import Cluster, Collective, CostModel
-from autopar.planning.gradient_sums import planned_edges
+from autopar.planning.gradient_sums import PlannedEdge, planned_edges
+from autopar.planning.held_state import HeldState, Split, held_state, state_names, stored_split, zero_splits
 from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.memory import (
     ActivationMemory,
     MemoryChoice,
     activation_memory,
     local_bytes,
-    state_bytes,
-    with_split,
-    zero_split,
 )
 from autopar.planning.named_layouts import named_layouts
 from autopar.planning.pipeline import PipelineInputs, plan_pipeline
@@ -59,17 +57,14 @@ from autopar.planning.stage_nodes import check_stage_memory
 from autopar.planning.step_overheads import (
     GradSum,
     StepTerms,
-    Update,
     gradient_seconds,
     program_ops,
     step_terms,
     update_seconds,
     whole_step,
 )
-from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
-from autopar.rules import OpCall, shape_of
-
-Split = tuple[int, int]  # (mesh axis, tensor dim) ZeRO splits a parameter along
+from autopar.planning.strategy_graph import StrategyGraph
+from autopar.rules import OpCall
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,19 +84,6 @@ class PlanSetting:
     budget: float | None = None
 
 
-@dataclass(frozen=True)
-class _State:
-    """Parameters' and buffers' layouts by fully-qualified name (aliases included), each one's
-    bytes per rank by placeholder: (itself, its gradient, optimizer state, host), what the
-    optimizer steps of each trained parameter on this rank, and the bytes of the leaf its
-    gradient accumulates in (the program's placeholder: ZeRO-3's shard, else the local whole)."""
-
-    layouts: dict[str, str]
-    held: dict[str, tuple[float, float, float, float]]
-    updates: dict[str, Update]
-    leaves: dict[str, float]
-
-
 def assemble_plan(
     setting: PlanSetting, choice: MemoryChoice, assignment: Mapping[str, int], report: SolverReport
 ) -> Plan:
@@ -113,19 +95,20 @@ def assemble_plan(
     g = setting.graph
     splits = zero_splits(g, assignment, setting.memory) if choice.zero else {}
     if choice.zero == 3:
-        g = _stored_split(g, assignment, splits)
+        g = stored_split(g, assignment, splits)
     graph = g.captured.graph
     layouts = g.layouts(assignment)
     laid = LaidOutGraph(graph=graph, layouts=layouts, mesh=g.mesh, flows=g.requires_grad)
     regions = recompute_regions(graph, choice.recompute, layouts, splits if choice.zero == 3 else ())
-    state = _state(g, assignment, splits, choice.zero, setting.memory)
-    acts = activation_memory(laid, regions, setting.memory.offload_activations)
+    state = held_state(g, assignment, splits, choice.zero, setting.memory)
+    planned, summed = planned_edges(laid, state_names(g))
+    acts = activation_memory(laid, regions, setting.memory.offload_activations, _edge_copies(g, planned))
     if setting.pipeline is not None and setting.budget is not None:
         # refuse a plan no stage split can hold before its costs and program are assembled
         memory = (state.held, acts.by_node)
         check_stage_memory(g.captured, setting.pipeline, setting.mesh, setting.budget, *memory)
     nodes = _decisions(g, assignment)
-    redists, summed = _edge_redistributions(g, laid, regions)
+    redists = _edge_redistributions(g, planned, regions)
     sums, grad_sums = _gradient_sums(
         g, assignment, summed, splits if choice.zero in (1, 2) else {}, choice.zero
     )
@@ -183,52 +166,6 @@ def assemble_plan(
     return result
 
 
-def zero_splits(
-    g: StrategyGraph, assignment: Mapping[str, int], memory: Memory
-) -> dict[torch.fx.Node, Split]:
-    """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see :func:`~autopar.planning.memory.zero_split`).
-
-    The axes a parameter's gradient is summed over are those the compiled program sums
-    (:func:`~autopar.planning.gradient_sums.planned_edges`) under the assignment. A table split
-    by ``ManualSplit`` is not split further: its lookups read its rows as the user gave them.
-    """
-    laid = LaidOutGraph(
-        graph=g.captured.graph, layouts=g.layouts(assignment), mesh=g.mesh, flows=g.requires_grad
-    )
-    _, summed = planned_edges(laid, _state_names(g))
-    manual = g.captured.annotations.parameter_rows
-    splits = {}
-    for node in g.captured.graph.nodes:  # graph order: every rank lists the splits alike
-        axes = summed.get(node)
-        if axes and node.name in g.captured.params and g.captured.params[node.name] not in manual:
-            layout = laid.layouts[node].output
-            itemsize = node.meta["val"].element_size()
-            split = zero_split(shape_of(node), layout, axes, g.mesh, itemsize, memory.zero_threshold)
-            if split is not None:
-                splits[node] = split
-    return splits
-
-
-def _state_names(g: StrategyGraph) -> set[str]:
-    """The placeholders of parameters and buffers."""
-    return set(g.captured.params) | set(g.captured.buffers)
-
-
-def _stored_split(
-    g: StrategyGraph, assignment: Mapping[str, int], splits: Mapping[torch.fx.Node, Split]
-) -> StrategyGraph:
-    """``g`` with each parameter ZeRO-3 splits stored split (its consumers then gather it)."""
-    stored = {
-        node: Choice(
-            root=None,
-            strategies=[fixed_strategy(with_split(g.strategy(node, assignment).outputs[0], split))],
-            kind=ChoiceKind.ZERO3,
-        )
-        for node, split in splits.items()
-    }
-    return replace(g, choices={**g.choices, **stored})
-
-
 def _decisions(g: StrategyGraph, assignment: Mapping[str, int]) -> list[NodeDecision]:
     """Every node's strategy, as the plan records it."""
     decisions = []
@@ -266,12 +203,10 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
 
 
 def _edge_redistributions(
-    g: StrategyGraph, laid: LaidOutGraph, regions: Mapping[torch.fx.Node, Region]
-) -> tuple[list[Redistribution], dict[torch.fx.Node, set[int]]]:
-    """The collectives exactly as the compiled program will issue them (same edges, same sums),
-    and the mesh axes each parameter's gradient is summed over."""
-    state = _state_names(g)
-    planned, summed = planned_edges(laid, state)
+    g: StrategyGraph, planned: Iterable[PlannedEdge], regions: Mapping[torch.fx.Node, Region]
+) -> list[Redistribution]:
+    """The collectives exactly as the compiled program will issue them (same edges, same sums)."""
+    state = state_names(g)
     found = []
     for (src, dst, slot), have, need, grad_need, grad_have in planned:
         if have == need and grad_need == grad_have:
@@ -295,7 +230,23 @@ def _edge_redistributions(
                 seconds=t_fwd + t_bwd,
             )
         )
-    return found, summed
+    return found
+
+
+def _edge_copies(
+    g: StrategyGraph, planned: Iterable[PlannedEdge]
+) -> dict[tuple[str, int], tuple[Layout, ...]]:
+    """Per edge (consumer, operand slot), the layouts of its collectives' outputs besides the one
+    the consumer reads in a layout of its own (what a recompute region keeps of them too): every
+    step's output but the last, and the last as well where the value keeps its layout (a
+    ``grad_all_reduce``'s copy, changing only the gradient)."""
+    copies = {}
+    for (_, dst, slot), have, need, grad_need, grad_have in planned:
+        made = [step.after for step in g.cost.edge_plan(have, need, grad_need, grad_have)]
+        made = made if have == need else made[:-1]
+        if made:
+            copies[(dst.name, slot)] = tuple(made)
+    return copies
 
 
 def _gradient_sums(
@@ -375,40 +326,6 @@ def _recomputed(
     }
 
 
-def _state(
-    g: StrategyGraph,
-    assignment: Mapping[str, int],
-    splits: Mapping[torch.fx.Node, Split],
-    zero: int,
-    memory: Memory,
-) -> _State:
-    """Every parameter's and buffer's layout and bytes per rank under ZeRO stage ``zero``."""
-    layouts: dict[str, str] = {}
-    held: dict[str, tuple[float, float, float, float]] = {}
-    updates: dict[str, Update] = {}
-    leaves: dict[str, float] = {}
-    by_name = {n.name: n for n in g.choices}
-    for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
-        node = by_name[name]
-        layout = g.strategy(node, assignment).outputs[0]
-        for alias in g.captured.aliases.get(fqn, [fqn]):
-            layouts[alias] = format_layout(layout)
-        split = splits.get(node)
-        n = g.mesh.axis_sizes[split[0]] if split else 1
-        local = local_bytes(node, layout, g.mesh) * (n if zero == 3 else 1)
-        manual = g.captured.annotations.parameter_rows.get(fqn)
-        if manual is not None:  # every rank holds its rows padded to the largest count
-            local *= len(manual.rows) * max(manual.rows) / sum(manual.rows)
-        grad = name in g.captured.params and bool(g.requires_grad.get(node))
-        itemsize = node.meta["val"].element_size()
-        b = state_bytes(local, itemsize, n, zero, memory, grad)
-        held[name] = (b.param, b.grad, b.optimizer, b.host)
-        if grad:  # the optimizer steps its shard under ZeRO, the whole local parameter otherwise
-            updates[name] = Update(elements=local / itemsize / (n if zero else 1), itemsize=itemsize)
-            leaves[name] = local / (n if zero == 3 else 1)
-    return _State(layouts=layouts, held=held, updates=updates, leaves=leaves)
-
-
 def _warnings(g: StrategyGraph) -> list[str]:
     """One warning per op without a sharding rule, per module it runs in."""
     return [
@@ -422,7 +339,7 @@ def _memory_plan(
     choice: MemoryChoice,
     splits: Mapping[torch.fx.Node, Split],
     acts: ActivationMemory,
-    state: _State,
+    state: HeldState,
 ) -> MemoryPlan:
     memory, g = setting.memory, setting.graph
     return MemoryPlan(
@@ -448,7 +365,7 @@ def _pipeline_inputs(
     g: StrategyGraph,
     layouts: Mapping[torch.fx.Node, NodeLayouts],
     acts: ActivationMemory,
-    state: _State,
+    state: HeldState,
     terms: StepTerms,
 ) -> PipelineInputs:
     """What the pipeline's stages are planned from (per microbatch, on one stage's mesh)."""

@@ -30,6 +30,7 @@ from autopar.planning.laid_out import LaidOutGraph
 from autopar.rules.op_call import OpCall
 
 Edge = tuple[torch.fx.Node, torch.fx.Node, int]  # (producer, consumer, operand slot)
+PlannedEdge = tuple[Edge, Layout, Layout, Layout, Layout]  # (edge, have, need, grad_need, grad_have)
 
 
 def _tensor(a: object) -> bool:
@@ -130,7 +131,7 @@ def deferred_sums(
 
 def planned_edges(
     laid: LaidOutGraph, params: set[str]
-) -> tuple[list[tuple[Edge, Layout, Layout, Layout, Layout]], dict[torch.fx.Node, set[int]]]:
+) -> tuple[list[PlannedEdge], dict[torch.fx.Node, set[int]]]:
     """Every edge with (have, need, grad_need, grad_have) as it will run, and the parameters' sums.
 
     ``grad_have`` is the layout the producer's gradient must have; ``grad_need`` the

@@ -226,6 +226,20 @@ def held_value(
     return Saved(key, nbytes * fraction, source, redistributed)
 
 
+def copy_values(
+    laid: LaidOutGraph, value: torch.fx.Node, layouts: Iterable[Layout], edge: tuple[str, int]
+) -> list[Saved]:
+    """The copies of ``value`` an edge's collectives make on the way, one per layout in ``layouts``
+    (each collective's output is a new tensor of the value's size, laid out so)."""
+    v = _value(value, 0)
+    nbytes = v.numel() * v.element_size()
+    source = source_of(value)[0]
+    return [
+        Saved((storage_ref(v), layout, edge, k), nbytes * local_fraction(layout, laid.mesh), source, True)
+        for k, layout in enumerate(layouts)
+    ]
+
+
 def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
     """What ``node`` keeps for backward, per rank (see :class:`Saved`).
 
@@ -314,7 +328,10 @@ def _max_prefix(delta: list[float]) -> float:
 
 
 def activation_memory(
-    laid: LaidOutGraph, regions: Mapping[torch.fx.Node, Region], offload: bool = False
+    laid: LaidOutGraph,
+    regions: Mapping[torch.fx.Node, Region],
+    offload: bool = False,
+    copies: Mapping[tuple[str, int], tuple[Layout, ...]] | None = None,
 ) -> ActivationMemory:
     """Activation bytes of a laid-out graph (see the module docstring).
 
@@ -324,7 +341,11 @@ def activation_memory(
     ``regions`` maps ops to ``(region, policy)``. A region keeps every value entering it
     from outside (its checkpoint holds them), the output of every collective it runs (a
     redistributed operand: communication is never repeated, except a gather of a
-    parameter or another placeholder, which runs again) and, under the selective policy,
+    parameter or another placeholder, which runs again; ``copies`` lists, per edge
+    ``(consumer, operand slot)``, the layouts of the outputs of its collectives besides the
+    one the consumer reads in a layout other than its producer's: a chain's intermediate
+    values, and the copy a gradient-only ``grad_all_reduce`` makes) and, under the selective
+    policy,
     the outputs of its matrix products and attention; everything else its ops save is
     recomputed in backward. Liveness: backward frees what the ops after a region kept
     before it recomputes that region, so the peak is the larger of everything kept at the
@@ -361,6 +382,8 @@ def activation_memory(
                 keep(at, held_value(laid, src, layouts[src].output), True)
             if need != layouts[src].output:
                 keep(at, held_value(laid, src, need, (node.name, slot)), True)
+            for item in copy_values(laid, src, (copies or {}).get((node.name, slot), ()), (node.name, slot)):
+                keep(at, item, True)
         if policy == SELECTIVE and is_selective_save(node.target):
             keep(at, held_value(laid, node, _out_layout(layouts[node], 0)), True)
     own = {name: sum(v for k, v in values.items() if k not in kept) for name, values in inside.items()}

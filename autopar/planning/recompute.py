@@ -49,12 +49,24 @@ def _is_op(node: torch.fx.Node) -> bool:
 
 
 def module_regions(graph: torch.fx.Graph, recompute: Mapping[str, str]) -> dict[torch.fx.Node, Region]:
-    """Each op inside a recompute module (``recompute``: module path -> policy), in graph order."""
+    """Each op inside a recompute module (``recompute``: module path -> policy), in graph order.
+
+    A layout constraint joins the region all its users are in, whatever module it was written
+    in: the compiler drops it, and the collectives it leaves join their consumers' region (the
+    ``mark_recompute`` pass), so a block's output constraint read by the next, unrecomputed
+    module is outside its block's region.
+    """
     found = {}
     for node in graph.nodes:
-        if _is_op(node) and (region := _region_of(node, recompute)) is not None:
-            found[node] = region
-    return found
+        if _is_op(node) and str(node.target) != LAYOUT_CONSTRAINT:
+            if (region := _region_of(node, recompute)) is not None:
+                found[node] = region
+    for node in reversed(graph.nodes):  # users first: a chain of constraints takes its consumer's
+        if str(node.target) == LAYOUT_CONSTRAINT:
+            marks = {found.get(u) for u in node.users}
+            if len(marks) == 1 and None not in marks:
+                found[node] = marks.pop()
+    return {node: found[node] for node in graph.nodes if node in found}
 
 
 def _gathered_readers(

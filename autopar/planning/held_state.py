@@ -1,0 +1,120 @@
+"""What parameters and buffers hold per rank under a plan's ZeRO stage: their splits and bytes.
+
+:func:`zero_splits` picks, for every parameter whose gradient the program sums, the mesh axis
+and dim ZeRO splits it along (:func:`~autopar.planning.memory.zero_split`); :func:`held_state`
+prices every parameter's and buffer's bytes per rank (itself, its gradient, optimizer state,
+host) and what its optimizer step updates; under ZeRO-3 :func:`stored_split` stores the split
+parameters split, so their consumers gather them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from autopar.ir.layout import format_layout
+from autopar.ir.options import Memory
+from autopar.ir.plan import ChoiceKind
+from autopar.planning.gradient_sums import planned_edges
+from autopar.planning.laid_out import LaidOutGraph
+from autopar.planning.memory import local_bytes, state_bytes, with_split, zero_split
+from autopar.planning.step_overheads import Update
+from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
+from autopar.rules import shape_of
+
+Split = tuple[int, int]  # (mesh axis, tensor dim) ZeRO splits a parameter along
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """Parameters' and buffers' layouts by fully-qualified name (aliases included), each one's
+    bytes per rank by placeholder: (itself, its gradient, optimizer state, host), what the
+    optimizer steps of each trained parameter on this rank, and the bytes of the leaf its
+    gradient accumulates in (the program's placeholder: ZeRO-3's shard, else the local whole)."""
+
+    layouts: dict[str, str]
+    held: dict[str, tuple[float, float, float, float]]
+    updates: dict[str, Update]
+    leaves: dict[str, float]
+
+
+def zero_splits(
+    g: StrategyGraph, assignment: Mapping[str, int], memory: Memory
+) -> dict[torch.fx.Node, Split]:
+    """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see :func:`~autopar.planning.memory.zero_split`).
+
+    The axes a parameter's gradient is summed over are those the compiled program sums
+    (:func:`~autopar.planning.gradient_sums.planned_edges`) under the assignment. A table split
+    by ``ManualSplit`` is not split further: its lookups read its rows as the user gave them.
+    """
+    laid = LaidOutGraph(
+        graph=g.captured.graph, layouts=g.layouts(assignment), mesh=g.mesh, flows=g.requires_grad
+    )
+    _, summed = planned_edges(laid, state_names(g))
+    manual = g.captured.annotations.parameter_rows
+    splits = {}
+    for node in g.captured.graph.nodes:  # graph order: every rank lists the splits alike
+        axes = summed.get(node)
+        if axes and node.name in g.captured.params and g.captured.params[node.name] not in manual:
+            layout = laid.layouts[node].output
+            itemsize = node.meta["val"].element_size()
+            split = zero_split(shape_of(node), layout, axes, g.mesh, itemsize, memory.zero_threshold)
+            if split is not None:
+                splits[node] = split
+    return splits
+
+
+def state_names(g: StrategyGraph) -> set[str]:
+    """The placeholders of parameters and buffers."""
+    return set(g.captured.params) | set(g.captured.buffers)
+
+
+def stored_split(
+    g: StrategyGraph, assignment: Mapping[str, int], splits: Mapping[torch.fx.Node, Split]
+) -> StrategyGraph:
+    """``g`` with each parameter ZeRO-3 splits stored split (its consumers then gather it)."""
+    stored = {
+        node: Choice(
+            root=None,
+            strategies=[fixed_strategy(with_split(g.strategy(node, assignment).outputs[0], split))],
+            kind=ChoiceKind.ZERO3,
+        )
+        for node, split in splits.items()
+    }
+    return replace(g, choices={**g.choices, **stored})
+
+
+def held_state(
+    g: StrategyGraph,
+    assignment: Mapping[str, int],
+    splits: Mapping[torch.fx.Node, Split],
+    zero: int,
+    memory: Memory,
+) -> HeldState:
+    """Every parameter's and buffer's layout and bytes per rank under ZeRO stage ``zero``."""
+    layouts: dict[str, str] = {}
+    held: dict[str, tuple[float, float, float, float]] = {}
+    updates: dict[str, Update] = {}
+    leaves: dict[str, float] = {}
+    by_name = {n.name: n for n in g.choices}
+    for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
+        node = by_name[name]
+        layout = g.strategy(node, assignment).outputs[0]
+        for alias in g.captured.aliases.get(fqn, [fqn]):
+            layouts[alias] = format_layout(layout)
+        split = splits.get(node)
+        n = g.mesh.axis_sizes[split[0]] if split else 1
+        local = local_bytes(node, layout, g.mesh) * (n if zero == 3 else 1)
+        manual = g.captured.annotations.parameter_rows.get(fqn)
+        if manual is not None:  # every rank holds its rows padded to the largest count
+            local *= len(manual.rows) * max(manual.rows) / sum(manual.rows)
+        grad = name in g.captured.params and bool(g.requires_grad.get(node))
+        itemsize = node.meta["val"].element_size()
+        b = state_bytes(local, itemsize, n, zero, memory, grad)
+        held[name] = (b.param, b.grad, b.optimizer, b.host)
+        if grad:  # the optimizer steps its shard under ZeRO, the whole local parameter otherwise
+            updates[name] = Update(elements=local / itemsize / (n if zero else 1), itemsize=itemsize)
+            leaves[name] = local / (n if zero == 3 else 1)
+    return HeldState(layouts=layouts, held=held, updates=updates, leaves=leaves)

@@ -11,7 +11,8 @@ splits a parameter over, ``s`` the optimizer's fp32 values per element)::
     activations  kept:  every value some op saves for backward, once per (value, layout),
                         outside recompute regions; a region keeps only its inputs and the
                         outputs its policy saves
-                 peak:  kept + the largest region's own saved values (recomputed in backward)
+                 peak:  the forward's, or a region's recomputation in backward: kept up to it,
+                        plus what it recomputes, less its kept outputs no op saves
 
 ``bytes(p)`` is the parameter's local size in its planned layout. A parameter is split
 by ZeRO only along a mesh axis its gradient is summed over (a data-parallel axis for
@@ -29,7 +30,7 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -327,6 +328,36 @@ def _max_prefix(delta: list[float]) -> float:
     return peak
 
 
+@dataclass
+class _RegionLog:
+    """What one recompute region keeps and recomputes, by program position (see :func:`activation_memory`)."""
+
+    last: int = 0  # its last op
+    last_saver: int = -1  # its last op saving a tensor for backward: the recomputation stops there
+    saved: dict[tuple, tuple[float, int]] = field(default_factory=dict)  # key -> (bytes, first saver)
+    cached: dict[tuple, int] = field(default_factory=dict)  # outputs its policy keeps -> position
+
+
+def _recompute_peak(log: _RegionLog, base: float, kept: Mapping[tuple, float], dead: set[tuple]) -> float:
+    """The most alive while backward recomputes a region, from ``base`` (what is kept up to its
+    last op): each recomputed value it saves adds its bytes at its first saver; a kept output
+    that nothing saves for backward (in ``dead``) is freed once the recomputation has used it."""
+    adds: dict[int, float] = {}
+    frees: dict[int, float] = {}
+    for key, (nbytes, at) in log.saved.items():
+        if key not in kept:
+            adds[at] = adds.get(at, 0.0) + nbytes
+    for key, at in log.cached.items():
+        if key in dead and at <= log.last_saver:
+            frees[at] = frees.get(at, 0.0) + kept[key]
+    peak = running = base
+    for at in sorted(adds.keys() | frees.keys()):
+        running += adds.get(at, 0.0)
+        peak = max(peak, running)
+        running -= frees.get(at, 0.0)
+    return peak
+
+
 def activation_memory(
     laid: LaidOutGraph,
     regions: Mapping[torch.fx.Node, Region],
@@ -345,19 +376,20 @@ def activation_memory(
     ``(consumer, operand slot)``, the layouts of the outputs of its collectives besides the
     one the consumer reads in a layout other than its producer's: a chain's intermediate
     values, and the copy a gradient-only ``grad_all_reduce`` makes) and, under the selective
-    policy,
-    the outputs of its matrix products and attention; everything else its ops save is
-    recomputed in backward. Liveness: backward frees what the ops after a region kept
-    before it recomputes that region, so the peak is the larger of everything kept at the
-    end of the forward and, over regions, what the ops up to the region keep plus the
-    region's own recomputed values.
+    policy, the outputs of its matrix products and attention; everything else its ops save
+    is recomputed in backward. Liveness: backward frees what the ops after a region kept
+    before it recomputes that region; the recomputation (torch's non-reentrant checkpoint)
+    runs the region's ops up to the last one saving a tensor, each adding what it saves,
+    and hands each kept output over as it goes, so one that no op saves for backward is
+    freed then. The peak is the larger of the forward's and, over regions, the most alive
+    during its recomputation.
     """
     layouts = laid.layouts
     kept: dict[tuple, float] = {}
     owner: dict[tuple, int] = {}  # key -> position of the first op keeping it
-    inside: dict[str, dict[tuple, float]] = {}
-    last: dict[str, int] = {}  # region -> position of its last op
+    logs: dict[str, _RegionLog] = {}
     by_regions: set[tuple] = set()
+    held: set[tuple] = set()  # what a saving op or a region's checkpoint holds into backward
 
     def keep(at: int, item: Saved, by_region: bool) -> None:
         kept[item.key] = item.nbytes
@@ -367,26 +399,35 @@ def activation_memory(
 
     for at, node in enumerate(laid.graph.nodes):
         saved = saved_values(laid, node)
+        held.update(item.key for item in saved)
         region = regions.get(node) if node in layouts else None
         if region is None:
             for item in saved:
                 keep(at, item, False)
             continue
         name, policy = region
-        last[name] = at
-        inside.setdefault(name, {}).update((item.key, item.nbytes) for item in saved)
+        log = logs.setdefault(name, _RegionLog())
+        log.last = at
+        if saved:
+            log.last_saver = at
+        for item in saved:
+            log.saved.setdefault(item.key, (item.nbytes, at))
+        cached = []
         for slot, (src, need) in enumerate(zip(OpCall.of(node).operands, layouts[node].operands)):
             if need is None or src not in layouts or source_of(src)[0].op == "placeholder":
                 continue
             if regions.get(src, (None,))[0] != name:
-                keep(at, held_value(laid, src, layouts[src].output), True)
+                entering = held_value(laid, src, layouts[src].output)
+                keep(at, entering, True)
+                held.add(entering.key)
             if need != layouts[src].output:
-                keep(at, held_value(laid, src, need, (node.name, slot)), True)
-            for item in copy_values(laid, src, (copies or {}).get((node.name, slot), ()), (node.name, slot)):
-                keep(at, item, True)
+                cached.append(held_value(laid, src, need, (node.name, slot)))
+            cached += copy_values(laid, src, (copies or {}).get((node.name, slot), ()), (node.name, slot))
         if policy == SELECTIVE and is_selective_save(node.target):
-            keep(at, held_value(laid, node, _out_layout(layouts[node], 0)), True)
-    own = {name: sum(v for k, v in values.items() if k not in kept) for name, values in inside.items()}
+            cached.append(held_value(laid, node, _out_layout(layouts[node], 0)))
+        for item in cached:
+            keep(at, item, True)
+            log.cached.setdefault(item.key, at)
     total = sum(kept.values())
     device = {k: v for k, v in kept.items() if k in by_regions or not offload}
     names = [n.name for n in laid.graph.nodes]
@@ -394,7 +435,9 @@ def activation_memory(
     for k, v in device.items():
         kept_by[owner[k]] += v
     up_to = list(itertools.accumulate(kept_by))
-    peak = max([_forward_peak(laid, device, owner)] + [up_to[last[name]] + own[name] for name in own])
+    dead = {k for k in device if k not in held}
+    recomputing = [_recompute_peak(log, up_to[log.last], device, dead) for log in logs.values()]
+    peak = max([_forward_peak(laid, device, owner), *recomputing])
     by_node: dict[str, float] = {}
     for key, at in owner.items():
         by_node[names[at]] = by_node.get(names[at], 0.0) + kept[key]

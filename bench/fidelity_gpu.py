@@ -4,10 +4,11 @@ Usage, from the repository root, on a machine with a CUDA GPU::
 
     python bench/fidelity_gpu.py [--steps 8] [--json out.json] [--plans "fp32 b16,bf16 b64"]
 
-The device is timed first as ``autopar calibrate`` times a rank (:mod:`autopar.tools.rank_speed`
-on the GPU: product FLOP/s per dtype, memory bandwidth, exp and the elementwise functions' rates,
-the overhead of an op, of a recompute region's op and of an optimizer tensor, the copies to and
-from the host, the host's memory bandwidth and op overhead) into an asynchronous cluster whose
+The device is timed first as ``autopar calibrate --device cuda`` times it
+(:func:`autopar.tools.calibrate_device.device_cluster`, :mod:`autopar.tools.rank_speed` on the
+GPU: product FLOP/s per dtype, memory bandwidth, exp and the elementwise functions' rates, the
+overhead of an op, of a recompute region's op and of an optimizer tensor, the copies to and from
+the host, the host's memory bandwidth and op overhead) into an asynchronous cluster whose
 links are the ``h100`` preset's: one GPU has no link to time, and a one-device plan sends nothing
 over one.
 Then the example GPT is planned, compiled on a mesh of that one device (an NCCL world of one) and
@@ -26,7 +27,6 @@ one, to try the script where there is no GPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar.ir.options import dtype_name  # noqa: E402
 from autopar.planning.cost import Cluster, get_cluster  # noqa: E402
 from autopar.tools import rank_speed  # noqa: E402
+from autopar.tools.calibrate_device import LINKS_FROM, device_cluster  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402
 from bench.fidelity import chosen_plans, spearman  # noqa: E402
 from examples import gpt  # noqa: E402
@@ -63,30 +63,6 @@ PLANS: dict[str, tuple[gpt.GPTConfig, int, dict[str, Any]]] = {
     "wide bf16 b8": (WIDE, 8, BF16),
     "wide bf16 recompute b8": (WIDE, 8, {**BF16, "recompute": True}),
 }
-
-
-def measured_cluster(device: str) -> Cluster:
-    """The device timed as ``autopar calibrate`` times a rank; links and host figures from the
-    preset of its kind (``h100`` on a GPU, ``cpu-gloo`` on the CPU)."""
-    bandwidth = rank_speed.memory_bandwidth(device)
-    gpu = device != "cpu"
-    return dataclasses.replace(
-        get_cluster("h100" if gpu else "cpu-gloo"),
-        name=f"measured {torch.cuda.get_device_name(device) if gpu else 'cpu'}",
-        peak_flops={dtype_name(d): rank_speed.matmul_flops(d, device) for d in rank_speed.MEASURED_DTYPES},
-        memory_bandwidth_Bps=bandwidth,
-        memory_bytes=torch.cuda.get_device_properties(device).total_memory if gpu else 1 << 34,
-        op_overhead_s=rank_speed.op_overhead(device),
-        recompute_op_s=rank_speed.recompute_overhead(device),
-        asynchronous=gpu,
-        # optimizer offload's copies and host update, timed rather than the preset's
-        host_link_Bps=rank_speed.host_link(device) if gpu else None,
-        host_memory_bandwidth_Bps=rank_speed.memory_bandwidth("cpu") if gpu else None,
-        host_op_overhead_s=rank_speed.op_overhead("cpu") if gpu else None,
-        optimizer_tensor_s=rank_speed.optimizer_tensor(bandwidth, device),
-        transcendentals_per_s=rank_speed.transcendentals(device),
-        function_rates=rank_speed.function_rates(device),
-    )
 
 
 def _build(name: str, cluster: Cluster, device: str) -> dict[str, Any]:
@@ -145,7 +121,7 @@ def _world(device: str, names: list[str], steps: int) -> dict[str, Any]:
     if device != "cpu":
         torch.cuda.set_device(device)
     started = time.perf_counter()
-    cluster = measured_cluster(device)
+    cluster = device_cluster(device, get_cluster(LINKS_FROM[torch.device(device).type]))
     timed = time.perf_counter() - started
     built, failed = {}, {}
     for name in names:

@@ -240,6 +240,42 @@ def test_calibrate_refuses_a_torchrun_world_with_gpus(monkeypatch, capsys):
     assert "this world has GPUs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "cuda"], "this machine has no CUDA device"),
+        (["--device", "tpu"], "is not a torch device such as cuda or cuda:1"),
+        (["--device", "meta"], "calibrate times cuda or cpu devices"),
+        (["--links", "h100"], "give --device too"),
+        (["--device", "cpu", "--ranks", "2"], "without --ranks, and not under torchrun"),
+        (["--device", "cpu", "--links", "nvlink"], "presets are"),
+    ],
+)
+def test_calibrating_one_device_checks_its_options(monkeypatch, capsys, args, message):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["calibrate", *args, "-o", "unused.json"]) != 0
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_times_one_device_with_a_presets_links(tmp_path: Path, capsys):
+    """``--device``: what a rank computes with is timed on the device (the CPU here, a GPU where
+    there is one, as bench/fidelity_gpu.py does), the links are the named preset's."""
+    path = tmp_path / "cluster.json"
+    assert main(["calibrate", "--device", "cpu", "--links", "h100", "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "no collectives to time: the links, devices per node and stragglers are the h100 preset's" in out
+    cluster, preset = get_cluster(str(path)), get_cluster("h100")
+    assert cluster.measured_on == this_machine() and cluster.name == "calibrated"
+    assert (cluster.intra_node, cluster.inter_node) == (preset.intra_node, preset.inter_node)
+    assert cluster.devices_per_node == preset.devices_per_node
+    assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
+    assert cluster.peak_flops["float32"] < preset.peak_flops["float32"] / 100  # the CPU's, not the H100's
+    assert cluster.recompute_op_s > cluster.op_overhead_s > 0 and not cluster.asynchronous
+    model, args = gpt.build()
+    assert autopar.plan(model, args, {"dp": 2}, cluster=str(path)).cluster["name"] == "calibrated"
+
+
 @pytest.mark.slow
 def test_calibrate_measures_this_machine_into_a_file(tmp_path: Path, capsys):
     path = tmp_path / "cluster.json"

@@ -367,7 +367,7 @@ def _measured_under_torchrun() -> dict[str, Any] | None:
     if torch.cuda.is_available():
         raise OptionError(
             "autopar calibrate times CPU ranks over gloo, and this world has GPUs, whose rates it would not "
-            "measure: plan with the h100 preset, or time one GPU as bench/fidelity_gpu.py does"
+            "measure: time one GPU with `autopar calibrate --device cuda -o F` (its links from a preset)"
         )
     if world < 2 or world % per_node:
         raise OptionError(
@@ -380,16 +380,20 @@ def _measured_under_torchrun() -> dict[str, Any] | None:
         dist.destroy_process_group()
 
 
-def run_calibrate(path: str, ranks: int | None) -> str:
+def run_calibrate(path: str, ranks: int | None, device: str | None = None, links: str | None = None) -> str:
     """``autopar calibrate``: measure, write the cluster (named ``calibrated``) to ``path`` as JSON,
     and return what to print; "" on every rank but 0 under torchrun, which writes nothing.
 
-    Under torchrun (:func:`under_torchrun`) its world is measured and ``devices_per_node`` is
-    ``LOCAL_WORLD_SIZE``; ``ranks``, if given, must be its world size. Otherwise ``ranks``
-    (default 2) gloo ranks are spawned on this host, as one node. The file is marked as measured
-    on this host (``measured_on``), unless the ranks ran on several hosts: then it is left empty,
-    so that every host of the world can load it.
+    With ``device`` this process times that one device, its links from the preset ``links``
+    (:func:`autopar.tools.calibrate_device.measure_device`; not with ``ranks``, nor under
+    torchrun). Under torchrun (:func:`under_torchrun`) its world is measured and
+    ``devices_per_node`` is ``LOCAL_WORLD_SIZE``; ``ranks``, if given, must be its world size.
+    Otherwise ``ranks`` (default 2) gloo ranks are spawned on this host, as one node. The file
+    is marked as measured on this host (``measured_on``), unless the ranks ran on several hosts:
+    then it is left empty, so that every host of the world can load it.
     """
+    if device is not None or links is not None:
+        return _run_one_device(path, ranks, device, links)
     if under_torchrun():
         if ranks not in (None, int(os.environ["WORLD_SIZE"])):
             raise OptionError(f"--ranks {ranks} under torchrun, whose world has {os.environ['WORLD_SIZE']}")
@@ -404,6 +408,20 @@ def run_calibrate(path: str, ranks: int | None) -> str:
         notes.append(f"measured on {len(hosts)} hosts: measured_on is left empty so each can load the file")
     Path(path).write_text(json.dumps(cluster.to_dict(), indent=1))
     return _report(cluster, measured, notes, path)
+
+
+def _run_one_device(path: str, ranks: int | None, device: str | None, links: str | None) -> str:
+    from autopar.tools.calibrate_device import device_report, measure_device
+
+    if device is None:
+        raise OptionError("--links names the preset one device's links come from: give --device too")
+    if ranks is not None or under_torchrun():
+        raise OptionError(
+            "--device times one device in this process: without --ranks, and not under torchrun"
+        )
+    cluster, notes = measure_device(device, links)
+    Path(path).write_text(json.dumps(cluster.to_dict(), indent=1))
+    return "\n".join([*device_report(cluster, device), *notes, f"cluster written to {path}"])
 
 
 def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: str) -> str:

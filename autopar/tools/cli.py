@@ -4,6 +4,7 @@
 
     autopar plan MODEL --mesh dp=8,tp=8|--devices 64 [--cluster NAME|FILE] [--budget 80GB] [-o plan.json]
     autopar calibrate [--ranks 2] -o cluster.json   (or: torchrun ... -m autopar.tools.cli calibrate -o F)
+    autopar calibrate --device cuda [--links h100] -o cluster.json   (one GPU, links from a preset)
     autopar show MODEL --mesh dp=2,tp=2 | autopar show plan.json
     autopar explain plan.json NODE
     autopar viz MODEL|plan.json -o graph.html|graph.svg|graph.dot
@@ -335,7 +336,7 @@ def cmd_scaling(a: argparse.Namespace) -> None:
 def cmd_calibrate(a: argparse.Namespace) -> None:
     from autopar.tools.calibrate import run_calibrate
 
-    report = run_calibrate(a.output, a.ranks)
+    report = run_calibrate(a.output, a.ranks, a.device, a.links)
     if report:  # under torchrun only rank 0 reports
         print(report)
 
@@ -461,6 +462,8 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--ranks", type=positive_int, help="local gloo ranks measured at once (default 2; not under torchrun)"
     )
+    calibrate.add_argument("--device", help="time this one device instead (cuda, cuda:1)")
+    calibrate.add_argument("--links", help="with --device: the preset its links come from (default h100)")
     calibrate.add_argument("-o", "--output", type=writable, required=True, help="cluster.json")
     calibrate.set_defaults(run=cmd_calibrate)
     return parser

@@ -343,3 +343,32 @@ def test_a_regather_gathers_again_in_backward(
     collectives.reset_comm_counts()
     gm(x).backward()
     assert collectives.collective_calls() == {("all_gather", "dp"): gathers}
+
+
+def test_batch_norm_statistics_are_updated_outside_every_region() -> None:
+    """A checkpoint keeps its inputs and refuses one changed in place since (a buffer's
+    ``num_batches_tracked``), and a replayed update would apply twice: the ops writing into a
+    buffer stay out of the recomputed module's region, every other op of it is in."""
+    from autopar.capture.export import capture, module_stack
+    from autopar.ir.mesh import MeshSpec
+    from autopar.planning.recompute import module_regions, updates_state
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.relu(self.bn(self.conv(x))) + x
+
+    model = nn.Sequential(Block(), Block())
+    graph = capture(model, (torch.randn(2, 4, 8, 8),), None, MeshSpec.of({"dp": 1})).graph
+    regions = module_regions(graph, {"0": FULL})
+    updates = [n for n in graph.nodes if updates_state(n)]
+    # per batch norm: num_batches_tracked, and the running mean and variance (scaled, then added to)
+    assert len(updates) == 2 * 5 and not any(n in regions for n in updates)
+    first = [n for n in graph.nodes if n.op == "call_function" and "0" in module_stack(n)]
+    computing = [n for n in first if n.target is not operator.getitem and not updates_state(n)]
+    computing = [n for n in computing if not n.name.startswith("layout_constraint")]  # their users' region
+    assert computing and all(regions[n] == ("0", FULL) for n in computing)

@@ -266,3 +266,12 @@ def build(name: str) -> tuple:
 
     transformers.logging.set_verbosity_error()
     return ZOO[name]()
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of the model's first list of two or more modules of one class (its layers or
+    stages), the modules a user recomputes."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= 2 and len(set(map(type, module))) == 1:
+            return list(module)
+    return []

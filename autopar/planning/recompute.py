@@ -48,17 +48,42 @@ def _is_op(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is not operator.getitem and not is_collective(node)
 
 
+def updates_state(node: torch.fx.Node) -> bool:
+    """An in-place op writing into a placeholder's memory: a buffer's running statistics, updated
+    by batch norm in training. It stays outside every region: a checkpoint keeps its inputs and
+    refuses one changed in place since, and replaying the update in backward would apply it twice."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return False
+    given = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
+    return any(
+        arg.alias_info is not None and arg.alias_info.is_write and _in_placeholder(given.get(arg.name))
+        for arg in schema.arguments
+    )
+
+
+def _in_placeholder(value: object) -> bool:
+    """Whether ``value`` is a placeholder, or a view or in-place result of one (the same memory)."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function":
+        schema = getattr(value.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not value.args:
+            return False
+        value = value.args[0]
+    return isinstance(value, torch.fx.Node) and value.op == "placeholder"
+
+
 def module_regions(graph: torch.fx.Graph, recompute: Mapping[str, str]) -> dict[torch.fx.Node, Region]:
     """Each op inside a recompute module (``recompute``: module path -> policy), in graph order.
 
-    A layout constraint joins the region all its users are in, whatever module it was written
-    in: the compiler drops it, and the collectives it leaves join their consumers' region (the
+    An op updating a buffer in place (:func:`updates_state`) is in none. A layout constraint
+    joins the region all its users are in, whatever module it was written in: the compiler
+    drops it, and the collectives it leaves join their consumers' region (the
     ``mark_recompute`` pass), so a block's output constraint read by the next, unrecomputed
     module is outside its block's region.
     """
     found = {}
     for node in graph.nodes:
-        if _is_op(node) and str(node.target) != LAYOUT_CONSTRAINT:
+        if _is_op(node) and str(node.target) != LAYOUT_CONSTRAINT and not updates_state(node):
             if (region := _region_of(node, recompute)) is not None:
                 found[node] = region
     for node in reversed(graph.nodes):  # users first: a chain of constraints takes its consumer's

@@ -23,7 +23,7 @@ import torch
 
 from autopar.capture.export import module_stack
 from autopar.ir.meta import NodeLayouts
-from autopar.ir.ops import LAYOUT_CONSTRAINT, is_autopar_op
+from autopar.ir.ops import LAYOUT_CONSTRAINT, is_autopar_op, written_operand
 from autopar.ir.options import SELECTIVE
 from autopar.rules import OpCall
 
@@ -49,27 +49,11 @@ def _is_op(node: torch.fx.Node) -> bool:
 
 
 def updates_state(node: torch.fx.Node) -> bool:
-    """An in-place op writing into a placeholder's memory: a buffer's running statistics, updated
-    by batch norm in training. It stays outside every region: a checkpoint keeps its inputs and
-    refuses one changed in place since, and replaying the update in backward would apply it twice."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or not schema.is_mutable:
-        return False
-    given = dict(zip((a.name for a in schema.arguments), node.args)) | node.kwargs
-    return any(
-        arg.alias_info is not None and arg.alias_info.is_write and _in_placeholder(given.get(arg.name))
-        for arg in schema.arguments
-    )
-
-
-def _in_placeholder(value: object) -> bool:
-    """Whether ``value`` is a placeholder, or a view or in-place result of one (the same memory)."""
-    while isinstance(value, torch.fx.Node) and value.op == "call_function":
-        schema = getattr(value.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not value.args:
-            return False
-        value = value.args[0]
-    return isinstance(value, torch.fx.Node) and value.op == "placeholder"
+    """An in-place op writing into a placeholder: a buffer's running statistics, updated by batch
+    norm in training. It stays outside every region: a checkpoint keeps its inputs and refuses
+    one changed in place since, and replaying the update in backward would apply it twice."""
+    written = written_operand(node) if node.op == "call_function" else None
+    return written is not None and written.op == "placeholder"
 
 
 def module_regions(graph: torch.fx.Graph, recompute: Mapping[str, str]) -> dict[torch.fx.Node, Region]:

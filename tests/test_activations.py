@@ -297,3 +297,20 @@ def test_meter_counts_a_wrapper_subclass_by_its_inner_tensors():
         y = x * 2  # a TwoTensor of two fresh 64 x 64 tensors
         assert meter.live == 2 * 64 * 64 * F32
     assert isinstance(y, TwoTensor)
+
+
+def test_a_composite_reports_the_products_it_runs_inside():
+    """Attention's math path multiplies q by k first: that product is neither saved nor returned,
+    but a selective recompute region keeps every product's output (the policy sees the inner
+    ops), so the plan counts it; the flash kernel's statistics are saved, counted already."""
+    q, k, v = meta(2, 4, 32, 16), meta(2, 4, 32, 16), meta(2, 4, 32, 16)
+    math = call_node(aten._scaled_dot_product_attention_math.default, q, k, v, None, 0.0, True)
+    assert saved_by(math, [True, True, True]).inner_product_bytes == 2 * 4 * 32 * 32 * F32
+    flash = call_node(aten.scaled_dot_product_attention.default, q, k, v, None, 0.0, True)
+    assert saved_by(flash, [True, True, True]).inner_product_bytes == 0
+    assert (
+        saved_by(
+            call_node(aten.linear.default, meta(2, 8, 64), meta(16, 64)), [True, True]
+        ).inner_product_bytes
+        == 0
+    )

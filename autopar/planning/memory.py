@@ -266,10 +266,28 @@ def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
         fraction = local_fraction(_out_layout(mine, j), laid.mesh)
         out.append(Saved((storage, fraction), nbytes * fraction, node))
     if spec.extra_bytes:
-        i = largest_operand(call)
-        layout = mine.operands[i] if i is not None else _out_layout(mine, 0)
-        out.append(Saved((node.name, "extra"), spec.extra_bytes * local_fraction(layout, laid.mesh), None))
+        out.append(_made_inside(laid, node, "extra", spec.extra_bytes))
     return out
+
+
+def inner_products(laid: LaidOutGraph, node: torch.fx.Node) -> Saved | None:
+    """What a selective recompute region keeps of the products ``node`` runs inside besides its
+    outputs (:attr:`~autopar.planning.saved_tensors.SavedSpec.inner_product_bytes`), if any."""
+    if node.op != "call_function" or node.target is operator.getitem or node not in laid.layouts:
+        return None
+    spec = saved_by(node, [bool(laid.flows.get(op, False)) for op in OpCall.of(node).operands])
+    if not spec.inner_product_bytes:
+        return None
+    return _made_inside(laid, node, "products", spec.inner_product_bytes)
+
+
+def _made_inside(laid: LaidOutGraph, node: torch.fx.Node, what: str, nbytes: int) -> Saved:
+    """Tensors ``node`` makes besides its outputs, ``nbytes`` in all at global shapes, scaled like
+    its largest operand."""
+    mine = laid.layouts[node]
+    i = largest_operand(OpCall.of(node))
+    layout = mine.operands[i] if i is not None else _out_layout(mine, 0)
+    return Saved((node.name, what), nbytes * local_fraction(layout, laid.mesh), None)
 
 
 def largest_operand(call: OpCall) -> int | None:
@@ -425,6 +443,8 @@ def activation_memory(
             cached += copy_values(laid, src, (copies or {}).get((node.name, slot), ()), (node.name, slot))
         if policy == SELECTIVE and is_selective_save(node.target):
             cached.append(held_value(laid, node, _out_layout(layouts[node], 0)))
+        if policy == SELECTIVE and (products := inner_products(laid, node)) is not None:
+            cached.append(products)
         for item in cached:
             keep(at, item, True)
             log.cached.setdefault(item.key, at)

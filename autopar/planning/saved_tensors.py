@@ -21,13 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.ir.meta import per_node
+from autopar.ir.ops import is_selective_save
 from autopar.rules import OpCall
 
 
@@ -45,6 +48,10 @@ class SavedSpec:
     inputs: frozenset[int] = frozenset()
     outputs: frozenset[int] = frozenset()
     extra_bytes: int = 0
+    # the outputs of the matrix products and attention the op runs inside (its decomposition:
+    # attention's math path multiplies q by k first) that are neither its outputs nor saved: what
+    # a selective recompute region keeps of it besides, whole storages, each counted once
+    inner_product_bytes: int = 0
 
 
 #: saved_by's results by op, operand metadata, non-tensor arguments, grad flags and device.
@@ -151,7 +158,7 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...]) -> Save
             packed.append(t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _InnerProducts() as products:
             result = node.target(*args, **kwargs)
     operands = [fakes[a] for a in call.operands]
     outputs = [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
@@ -169,7 +176,25 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...]) -> Save
             saved_outputs.add(j)
             continue
         extra[storage_ref(t)] = t.untyped_storage().nbytes()
-    return SavedSpec(frozenset(inputs), frozenset(saved_outputs), sum(extra.values()))
+    own = {storage_ref(t) for t in (*operands, *outputs, *packed)}  # counted above
+    inner = {storage_ref(t): t.untyped_storage().nbytes() for t in products.outputs}
+    inner_bytes = sum(n for ref, n in inner.items() if ref not in own)
+    return SavedSpec(frozenset(inputs), frozenset(saved_outputs), sum(extra.values()), inner_bytes)
+
+
+class _InnerProducts(TorchDispatchMode):
+    """Collects the outputs of the matrix products and attention ops dispatched inside a ``with``
+    (:func:`autopar.ir.ops.is_selective_save`: the ops the selective recompute policy keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if is_selective_save(func):
+            self.outputs += [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
 
 
 def _fake_operand(val: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:

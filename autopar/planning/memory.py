@@ -165,11 +165,17 @@ def _out_layout(layouts: NodeLayouts, index: int) -> Layout:
 
 def source_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
     """The op and output index whose memory a value is: through ``getitem`` of a multi-output
-    op, through views (values sharing an operand's storage), and through a dropout that
-    returns its input (``p=0`` or not training), which export records as a fresh value."""
+    op (and on to what it splits, where its outputs are views), through views (values sharing
+    an operand's storage), and through a dropout that returns its input (``p=0`` or not
+    training), which export records as a fresh value."""
     while True:
         if node.op == "call_function" and node.target is operator.getitem:
-            return node.args[0], node.args[1]
+            op = node.args[0]
+            schema = getattr(op.target, "_schema", None)
+            if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+                return op, node.args[1]
+            node = op.args[0]  # the pieces of a split or an unbind: views of what it splits
+            continue
         viewed = _viewed(node)
         if viewed is None:
             return node, 0
@@ -212,7 +218,8 @@ def held_value(
     """``value`` kept in ``layout``: the whole storage it lives in (see :func:`source_of`), on one rank.
 
     In another layout than its own it is a collective's output, one per ``edge`` (consumer,
-    operand slot): the program redistributes for each consumer separately. A value passed
+    operand slot): the program redistributes for each consumer separately, a tensor of the
+    value's own size (a slice of a fused projection is copied alone). A value passed
     on by layout constraints (identities in the program) is what entered the first of
     them: the copy a redistribution made for it, if one did.
     """
@@ -222,6 +229,9 @@ def held_value(
         redistributed = layout != laid.layouts[value].output
     source, index = source_of(value)
     storage, nbytes = storage_of(source, index)
+    if redistributed:  # a collective's output: a new tensor of the value's own size
+        v = _value(value, 0)
+        nbytes = v.numel() * v.element_size()
     fraction = local_fraction(layout, laid.mesh)
     key = (storage, layout, edge) if redistributed else (storage, fraction)
     return Saved(key, nbytes * fraction, source, redistributed)

@@ -99,8 +99,9 @@ def matmul_flops(dtype: torch.dtype, device: str = "cpu") -> float:
 
 def _one_product_seconds(n: int, dtype: torch.dtype, device: str) -> float:
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    # one warm-up on a GPU, whose first product of a shape picks and loads its kernel
-    return median_seconds(lambda: torch.mm(a, b), 1, warmup=int(device != "cpu"), device=device)
+    # one warm-up: a process's first product loads its kernels (40-50 ms on a CPU here, more on
+    # some hosts), which would stop the search at the smallest size, far below the rate
+    return median_seconds(lambda: torch.mm(a, b), 1, warmup=1, device=device)
 
 
 def memory_bandwidth(device: str = "cpu") -> float:

@@ -184,7 +184,7 @@ def source_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
 
 @per_node
 def _viewed(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The operand ``node`` is a view of (or returns unchanged), if any."""
+    """The operand ``node`` is a view of (or returns unchanged, or splits into views), if any."""
     if node.op != "call_function":
         return None
     if str(node.target) == "aten.dropout.default":
@@ -192,12 +192,14 @@ def _viewed(node: torch.fx.Node) -> torch.fx.Node | None:
         if p == 0 or train is False:
             return node.args[0]
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+    # a split or an unbind returns views of its operand: pieces sharing one storage
+    pieces = list(val) if isinstance(val, (list, tuple)) else [val]
+    if not pieces or not all(isinstance(v, torch.Tensor) for v in pieces):
         return None
-    storage = storage_ref(val)
+    storages = {storage_ref(v) for v in pieces}
     for a in node.all_input_nodes:
         v = a.meta.get("val")
-        if isinstance(v, torch.Tensor) and storage_ref(v) == storage:
+        if len(storages) == 1 and isinstance(v, torch.Tensor) and storage_ref(v) in storages:
             return a
     return None
 
@@ -320,10 +322,11 @@ def _forward_peak(laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mappin
         delta[first] += nbytes
         delta[last + 1] -= nbytes
 
-    def last_use(node: torch.fx.Node, index: int) -> int:
-        users = [u for u in node.users if u.target is not operator.getitem or u.args[1] == index]
+    def last_use(node: torch.fx.Node, index: int | None) -> int:
+        # index None: every output (the pieces of a split are views of one storage)
+        users = [u for u in node.users if u.target is not operator.getitem or index in (None, u.args[1])]
         through = [u for u in users if u.target is operator.getitem or _viewed(u) is node]  # same memory
-        uses = [last_use(u, 0) for u in through] + [position[u] for u in users if u not in through]
+        uses = [last_use(u, None) for u in through] + [position[u] for u in users if u not in through]
         return max(uses, default=position[node])
 
     for at, node in enumerate(nodes):

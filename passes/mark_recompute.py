@@ -6,8 +6,8 @@ innermost module first) joins that module's region, and a ``getitem`` its op's; 
 collective inserted for a consumer joins its consumer's region. Then an op reading a
 ZeRO-3 parameter through a gather outside any region gets a selective region of its own,
 ``zero3:<op>``: the weight is gathered again in backward instead of kept. A collective
-inside a region that redistributes a parameter (or another placeholder) is marked to run
-again in backward under either policy: what it reads is held anyway.
+inside a region that redistributes a parameter (or another placeholder, or a view of one) is
+marked to run again in backward under either policy: what it reads is held anyway.
 
 Reads: ``ctx.plan.memory``, ``nn_module_stack``, ``autopar.layouts``. Writes:
 ``autopar.recompute`` (region, policy) and ``autopar.regather`` (see ``apply_recompute``).
@@ -22,13 +22,20 @@ import torch
 
 from autopar.ir.meta import RECOMPUTE, REGATHER, GraphLayouts
 from autopar.passes.context import PassContext
+from autopar.planning.memory import source_of
 from autopar.planning.recompute import is_collective, module_regions, zero3_regions
 
 
-def _gathers(placeholder: torch.fx.Node) -> Iterator[tuple[list[torch.fx.Node], torch.fx.Node]]:
-    """Each chain of collectives from ``placeholder`` to the op that uses it, with that op."""
-    for user in placeholder.users:
-        chain, node = [], user
+def _gathers(graph: torch.fx.Graph) -> Iterator[tuple[list[torch.fx.Node], torch.fx.Node]]:
+    """Each chain of collectives from a placeholder, or a view of one (Falcon's ``weight.T``), to
+    the op that uses it, with that op: what the plan's memory counts as read again, not kept."""
+    for start in graph.nodes:
+        operand = start.args[0] if is_collective(start) else None
+        if not isinstance(operand, torch.fx.Node) or is_collective(operand):
+            continue
+        if source_of(operand)[0].op != "placeholder":
+            continue
+        chain, node = [], start
         while is_collective(node) and len(node.users) == 1:
             chain.append(node)
             node = next(iter(node.users))
@@ -57,11 +64,10 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         split = [n for n in placeholders if ctx.captured.params.get(n.name) in memory.zero_splits]
         for node, region in zero3_regions(split, GraphLayouts(graph), regions).items():
             node.meta[RECOMPUTE] = region
-    for node in placeholders:
-        for chain, consumer in _gathers(node):
-            region = consumer.meta.get(RECOMPUTE)
-            if region is not None:
-                for c in chain:
-                    c.meta[RECOMPUTE] = region
-                    c.meta[REGATHER] = True
+    for chain, consumer in _gathers(graph):
+        region = consumer.meta.get(RECOMPUTE)
+        if region is not None:
+            for c in chain:
+                c.meta[RECOMPUTE] = region
+                c.meta[REGATHER] = True
     return gm

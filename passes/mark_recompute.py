@@ -22,8 +22,8 @@ import torch
 
 from autopar.ir.meta import RECOMPUTE, REGATHER, GraphLayouts
 from autopar.passes.context import PassContext
-from autopar.planning.memory import source_of
 from autopar.planning.recompute import is_collective, module_regions, zero3_regions
+from autopar.planning.storages import source_of
 
 
 def _gathers(graph: torch.fx.Graph) -> Iterator[tuple[list[torch.fx.Node], torch.fx.Node]]:

@@ -34,17 +34,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir.layout import Layout, local_fraction, local_shape
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import NodeLayouts, per_node
+from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
 from autopar.ir.options import SELECTIVE, Memory
 from autopar.ir.strided import is_split
 from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.recompute import Region
 from autopar.planning.saved_tensors import saved_by, storage_ref
+from autopar.planning.storages import source_of, storage_of, tensor_value, viewed_operand
 from autopar.rules import OpCall
 
 FP32_BYTES = 4
@@ -145,12 +145,6 @@ class Saved:
     redistributed: bool = False
 
 
-def _value(node: torch.fx.Node, index: int) -> torch.Tensor:
-    return [v for v in torch.utils._pytree.tree_leaves(node.meta["val"]) if isinstance(v, torch.Tensor)][
-        index
-    ]
-
-
 def local_bytes(node: torch.fx.Node, layout: Layout, mesh: MeshSpec, index: int = 0) -> float:
     """Bytes on one rank of output ``index`` of ``node`` in ``layout``."""
     val = node.meta["val"]
@@ -163,58 +157,7 @@ def _out_layout(layouts: NodeLayouts, index: int) -> Layout:
     return outs[index] if index < len(outs) else outs[0]
 
 
-def source_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
-    """The op and output index whose memory a value is: through ``getitem`` of a multi-output
-    op (and on to what it splits, where its outputs are views), through views (values sharing
-    an operand's storage), and through a dropout that returns its input (``p=0`` or not
-    training), which export records as a fresh value."""
-    while True:
-        if node.op == "call_function" and node.target is operator.getitem:
-            op = node.args[0]
-            schema = getattr(op.target, "_schema", None)
-            if schema is None or not schema.returns or schema.returns[0].alias_info is None:
-                return op, node.args[1]
-            node = op.args[0]  # the pieces of a split or an unbind: views of what it splits
-            continue
-        viewed = _viewed(node)
-        if viewed is None:
-            return node, 0
-        node = viewed
-
-
-@per_node
-def _viewed(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The operand ``node`` is a view of (or returns unchanged, or splits into views), if any."""
-    if node.op != "call_function":
-        return None
-    if str(node.target) == "aten.dropout.default":
-        p, train = (list(node.args[1:3]) + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
-        if p == 0 or train is False:
-            return node.args[0]
-    val = node.meta.get("val")
-    # a split or an unbind returns views of its operand: pieces sharing one storage
-    pieces = list(val) if isinstance(val, (list, tuple)) else [val]
-    if not pieces or not all(isinstance(v, torch.Tensor) for v in pieces):
-        return None
-    storages = {storage_ref(v) for v in pieces}
-    for a in node.all_input_nodes:
-        v = a.meta.get("val")
-        if len(storages) == 1 and isinstance(v, torch.Tensor) and storage_ref(v) in storages:
-            return a
-    return None
-
-
-def storage_of(node: torch.fx.Node, index: int) -> tuple[StorageWeakRef, int]:
-    """The storage of output ``index`` of ``node`` (shared by its views) and its global bytes."""
-    value = _value(node, index)
-    nbytes = value.untyped_storage().nbytes()
-    if not isinstance(nbytes, int):
-        # export may leave an input's storage size symbolic while its shape is concrete
-        nbytes = int(value.numel()) * value.element_size()
-    return storage_ref(value), nbytes
-
-
-def held_value(
+def heldtensor_value(
     laid: LaidOutGraph, value: torch.fx.Node, layout: Layout, edge: tuple[str, int] | None = None
 ) -> Saved:
     """``value`` kept in ``layout``: the whole storage it lives in (see :func:`source_of`), on one rank.
@@ -232,7 +175,7 @@ def held_value(
     source, index = source_of(value)
     storage, nbytes = storage_of(source, index)
     if redistributed:  # a collective's output: a new tensor of the value's own size
-        v = _value(value, 0)
+        v = tensor_value(value, 0)
         nbytes = v.numel() * v.element_size()
     fraction = local_fraction(layout, laid.mesh)
     key = (storage, layout, edge) if redistributed else (storage, fraction)
@@ -244,7 +187,7 @@ def copy_values(
 ) -> list[Saved]:
     """The copies of ``value`` an edge's collectives make on the way, one per layout in ``layouts``
     (each collective's output is a new tensor of the value's size, laid out so)."""
-    v = _value(value, 0)
+    v = tensor_value(value, 0)
     nbytes = v.numel() * v.element_size()
     source = source_of(value)[0]
     return [
@@ -270,7 +213,7 @@ def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
         operand, layout = call.operands[i], mine.operands[i]
         if layout is None or operand not in laid.layouts:
             continue
-        item = held_value(laid, operand, layout, (node.name, i))
+        item = heldtensor_value(laid, operand, layout, (node.name, i))
         if not (item.source.op == "placeholder" and not item.redistributed):
             out.append(item)
     for j in spec.outputs:
@@ -325,7 +268,9 @@ def _forward_peak(laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mappin
     def last_use(node: torch.fx.Node, index: int | None) -> int:
         # index None: every output (the pieces of a split are views of one storage)
         users = [u for u in node.users if u.target is not operator.getitem or index in (None, u.args[1])]
-        through = [u for u in users if u.target is operator.getitem or _viewed(u) is node]  # same memory
+        through = [
+            u for u in users if u.target is operator.getitem or viewed_operand(u) is node
+        ]  # same memory
         uses = [last_use(u, None) for u in through] + [position[u] for u in users if u not in through]
         return max(uses, default=position[node])
 
@@ -335,10 +280,10 @@ def _forward_peak(laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mappin
         call = OpCall.of(node)
         for slot, (src, need) in enumerate(zip(call.operands, layouts[node].operands)):
             if need is not None and src in layouts and need != layouts[src].output:
-                item = held_value(laid, src, need, (node.name, slot))
+                item = heldtensor_value(laid, src, need, (node.name, slot))
                 covered.add(item.key)
                 alive(at, end if item.key in kept else at, item.nbytes)
-        if _viewed(node) is not None:
+        if viewed_operand(node) is not None:
             continue
         for j in range(len(layouts[node].outputs)):
             storage, nbytes = storage_of(node, j)
@@ -448,14 +393,14 @@ def activation_memory(
             if need is None or src not in layouts or source_of(src)[0].op == "placeholder":
                 continue
             if regions.get(src, (None,))[0] != name:
-                entering = held_value(laid, src, layouts[src].output)
+                entering = heldtensor_value(laid, src, layouts[src].output)
                 keep(at, entering, True)
                 held.add(entering.key)
             if need != layouts[src].output:
-                cached.append(held_value(laid, src, need, (node.name, slot)))
+                cached.append(heldtensor_value(laid, src, need, (node.name, slot)))
             cached += copy_values(laid, src, (copies or {}).get((node.name, slot), ()), (node.name, slot))
         if policy == SELECTIVE and is_selective_save(node.target):
-            cached.append(held_value(laid, node, _out_layout(layouts[node], 0)))
+            cached.append(heldtensor_value(laid, node, _out_layout(layouts[node], 0)))
         if policy == SELECTIVE and (products := inner_products(laid, node)) is not None:
             cached.append(products)
         for item in cached:

@@ -29,14 +29,13 @@ from autopar.planning.memory import (
     MemoryChoice,
     largest_operand,
     local_bytes,
-    source_of,
     state_bytes,
-    storage_of,
     zero_split,
 )
 from autopar.planning.recompute import Region, module_regions
 from autopar.planning.saved_tensors import SavedSpec, saved_by
 from autopar.planning.solver import MemoryRows, reduce_pairs
+from autopar.planning.storages import source_of, storage_of
 from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
 from autopar.rules import OpCall, Strategy, shape_of
 

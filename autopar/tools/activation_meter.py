@@ -8,7 +8,7 @@ of the tests (fp32 and bf16, with and without dropout). Known reasons they can d
 
 * the prediction follows storage sharing of the exported fake values, which can differ from the
   eager run's (``dropout`` with ``p=0`` returns its input eagerly but a fresh value in export:
-  :func:`autopar.planning.memory.source_of` follows it through), and ``capture`` adds ``layout_constraint``
+  :func:`autopar.planning.storages.source_of` follows it through), and ``capture`` adds ``layout_constraint``
   copies at block boundaries that the eager model lacks;
 * export inlines a model's own ``torch.utils.checkpoint`` regions, so the prediction is for the
   model without them (``autopar.recompute`` regions are predicted: :mod:`autopar.planning.memory`);

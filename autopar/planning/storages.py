@@ -1,0 +1,74 @@
+"""Which storage a value of a captured graph lives in: what views, splits and pass-through ops share.
+
+The memory model (:mod:`autopar.planning.memory`) counts each storage once; the recompute
+regions (:mod:`autopar.planning.recompute`) and the ``mark_recompute`` pass tell a parameter's
+views from values the step allocates.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.ir.meta import per_node
+from autopar.planning.saved_tensors import storage_ref
+
+
+def tensor_value(node: torch.fx.Node, index: int) -> torch.Tensor:
+    """Output ``index`` of ``node``'s value (the ``index``-th tensor of its ``val``)."""
+    return [v for v in torch.utils._pytree.tree_leaves(node.meta["val"]) if isinstance(v, torch.Tensor)][
+        index
+    ]
+
+
+def source_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:
+    """The op and output index whose memory a value is: through ``getitem`` of a multi-output
+    op (and on to what it splits, where its outputs are views), through views (values sharing
+    an operand's storage), and through a dropout that returns its input (``p=0`` or not
+    training), which export records as a fresh value."""
+    while True:
+        if node.op == "call_function" and node.target is operator.getitem:
+            op = node.args[0]
+            schema = getattr(op.target, "_schema", None)
+            if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+                return op, node.args[1]
+            node = op.args[0]  # the pieces of a split or an unbind: views of what it splits
+            continue
+        viewed = viewed_operand(node)
+        if viewed is None:
+            return node, 0
+        node = viewed
+
+
+@per_node
+def viewed_operand(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The operand ``node`` is a view of (or returns unchanged, or splits into views), if any."""
+    if node.op != "call_function":
+        return None
+    if str(node.target) == "aten.dropout.default":
+        p, train = (list(node.args[1:3]) + [node.kwargs.get("p"), node.kwargs.get("train")])[:2]
+        if p == 0 or train is False:
+            return node.args[0]
+    val = node.meta.get("val")
+    # a split or an unbind returns views of its operand: pieces sharing one storage
+    pieces = list(val) if isinstance(val, (list, tuple)) else [val]
+    if not pieces or not all(isinstance(v, torch.Tensor) for v in pieces):
+        return None
+    storages = {storage_ref(v) for v in pieces}
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if len(storages) == 1 and isinstance(v, torch.Tensor) and storage_ref(v) in storages:
+            return a
+    return None
+
+
+def storage_of(node: torch.fx.Node, index: int) -> tuple[StorageWeakRef, int]:
+    """The storage of output ``index`` of ``node`` (shared by its views) and its global bytes."""
+    value = tensor_value(node, index)
+    nbytes = value.untyped_storage().nbytes()
+    if not isinstance(nbytes, int):
+        # export may leave an input's storage size symbolic while its shape is concrete
+        nbytes = int(value.numel()) * value.element_size()
+    return storage_ref(value), nbytes

@@ -157,7 +157,7 @@ def _out_layout(layouts: NodeLayouts, index: int) -> Layout:
     return outs[index] if index < len(outs) else outs[0]
 
 
-def heldtensor_value(
+def held_value(
     laid: LaidOutGraph, value: torch.fx.Node, layout: Layout, edge: tuple[str, int] | None = None
 ) -> Saved:
     """``value`` kept in ``layout``: the whole storage it lives in (see :func:`source_of`), on one rank.
@@ -213,7 +213,7 @@ def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
         operand, layout = call.operands[i], mine.operands[i]
         if layout is None or operand not in laid.layouts:
             continue
-        item = heldtensor_value(laid, operand, layout, (node.name, i))
+        item = held_value(laid, operand, layout, (node.name, i))
         if not (item.source.op == "placeholder" and not item.redistributed):
             out.append(item)
     for j in spec.outputs:
@@ -280,7 +280,7 @@ def _forward_peak(laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mappin
         call = OpCall.of(node)
         for slot, (src, need) in enumerate(zip(call.operands, layouts[node].operands)):
             if need is not None and src in layouts and need != layouts[src].output:
-                item = heldtensor_value(laid, src, need, (node.name, slot))
+                item = held_value(laid, src, need, (node.name, slot))
                 covered.add(item.key)
                 alive(at, end if item.key in kept else at, item.nbytes)
         if viewed_operand(node) is not None:
@@ -393,14 +393,14 @@ def activation_memory(
             if need is None or src not in layouts or source_of(src)[0].op == "placeholder":
                 continue
             if regions.get(src, (None,))[0] != name:
-                entering = heldtensor_value(laid, src, layouts[src].output)
+                entering = held_value(laid, src, layouts[src].output)
                 keep(at, entering, True)
                 held.add(entering.key)
             if need != layouts[src].output:
-                cached.append(heldtensor_value(laid, src, need, (node.name, slot)))
+                cached.append(held_value(laid, src, need, (node.name, slot)))
             cached += copy_values(laid, src, (copies or {}).get((node.name, slot), ()), (node.name, slot))
         if policy == SELECTIVE and is_selective_save(node.target):
-            cached.append(heldtensor_value(laid, node, _out_layout(layouts[node], 0)))
+            cached.append(held_value(laid, node, _out_layout(layouts[node], 0)))
         if policy == SELECTIVE and (products := inner_products(laid, node)) is not None:
             cached.append(products)
         for item in cached:

@@ -307,3 +307,29 @@ def test_the_pieces_of_a_split_are_views_of_one_allocation(fake_process_group):
         dmodel(*dmodel.shard_inputs(x)[0]).backward()
     predicted = dmodel.plan.prediction.activation_bytes
     assert abs(meter.peak - predicted) <= 0.02 * predicted, (meter.peak, predicted)
+
+
+@pytest.mark.parametrize(("name", "policy"), [("gpt2", None), ("falcon", "selective")])
+def test_transformers_models_hold_what_the_plan_predicts(fake_process_group, name, policy):
+    """GPT-2's fused projection split into q, k and v, and Falcon's weights read as ``weight.T``
+    and gathered inside a recompute region, against the plan's activation peak on dp=2 x tp=2
+    (GPT-2 measured 0.79 of it when a split's pieces each counted its storage, Falcon 1.58 when
+    the region kept the gathered weights the plan counted as gathered again)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.tools.activation_meter import ActivationMeter
+    from tests.zoo_models import build, repeated_blocks
+
+    torch.manual_seed(0)
+    model, args, kwargs = build(name)
+    for block in repeated_blocks(model) if policy else []:
+        autopar.recompute(block, policy)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dmodel = autopar.compile(
+        model, mesh, args, example_kwargs=kwargs, memory=Memory(zero=0), cluster="fast-links"
+    )
+    local_args, local_kwargs = dmodel.shard_inputs(*args, **kwargs)
+    with ActivationMeter() as meter:
+        dmodel(*local_args, **local_kwargs).loss.backward()
+    predicted = dmodel.plan.prediction.activation_bytes
+    assert abs(meter.peak - predicted) <= 0.06 * predicted, (meter.peak, predicted)

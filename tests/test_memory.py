@@ -314,7 +314,8 @@ def test_transformers_models_hold_what_the_plan_predicts(fake_process_group, nam
     """GPT-2's fused projection split into q, k and v, and Falcon's weights read as ``weight.T``
     and gathered inside a recompute region, against the plan's activation peak on dp=2 x tp=2
     (GPT-2 measured 0.79 of it when a split's pieces each counted its storage, Falcon 1.58 when
-    the region kept the gathered weights the plan counted as gathered again)."""
+    the region kept the gathered weights the plan counted as gathered again, 1.05 while the
+    values a recomputation makes for its next ops were not counted)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.tools.activation_meter import ActivationMeter
@@ -332,4 +333,4 @@ def test_transformers_models_hold_what_the_plan_predicts(fake_process_group, nam
     with ActivationMeter() as meter:
         dmodel(*local_args, **local_kwargs).loss.backward()
     predicted = dmodel.plan.prediction.activation_bytes
-    assert abs(meter.peak - predicted) <= 0.06 * predicted, (meter.peak, predicted)
+    assert abs(meter.peak - predicted) <= 0.02 * predicted, (meter.peak, predicted)

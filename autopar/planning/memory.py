@@ -293,8 +293,9 @@ def _last_use(node: torch.fx.Node, index: int | None, position: Mapping[torch.fx
 
 
 def _outputs(laid: LaidOutGraph, node: torch.fx.Node) -> Iterator[tuple[int, tuple, float]]:
-    """``(index, key, bytes on a rank)`` of each output ``node`` allocates (a view allocates none)."""
-    if viewed_operand(node) is not None:
+    """``(index, key, bytes on a rank)`` of each output ``node`` allocates (a view allocates none,
+    nor does a ``getitem``: its op did)."""
+    if node.target is operator.getitem or viewed_operand(node) is not None:
         return
     for j in range(len(laid.layouts[node].outputs)):
         storage, nbytes = storage_of(node, j)
@@ -407,9 +408,8 @@ def activation_memory(
             log.last_saver = at
         for item in saved:
             log.saved.setdefault(item.key, (item.nbytes, at))
-        if node.target is not operator.getitem:
-            for j, key, nbytes in _outputs(laid, node):
-                log.made.setdefault(key, (nbytes, at, _last_use(node, j, position)))
+        for j, key, nbytes in _outputs(laid, node):
+            log.made.setdefault(key, (nbytes, at, _last_use(node, j, position)))
         cached = []
         for slot, (src, need) in enumerate(zip(OpCall.of(node).operands, layouts[node].operands)):
             if need is None or src not in layouts or source_of(src)[0].op == "placeholder":

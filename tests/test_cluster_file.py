@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import autopar
 from autopar import OptionError
 from autopar.ir.plan import CollectiveKind
 from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster, this_machine
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
-from autopar.tools.calibrate import _straggle, fit_ring
+from autopar.tools.calibrate import _straggle, fit_ring, threads_per_rank
 from autopar.tools.cli import main
 from autopar.tools.launch import free_port
 from examples import gpt
@@ -49,6 +51,23 @@ def test_a_cluster_file_is_a_cluster(tmp_path: Path):
     assert plan.cluster["name"] == "calibrated" and plan.cluster["measured_on"] == this_machine()
     slower = autopar.plan(model, args, {"dp": 2}).prediction.compute_s
     assert plan.prediction.compute_s > 10 * slower  # 1 GFLOP/s against the preset's 132
+
+
+def test_a_rank_computing_on_other_threads_than_the_calibration_is_told(tmp_path: Path):
+    """The rates hold for ranks on the calibration's threads: a plan made on a rank with another
+    number says so; off a rank (``autopar plan``, one process) nothing is said."""
+    from autopar.tools.fake_ranks import fake_world
+
+    model, args = gpt.build()
+    mine = torch.get_num_threads()
+    other = _write(tmp_path / "other.json", threads_per_rank=mine + 1)
+    same = _write(tmp_path / "same.json", threads_per_rank=mine)
+    told = f"measured on ranks computing on {mine + 1} threads each, and this rank computes on {mine}"
+    assert not any(told in w for w in autopar.plan(model, args, {"dp": 2}, cluster=other).warnings)
+    with fake_world(4):
+        assert any(told in w for w in autopar.plan(model, args, {"dp": 2}, cluster=other).warnings)
+        warnings = autopar.plan(model, args, {"dp": 2}, cluster=same).warnings
+        assert not any("threads each" in w for w in warnings)
 
 
 def test_bad_cluster_files_are_refused(tmp_path: Path):
@@ -135,10 +154,11 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         "recompute_op_s",
         "asynchronous",
         "host_op_overhead_s",
+        "threads_per_rank",
     )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, False, None]
+    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, False, None, None]
     assert [getattr(cluster, k) for k in added] == defaults
     measured = replace(
         cluster,
@@ -151,6 +171,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         recompute_op_s=6e-5,
         asynchronous=True,
         host_op_overhead_s=4e-6,
+        threads_per_rank=4,
     )
     assert Cluster.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
     for bad in (
@@ -159,6 +180,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         {"recompute_op_s": -1e-6},
         {"host_op_overhead_s": -1e-6},
         {"ranks_per_core": 0.5},
+        {"threads_per_rank": 0},
         {"host_link_Bps": 0.0},
         {"transcendentals_per_s": 0.0},
         {"function_rates": {"tanh": 0.0}},
@@ -213,10 +235,12 @@ def test_stragglers_are_fitted_to_a_wait_per_collective_and_the_square_root_of_t
     assert _straggle([rank(0.003, 0.01, stalled=0.05)]) == pytest.approx((0.003, 0.01))
 
 
-def _check_calibrated(path: Path, devices_per_node: int) -> None:
-    """The file is this machine's, with both links and all four kinds measured, and plan takes it."""
+def _check_calibrated(path: Path, devices_per_node: int, threads: int) -> None:
+    """The file is this machine's, with both links and all four kinds measured on ranks computing
+    on ``threads`` threads each, and plan takes it."""
     cluster = get_cluster(str(path))
     assert cluster.measured_on == this_machine() and cluster.name == "calibrated"
+    assert cluster.threads_per_rank == threads
     assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
     assert cluster.devices_per_node == devices_per_node
     assert cluster.op_overhead_s > 0 and cluster.optimizer_tensor_s > 0
@@ -283,7 +307,7 @@ def test_calibrate_measures_this_machine_into_a_file(tmp_path: Path, capsys):
     out = capsys.readouterr().out
     assert f"cluster written to {path}" in out
     assert "inter_node not measured (one node): it repeats the intra_node figures" in out
-    _check_calibrated(path, 1 << 20)
+    _check_calibrated(path, 1 << 20, threads_per_rank(2))
 
 
 @pytest.mark.slow
@@ -298,6 +322,9 @@ def test_calibrate_under_torchrun_measures_each_node_level(tmp_path: Path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # each rank computes on the threads the launch gives it, as the training run would,
+            # not on calibrate's share of the cores (one each for 2 ranks on this 2-core machine)
+            env={**os.environ, "OMP_NUM_THREADS": "2"},
         )
         for k in (0, 1)
     ]
@@ -306,4 +333,4 @@ def test_calibrate_under_torchrun_measures_each_node_level(tmp_path: Path):
     assert f"cluster written to {path}" in out0 and "not measured" not in out0
     assert "intra_node, groups of 2" in out0 and "inter_node, groups of 2" in out0
     assert out1 == ""  # ranks other than 0 exit quietly
-    _check_calibrated(path, 2)
+    _check_calibrated(path, 2, 2)

@@ -109,6 +109,10 @@ class Cluster:
     copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
     host gets (the offloaded update); None for both where the device is the host (CPU ranks):
     a copy is then memory traffic and the host update runs at ``memory_bandwidth_Bps``.
+    ``threads_per_rank`` is how many CPU threads each rank computed with when calibrate measured
+    it (``torch.get_num_threads()``): its rates hold for ranks computing on as many, and a plan
+    made on a rank computing on another number says so; None where not recorded (presets, one
+    device's file, ranks that differed).
     """
 
     name: str
@@ -131,6 +135,7 @@ class Cluster:
     recompute_op_s: float | None = None
     asynchronous: bool = False
     host_op_overhead_s: float | None = None
+    threads_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -154,6 +159,8 @@ class Cluster:
             )
         if self.ranks_per_core < 1:
             raise OptionError(f"cluster {self.name!r}: ranks_per_core must be at least 1")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise OptionError(f"cluster {self.name!r}: threads_per_rank must be at least 1")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; :meth:`from_dict` reads it back."""
@@ -178,6 +185,7 @@ class Cluster:
             "recompute_op_s": self.recompute_op_s,
             "asynchronous": self.asynchronous,
             "host_op_overhead_s": self.host_op_overhead_s,
+            "threads_per_rank": self.threads_per_rank,
         }
 
     @classmethod
@@ -185,10 +193,12 @@ class Cluster:
         """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
         the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``,
         ``optimizer_tensor_s``, ``function_rates``, ``recompute_op_s``, ``asynchronous``,
-        ``host_op_overhead_s``) are optional, so files written before them still load."""
+        ``host_op_overhead_s``, ``threads_per_rank``) are optional, so files written before them
+        still load."""
         host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
         transcendentals, optimizer = data.get("transcendentals_per_s"), data.get("optimizer_tensor_s")
         recompute, host_op = data.get("recompute_op_s"), data.get("host_op_overhead_s")
+        threads = data.get("threads_per_rank")
         return cls(
             name=str(data["name"]),
             peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
@@ -210,4 +220,5 @@ class Cluster:
             recompute_op_s=None if recompute is None else float(recompute),
             asynchronous=bool(data.get("asynchronous", False)),
             host_op_overhead_s=None if host_op is None else float(host_op),
+            threads_per_rank=None if threads is None else int(threads),
         )

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from autopar.capture.export import Captured, capture
 from autopar.ir.arguments import check_instance, check_int, check_number
@@ -273,9 +274,25 @@ def plan_captured(
         for what in captured.dropped_outputs
     )
     best.warnings.extend(captured.unapplied)
+    best.warnings.extend(_threads_unlike(cluster))
     if captured.precision is not None:
         best.warnings.extend(_sums_in_compute_dtype(best, captured.precision))
     return best
+
+
+def _threads_unlike(cluster: Cluster) -> list[str]:
+    """Say so where this rank computes on another number of threads than the cluster's ranks did
+    when calibrate measured them: its rates are theirs. Nothing off a rank (``autopar plan``
+    plans in one process, on whatever threads it has)."""
+    threads = cluster.threads_per_rank
+    if threads is None or not dist.is_initialized() or torch.get_num_threads() == threads:
+        return []
+    return [
+        f"cluster {cluster.name!r} was measured on ranks computing on {threads} threads each, and this "
+        f"rank computes on {torch.get_num_threads()} (torch.get_num_threads()): its step is priced at "
+        f"their rates; call torch.set_num_threads({threads}) on each rank before compiling, or "
+        "calibrate with the ranks launched as the training run launches them"
+    ]
 
 
 def _sums_in_compute_dtype(plan: Plan, precision: MixedPrecision) -> list[str]:

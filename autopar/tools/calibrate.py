@@ -162,21 +162,21 @@ def _level_groups(world: int, per_node: int) -> dict[str, list[list[int]]]:
 
 
 def threads_per_rank(ranks: int) -> int:
-    """The threads each of ``ranks`` ranks on this host computes with, as calibrate measures them:
-    an equal share of the cores, at least one."""
+    """The threads each of ``ranks`` ranks calibrate spawns on this host computes with: an equal
+    share of the cores, at least one (under torchrun a rank keeps the threads it was given)."""
     return max(1, (os.cpu_count() or 1) // ranks)
 
 
-def _measure_world(per_node: int) -> dict[str, Any] | None:
-    """Measure from every rank of an initialised gloo world of nodes of ``per_node`` ranks each.
+def _measure_world(per_node: int, threads: int) -> dict[str, Any] | None:
+    """Measure from every rank of an initialised gloo world of nodes of ``per_node`` ranks each,
+    each rank computing on ``threads`` threads.
 
-    All ranks time compute, memory and the per-op overhead at once, each with its node's share of
-    the cores, as they contend in a real run; then collectives on each level's groups
-    (:func:`_level_groups`), then their waits for stragglers. Rank 0 returns the slowest rank's
-    figures (:func:`_slowest`), the others None.
+    All ranks time compute, memory and the per-op overhead at once, as they contend in a real
+    run; then collectives on each level's groups (:func:`_level_groups`), then their waits for
+    stragglers. Rank 0 returns the slowest rank's figures (:func:`_slowest`), the others None.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(threads_per_rank(per_node))
+    torch.set_num_threads(threads)
     # the memory bandwidth a rank gets moves with what else the host's memory serves (7 to 18 GB/s
     # from one minute to the next here, each window alone 7.5-13 GB/s within a minute): the
     # median of six windows spread over the calibration, one between each of its measurements
@@ -195,6 +195,7 @@ def _measure_world(per_node: int) -> dict[str, Any] | None:
     mine.update(
         # one thread each where ranks outnumber cores (above): they take turns on them
         ranks_per_core=max(1.0, per_node / (os.cpu_count() or 1)),
+        threads_per_rank=threads,
         memory_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // per_node,
         host=this_machine(),
         ranks={},
@@ -235,12 +236,18 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "optimizer_tensor_s": max(r["optimizer_tensor_s"] for r in per_rank),
         "stragglers": _straggle([r["straggling"] for r in per_rank]),
         "ranks_per_core": max(r["ranks_per_core"] for r in per_rank),
+        "threads_per_rank": _same([r["threads_per_rank"] for r in per_rank]),
         "memory_bytes": min(r["memory_bytes"] for r in per_rank),
         "hosts": [r["host"] for r in per_rank],
         "world": len(per_rank),
         "ranks": first["ranks"],
         "links": links,
     }
+
+
+def _same(values: list[int]) -> int | None:
+    """The value every rank gave, None where they differ."""
+    return values[0] if len(set(values)) == 1 else None
 
 
 def _slowest_times(per_rank: Iterable[list[tuple[int, float]]]) -> list[tuple[int, float]]:
@@ -331,6 +338,7 @@ def _cluster(
         straggler_base_s=measured["stragglers"][0],
         straggler_s=measured["stragglers"][1],
         ranks_per_core=measured["ranks_per_core"],
+        threads_per_rank=measured["threads_per_rank"],
         transcendentals_per_s=measured["transcendentals_per_s"],
         function_rates=measured["function_rates"],
         **links,
@@ -353,7 +361,7 @@ def _spawned(world_size: int) -> dict[str, Any]:
     if world_size < 2:
         raise OptionError(f"measuring collectives needs at least 2 ranks, got {world_size}")
     # spawn re-raises a failed rank's error here, so a crash never hangs the caller.
-    return spawn(_measure_world, world_size, world_size)[0]
+    return spawn(_measure_world, world_size, world_size, threads_per_rank(world_size))[0]
 
 
 def under_torchrun() -> bool:
@@ -375,7 +383,9 @@ def _measured_under_torchrun() -> dict[str, Any] | None:
         )
     init_restartable_process_group("gloo")
     try:
-        return _measure_world(per_node)
+        # the threads the launcher gave this rank (torchrun: OMP_NUM_THREADS, 1 by default with
+        # several ranks per node), with which a training run it launches the same way computes
+        return _measure_world(per_node, torch.get_num_threads())
     finally:
         dist.destroy_process_group()
 
@@ -427,8 +437,11 @@ def _run_one_device(path: str, ranks: int | None, device: str | None, links: str
 def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: str) -> str:
     flops = ", ".join(f"{d} {f / 1e9:.1f}" for d, f in cluster.peak_flops.items())
     nodes = "one node" if cluster.devices_per_node == ONE_HOST else f"nodes of {cluster.devices_per_node}"
+    threads = cluster.threads_per_rank
+    each = f"on {threads} thread{'s' if threads != 1 else ''} each" if threads else "on differing threads"
+    hosts = ", ".join(sorted(set(measured["hosts"])))
     lines = [
-        f"{measured['world']} ranks at once ({nodes}) on {', '.join(sorted(set(measured['hosts'])))}: "
+        f"{measured['world']} ranks at once ({nodes}, {each}) on {hosts}: "
         f"GFLOP/s per rank {flops}; memory {cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s; "
         f"{(cluster.transcendentals_per_s or 0) / 1e9:.2f} G exp/s; G values/s "
         f"{', '.join(f'{f} {rate / 1e9:.2f}' for f, rate in cluster.function_rates.items())}; "

@@ -30,6 +30,7 @@ from autopar.capture.hooks import annotation_hooks, check_strategies_ran
 from autopar.capture.precision import cast_parameters, traced_in
 from autopar.ir.errors import AnnotationError, CaptureError
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.meta import output_values
 from autopar.ir.options import MixedPrecision
 
 
@@ -326,8 +327,8 @@ def _refuse_data_dependent_shapes(graph: torch.fx.Graph, model: str) -> None:
     """A plan is for static shapes: a value whose size depends on the data (a boolean mask's
     selection, ``nonzero``, ``unique``) cannot be split or priced, so capture stops there."""
     for node in graph.nodes:
-        for v in torch.utils._pytree.tree_leaves(node.meta.get("val")):
-            if isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape):
+        for v in output_values(node):
+            if not all(isinstance(s, int) for s in v.shape):
                 where = module_path(node) or "<root>"
                 raise CaptureError(
                     f"{model}: op {node.target} in module '{where}' makes a tensor whose size depends on "
@@ -341,9 +342,7 @@ def gradient_flow(captured: Captured) -> dict[torch.fx.Node, bool]:
     one, other than through a ``detach``."""
     flows: dict[torch.fx.Node, bool] = {}
     for node in captured.graph.nodes:
-        vals = [
-            v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)
-        ]
+        vals = output_values(node)
         floating = any(v.dtype.is_floating_point for v in vals)
         if node.op == "placeholder":
             flows[node] = captured.requires_grad.get(node.name, False) and floating

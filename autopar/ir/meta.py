@@ -88,6 +88,12 @@ def set_value(node: torch.fx.Node, value: torch.Tensor) -> None:
     node.meta["val"] = value
 
 
+def output_values(node: torch.fx.Node) -> list[torch.Tensor]:
+    """The tensors ``node`` computes, in order: those among the leaves of its ``val`` (none where
+    it has no ``val``)."""
+    return [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+
+
 def place_beside(node: torch.fx.Node, op: torch.fx.Node) -> None:
     """Give ``node``, inserted by a pass next to ``op``, ``op``'s pipeline stage and module (so it
     falls in the same stage and in the same recompute region)."""

@@ -12,15 +12,13 @@ import operator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.ir.meta import per_node
+from autopar.ir.meta import output_values, per_node
 from autopar.planning.saved_tensors import storage_ref
 
 
 def tensor_value(node: torch.fx.Node, index: int) -> torch.Tensor:
     """Output ``index`` of ``node``'s value (the ``index``-th tensor of its ``val``)."""
-    return [v for v in torch.utils._pytree.tree_leaves(node.meta["val"]) if isinstance(v, torch.Tensor)][
-        index
-    ]
+    return output_values(node)[index]
 
 
 def source_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int]:

@@ -37,7 +37,7 @@ from autopar.capture.export import Captured, gradient_flow, module_path
 from autopar.ir.errors import AnnotationError
 from autopar.ir.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
 from autopar.ir.mesh import AxisGroups, MeshSpec, each_axis, grouped_product, refine_groups
-from autopar.ir.meta import NodeLayouts
+from autopar.ir.meta import NodeLayouts, output_values
 from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
 from autopar.ir.plan import ChoiceKind
 from autopar.ir.strided import is_split, parts_of, strided
@@ -445,9 +445,7 @@ class _Builder:
         """The choice of an op, with the seconds of its compute under each strategy
         (:meth:`CostModel.op_time`)."""
         node = call.node
-        out_vals = [
-            v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)
-        ]
+        out_vals = output_values(node)
         dtype = out_vals[0].dtype if out_vals else torch.float32
         itemsize = out_vals[0].element_size() if out_vals else 4
         moved = itemsize * sum(math.prod(s) for s in (*call.shapes, *call.out_shapes))

@@ -23,6 +23,7 @@ import torch
 
 from autopar.capture.constraint_op import parse_constraint_spec
 from autopar.capture.export import Captured, block_of
+from autopar.ir.meta import output_values
 from autopar.rules import shape_of
 
 
@@ -56,13 +57,7 @@ def _signature(captured: Captured, block: str, nodes: list[torch.fx.Node]) -> tu
         (
             str(n.target),
             torch.utils._pytree.tree_map(token, (n.args, n.kwargs)),
-            str(
-                [
-                    tuple(v.shape)
-                    for v in torch.utils._pytree.tree_leaves(n.meta.get("val"))
-                    if isinstance(v, torch.Tensor)
-                ]
-            ),
+            str([tuple(v.shape) for v in output_values(n)]),
         )
         for n in nodes
     )

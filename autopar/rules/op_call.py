@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils import _pytree as pytree
 
-from autopar.ir.meta import per_node
+from autopar.ir.meta import output_values, per_node
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ def _call_of(node: torch.fx.Node) -> OpCall:
     found: list[torch.fx.Node] = []  # every node argument, in order (map_arg is fast)
     torch.fx.node.map_arg((node.args, node.kwargs), found.append)
     operands = tuple(a for a in found if _is_tensor(a))
-    outs = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    outs = output_values(node)
     return OpCall(
         node,
         operands,

@@ -14,7 +14,12 @@ rank's, after 2 warm-up steps), with the ratio
 and the Spearman rank correlation over the plans. Issue 16 asks for every plan within ±25%
 and a correlation of at least 0.9. Last, the host's float32 FLOP/s and memory bandwidth before
 and after the run, over the cluster file's: a shared host whose speed moved since the
-calibration moves every plan's ratio with it.
+calibration moves every plan's ratio with it. Beside them, a 1 MiB all-gather over the four
+ranks, timed on idle ranks (as calibrate times collectives) and right after a matrix product on
+each rank's threads (as a step runs most of its collectives), each as the calibrated time over
+the time now: on a 16-core host a rank's compute threads went on spinning after a product, on
+the cores gloo's threads then needed, and the plans that communicate most measured up to 2.6x
+their time of a minute before.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar.planning.cost import get_cluster  # noqa: E402
+from autopar.ir.plan import CollectiveKind  # noqa: E402
+from autopar.planning.cost import Cluster, get_cluster, ring_terms  # noqa: E402
 from autopar.tools.calibrate import threads_per_rank  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402
 from autopar.tools.rank_speed import host_speed  # noqa: E402
@@ -79,16 +85,46 @@ def _build(name: str, cluster: str) -> tuple[float, Callable[[], None]]:
     return dmodel.plan.step_time_s, step
 
 
+_PROBE_BYTES = 1 << 20  # one rank's input to the probe's all-gather: a ZeRO-3 gather's size here
+_PROBE_PRODUCT = 512  # the side of the matrix product the second probe's gathers follow
+
+
+def _gather_speeds(calibrated: Cluster) -> tuple[float, float]:
+    """The calibrated time of a 1 MiB all-gather over the world over its median time now (the
+    slowest rank's): on idle ranks, and each call right after a matrix product."""
+    world = dist.get_world_size()
+    x = torch.zeros(_PROBE_BYTES // 4)
+    out, a = x.new_empty(world * x.numel()), torch.randn(_PROBE_PRODUCT, _PROBE_PRODUCT)
+    link = calibrated.intra_node.for_collective(CollectiveKind.ALL_GATHER)
+    hops, share = ring_terms(CollectiveKind.ALL_GATHER, world)
+    predicted = hops * link.latency_s + share * _PROBE_BYTES / link.bandwidth_Bps
+    speeds = []
+    for product in (False, True):
+        times = []
+        for _ in range(17):
+            dist.barrier()
+            if product:
+                torch.mm(a, a)
+            t0 = time.perf_counter()
+            dist.all_gather_single(out, x)
+            times.append(time.perf_counter() - t0)
+        slowest = torch.tensor(statistics.median(times[2:]))
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        speeds.append(predicted / slowest.item())
+    return speeds[0], speeds[1]
+
+
 def _world(cluster: str, steps: int, names: list[str]) -> dict[str, Any]:
     """``plans``: (predicted, measured median) seconds of every plan; ``host``: the host's float32
-    FLOP/s and memory bandwidth (:func:`host_speed`) before and after, over the cluster's. The
+    FLOP/s and memory bandwidth (:func:`host_speed`) and its all-gathers' speed
+    (:func:`_gather_speeds`) before and after, over the cluster's. The
     plans take turns, one step each per round, so that the machine's speed drifting during the
     run (other work on the host) slows every plan alike instead of the plans measured while it
     lasts; the host's speed says whether it drifted since the calibration."""
     torch.set_num_threads(threads_per_rank(4))  # as the calibration's ranks computed
     calibrated = get_cluster(cluster)
     nominal = (calibrated.peak_flops["float32"], calibrated.memory_bandwidth_Bps)
-    before = host_speed()
+    before = (*host_speed(), *_gather_speeds(calibrated))
     built = {name: _build(name, cluster) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(steps + 2):
@@ -100,13 +136,12 @@ def _world(cluster: str, steps: int, names: list[str]) -> dict[str, Any]:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if round_ >= 2:  # two warm-up steps each
                 times[name].append(elapsed.item())
-    after = host_speed()
+    after = (*host_speed(), *_gather_speeds(calibrated))
+    kinds = ("float32 FLOP/s", "memory bandwidth", "all-gather", "all-gather after a product")
+    nominal += (1.0, 1.0)  # the gathers' speeds are over the calibrated times already
     return {
         "plans": {name: (built[name][0], statistics.median(times[name])) for name in names},
-        "host": {
-            kind: [speed[i] / nominal[i] for speed in (before, after)]
-            for i, kind in enumerate(("float32 FLOP/s", "memory bandwidth"))
-        },
+        "host": {kind: [speed[i] / nominal[i] for speed in (before, after)] for i, kind in enumerate(kinds)},
     }
 
 

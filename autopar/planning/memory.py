@@ -18,8 +18,9 @@ splits a parameter over, ``s`` the optimizer's fp32 values per element)::
 by ZeRO only along a mesh axis its gradient is summed over (a data-parallel axis for
 it), along a dimension no other axis splits and that the axis divides, and only when
 its local size is at least ``zero_threshold`` (:func:`zero_split`). What autograd
-saves per op comes from :func:`autopar.planning.saved_tensors.saved_by` (the op run once on
-fake tensors); under a pipeline a stage keeps its activations for as many
+saves per op comes from :mod:`autopar.planning.saved_tensors` (the op run once on fake
+tensors: on the rank's pieces of its operands where it can run so, :func:`_rank_spec`); under a
+pipeline a stage keeps its activations for as many
 microbatches as its schedule has in flight. The activation model reads a graph's layouts
 as data (:class:`~autopar.planning.laid_out.LaidOutGraph`), never from ``node.meta``.
 """
@@ -43,7 +44,7 @@ from autopar.ir.options import SELECTIVE, Memory
 from autopar.ir.strided import is_split
 from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.recompute import Region
-from autopar.planning.saved_tensors import saved_by, storage_ref
+from autopar.planning.saved_tensors import SavedSpec, saved_by, saved_locally, storage_ref
 from autopar.planning.storages import source_of, storage_of, tensor_value, viewed_operand
 from autopar.rules import OpCall
 
@@ -201,12 +202,12 @@ def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
 
     A placeholder's value kept in its own layout (a parameter, a buffer, the batch; or a
     view of one) is not allocated by the step and is left out; one redistributed is a
-    copy and counts. The op's other tensors are scaled like its largest operand.
+    copy and counts. What is saved is the op's on the rank's operands (:func:`_rank_spec`).
     """
     if node.op != "call_function" or node.target is operator.getitem or node not in laid.layouts:
         return []
     call = OpCall.of(node)
-    spec = saved_by(node, [bool(laid.flows.get(op, False)) for op in call.operands])
+    spec, local = _rank_spec(laid, node)
     mine = laid.layouts[node]
     out = []
     for i in spec.inputs:
@@ -221,8 +222,26 @@ def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
         fraction = local_fraction(_out_layout(mine, j), laid.mesh)
         out.append(Saved((storage, fraction), nbytes * fraction, node))
     if spec.extra_bytes:
-        out.append(_made_inside(laid, node, "extra", spec.extra_bytes))
+        out.append(_made_inside(laid, node, "extra", spec.extra_bytes, local))
     return out
+
+
+def _rank_spec(laid: LaidOutGraph, node: torch.fx.Node) -> tuple[SavedSpec, bool]:
+    """What ``node`` saves on one rank, and whether that was measured there: the op run on its
+    operands as the rank holds them (:func:`saved_locally`: local shapes, a redistributed one
+    contiguous as a collective returns it), or, where it cannot run so, at its global shapes
+    (:func:`saved_by`, its other tensors then scaled like its largest operand)."""
+    grads = [bool(laid.flows.get(op, False)) for op in OpCall.of(node).operands]
+    spec = saved_by(node, grads)
+    if spec == SavedSpec():
+        return spec, False
+    call, mine = OpCall.of(node), laid.layouts[node]
+    shapes, fresh = [], []
+    for src, shape, need in zip(call.operands, call.shapes, mine.operands):
+        shapes.append(shape if need is None else local_shape(shape, need, laid.mesh))
+        fresh.append(need is not None and src in laid.layouts and need != laid.layouts[src].output)
+    local = saved_locally(node, grads, shapes, fresh)
+    return (spec, False) if local is None else (local, True)
 
 
 def inner_products(laid: LaidOutGraph, node: torch.fx.Node) -> Saved | None:
@@ -230,15 +249,17 @@ def inner_products(laid: LaidOutGraph, node: torch.fx.Node) -> Saved | None:
     outputs (:attr:`~autopar.planning.saved_tensors.SavedSpec.inner_product_bytes`), if any."""
     if node.op != "call_function" or node.target is operator.getitem or node not in laid.layouts:
         return None
-    spec = saved_by(node, [bool(laid.flows.get(op, False)) for op in OpCall.of(node).operands])
+    spec, local = _rank_spec(laid, node)
     if not spec.inner_product_bytes:
         return None
-    return _made_inside(laid, node, "products", spec.inner_product_bytes)
+    return _made_inside(laid, node, "products", spec.inner_product_bytes, local)
 
 
-def _made_inside(laid: LaidOutGraph, node: torch.fx.Node, what: str, nbytes: int) -> Saved:
-    """Tensors ``node`` makes besides its outputs, ``nbytes`` in all at global shapes, scaled like
-    its largest operand."""
+def _made_inside(laid: LaidOutGraph, node: torch.fx.Node, what: str, nbytes: int, local: bool) -> Saved:
+    """Tensors ``node`` makes besides its outputs, ``nbytes`` in all: on one rank where ``local``,
+    else at global shapes, scaled like its largest operand."""
+    if local:
+        return Saved((node.name, what), nbytes, None)
     mine = laid.layouts[node]
     i = largest_operand(OpCall.of(node))
     layout = mine.operands[i] if i is not None else _out_layout(mine, 0)

@@ -6,7 +6,8 @@ each op is re-run on fake tensors (no memory) of its operands' shapes, dtypes an
 the op's operands, one of its outputs, or something else it made (layer-norm statistics, a dropout
 mask, an attention logsumexp). Composite ops (``aten.linear``, ``aten.layer_norm``, ``aten.dropout``,
 ``aten.scaled_dot_product_attention``) decompose there exactly as they do eagerly, so their internal
-saves are seen too.
+saves are seen too. :func:`saved_locally` runs the op on one rank's pieces of its operands instead
+(what a rank saves can depend on them: which of its operands are contiguous, how each is split).
 
 The fake tensors live on the operands' device, not on ``meta``: composite ops pick their kernels by
 device, and ``meta`` picks paths no real device runs (attention on ``meta`` takes the math path, which
@@ -19,6 +20,7 @@ docstring says where the two can differ.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +38,7 @@ from autopar.rules import OpCall
 
 @dataclass(frozen=True)
 class SavedSpec:
-    """What autograd keeps for the backward of one op call, at the node's global shapes.
+    """What autograd keeps for the backward of one op call, at the shapes it ran on.
 
     ``inputs`` are indexes into ``OpCall.of(node).operands`` (an fx value passed at several operand
     positions is reported at its first), ``outputs`` indexes into the tensor leaves of
@@ -55,7 +57,7 @@ class SavedSpec:
 
 
 #: saved_by's results by op, operand metadata, non-tensor arguments, grad flags and device.
-_CACHE: dict[Hashable, SavedSpec] = {}
+_CACHE: dict[Hashable, SavedSpec | None] = {}
 
 
 def saved_by(node: torch.fx.Node, grad_operands: Sequence[bool]) -> SavedSpec:
@@ -68,26 +70,58 @@ def saved_by(node: torch.fx.Node, grad_operands: Sequence[bool]) -> SavedSpec:
     conservative spec: every grad-requiring floating operand saved, no outputs, no extra bytes.
     Must be called outside any tracing or dispatch mode (it runs its own fake mode).
     """
+    flags = _grad_flags(node, grad_operands)
+    if flags is None:
+        return SavedSpec()
+    spec = _cached(node, flags, None)
+    return SavedSpec(frozenset(i for i, flag in enumerate(flags) if flag)) if spec is None else spec
+
+
+def saved_locally(
+    node: torch.fx.Node,
+    grad_operands: Sequence[bool],
+    shapes: Sequence[tuple[int, ...]],
+    fresh: Sequence[bool],
+) -> SavedSpec | None:
+    """:func:`saved_by` with operand ``i`` as one rank holds it: at ``shapes[i]``, contiguous where
+    ``fresh[i]`` (a collective's output) and otherwise a piece of a tensor strided like its global
+    value. What the rank's op saves, where the global figures cannot tell: torch's attention math
+    path (a mask that needs a gradient) saves a copy of ``k`` split like ``k`` and weights split
+    like ``q``, and saves ``v`` itself where ``v`` is contiguous but a copy of it where it is a
+    transposed view. None where nothing saves (no operand needs a gradient) or the op cannot run
+    so (its other arguments name global sizes)."""
+    flags = _grad_flags(node, grad_operands)
+    if flags is None:
+        return None
+    pieces = tuple((tuple(int(s) for s in shape), bool(f)) for shape, f in zip(shapes, fresh))
+    return _cached(node, flags, pieces)
+
+
+def _grad_flags(node: torch.fx.Node, grad_operands: Sequence[bool]) -> tuple[bool, ...] | None:
+    """Which operands of ``node`` take a gradient (floating ones flagged); None where none does or
+    the node is no op call autograd could save for."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return SavedSpec()
-    call = OpCall.of(node)
-    if len(grad_operands) != len(call.operands):
-        raise ValueError(
-            f"{node.name}: {len(grad_operands)} grad flags for {len(call.operands)} tensor operands"
-        )
-    flags = tuple(
-        bool(flag) and _differentiable(a.meta["val"].dtype) for a, flag in zip(call.operands, grad_operands)
-    )
-    if not any(flags):
-        return SavedSpec()
+        return None
+    operands = OpCall.of(node).operands
+    if len(grad_operands) != len(operands):
+        raise ValueError(f"{node.name}: {len(grad_operands)} grad flags for {len(operands)} tensor operands")
+    flags = tuple(bool(f) and _differentiable(a.meta["val"].dtype) for a, f in zip(operands, grad_operands))
+    return flags if any(flags) else None
+
+
+Pieces = tuple[tuple[tuple[int, ...], bool], ...]  # per operand: (shape, contiguous)
+
+
+def _cached(node: torch.fx.Node, flags: tuple[bool, ...], pieces: Pieces | None) -> SavedSpec | None:
+    """:func:`_measure`'s spec, cached by call, flags and pieces; None where the op did not run."""
     known = _call_key(node)
-    key = None if known is None else (known, flags)
+    key = None if known is None else (known, flags, pieces)
     if key is not None and key in _CACHE:
         return _CACHE[key]
     try:
-        spec = _measure(node, call, flags)
-    except Exception:  # noqa: BLE001 - any failure to run the op means "assume the worst", as documented
-        spec = SavedSpec(frozenset(i for i, flag in enumerate(flags) if flag))
+        spec = _measure(node, OpCall.of(node), flags, pieces)
+    except Exception:  # noqa: BLE001 - any failure to run the op: the callers say what follows
+        spec = None
     if key is not None:
         _CACHE[key] = spec
     return spec
@@ -140,14 +174,16 @@ def _call_key(node: torch.fx.Node) -> Hashable | None:
     return key
 
 
-def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...]) -> SavedSpec:
-    """Run the op on fake operands and classify what autograd packs."""
+def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...], pieces: Pieces | None) -> SavedSpec:
+    """Run the op on fake operands (as ``pieces``, or their own values) and classify what autograd
+    packs."""
     device = _device(call)
-    requires = {}
-    for a, flag in zip(call.operands, flags):
+    requires, piece_of = {}, {}
+    for i, (a, flag) in enumerate(zip(call.operands, flags)):
         requires[a] = requires.get(a, False) or flag
+        piece_of.setdefault(a, None if pieces is None else pieces[i])
     with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():
-        fakes = {a: _fake_operand(a.meta["val"], device, rg) for a, rg in requires.items()}
+        fakes = {a: _fake_operand(a.meta["val"], device, rg, piece_of[a]) for a, rg in requires.items()}
         args, kwargs = pytree.tree_map(
             lambda x: (fakes[x] if x in fakes else x.meta.get("val")) if isinstance(x, torch.fx.Node) else x,
             (node.args, node.kwargs),
@@ -197,18 +233,33 @@ class _InnerProducts(TorchDispatchMode):
         return out
 
 
-def _fake_operand(val: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
-    """A fresh fake tensor like ``val``: same shape, strides and dtype; its own storage.
+def _fake_operand(
+    val: torch.Tensor,
+    device: torch.device,
+    requires_grad: bool,
+    piece: tuple[tuple[int, ...], bool] | None = None,
+) -> torch.Tensor:
+    """A fresh fake tensor like ``val``: same shape, strides and dtype; its own storage. With a
+    ``piece`` ``(shape, fresh)``: a tensor of that shape, contiguous where ``fresh`` or ``val``
+    is (a rank's shard of a contiguous value is its own contiguous tensor), else the leading piece
+    of that shape of a tensor strided like ``val`` (a shard of a transposed or sliced view is
+    such a view of the rank's tensor).
 
     One that requires grad is made a non-leaf (a copy of a leaf), as activations are: autograd
     refuses in-place ops on leaves that require grad, and the graph may hold such ops.
     """
-    shape = [int(s) for s in val.shape]
-    stride = [int(s) for s in val.stride()]
+    shape, stride = [int(s) for s in val.shape], [int(s) for s in val.stride()]
+    dense = piece is not None and (piece[1] or val.is_contiguous())
+    if dense:
+        shape = list(piece[0])
+        stride = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     t = torch.empty_strided(shape, stride, dtype=val.dtype, device=device)
     if requires_grad:
         leaf = torch.empty_strided(shape, stride, dtype=val.dtype, device=device, requires_grad=True)
         t.copy_(leaf)
+    if piece is not None and not dense:
+        for dim, size in enumerate(piece[0]):
+            t = t.narrow(dim, 0, size)
     return t
 
 

@@ -297,26 +297,38 @@ def _forward_peak(laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mappin
                 alive(at, end if item.key in kept else at, item.nbytes)
         for j, key, nbytes in _outputs(laid, node):
             covered.add(key)
-            alive(at, end if key in kept else _last_use(node, j, position), nbytes)
+            alive(at, end if key in kept else _last_use(laid, node, j, position), nbytes)
     for key, nbytes in kept.items():
         if key not in covered:
             alive(owner[key], end, nbytes)
     return _max_prefix(delta)
 
 
-def _last_use(node: torch.fx.Node, index: int | None, position: Mapping[torch.fx.Node, int]) -> int:
+def _last_use(
+    laid: LaidOutGraph, node: torch.fx.Node, index: int | None, position: Mapping[torch.fx.Node, int]
+) -> int:
     """The position of the last op reading output ``index`` of ``node`` (None: every output, as
-    the pieces of a split are views of one storage), through what shares its memory."""
+    the pieces of a split are views of one storage), through what shares its memory (views, and
+    layout constraints that do not redistribute)."""
     users = [u for u in node.users if u.target is not operator.getitem or index in (None, u.args[1])]
     through = [u for u in users if u.target is operator.getitem or viewed_operand(u) is node]
-    uses = [_last_use(u, None, position) for u in through] + [position[u] for u in users if u not in through]
-    return max(uses, default=position[node])
+    through += [u for u in users if _passes_on(laid, u)]
+    uses = [_last_use(laid, u, None, position) for u in through]
+    return max(uses + [position[u] for u in users if u not in through], default=position[node])
+
+
+def _passes_on(laid: LaidOutGraph, node: torch.fx.Node) -> bool:
+    """A layout constraint whose operand already has its layout: the compiler drops it, and its
+    value is its operand's (one that redistributes is the collective's new tensor)."""
+    if str(node.target) != LAYOUT_CONSTRAINT or node not in laid.layouts or node.args[0] not in laid.layouts:
+        return False
+    return laid.layouts[node].output == laid.layouts[node.args[0]].output
 
 
 def _outputs(laid: LaidOutGraph, node: torch.fx.Node) -> Iterator[tuple[int, tuple, float]]:
     """``(index, key, bytes on a rank)`` of each output ``node`` allocates (a view allocates none,
-    nor does a ``getitem``: its op did)."""
-    if node.target is operator.getitem or viewed_operand(node) is not None:
+    nor does a ``getitem`` (its op did) or a layout constraint that redistributes nothing)."""
+    if node.target is operator.getitem or viewed_operand(node) is not None or _passes_on(laid, node):
         return
     for j in range(len(laid.layouts[node].outputs)):
         storage, nbytes = storage_of(node, j)
@@ -430,12 +442,14 @@ def activation_memory(
         for item in saved:
             log.saved.setdefault(item.key, (item.nbytes, at))
         for j, key, nbytes in _outputs(laid, node):
-            log.made.setdefault(key, (nbytes, at, _last_use(node, j, position)))
+            log.made.setdefault(key, (nbytes, at, _last_use(laid, node, j, position)))
         cached = []
         for slot, (src, need) in enumerate(zip(OpCall.of(node).operands, layouts[node].operands)):
             if need is None or src not in layouts or source_of(src)[0].op == "placeholder":
                 continue
-            if regions.get(src, (None,))[0] != name:
+            # a getitem is in no region: its op's decides where the value was made
+            made_by = src.args[0] if src.target is operator.getitem else src
+            if regions.get(made_by, (None,))[0] != name:
                 entering = held_value(laid, src, layouts[src].output)
                 keep(at, entering, True)
                 held.add(entering.key)

@@ -231,11 +231,11 @@ def _rank_spec(laid: LaidOutGraph, node: torch.fx.Node) -> tuple[SavedSpec, bool
     operands as the rank holds them (:func:`saved_locally`: local shapes, a redistributed one
     contiguous as a collective returns it), or, where it cannot run so, at its global shapes
     (:func:`saved_by`, its other tensors then scaled like its largest operand)."""
-    grads = [bool(laid.flows.get(op, False)) for op in OpCall.of(node).operands]
+    call, mine = OpCall.of(node), laid.layouts[node]
+    grads = [bool(laid.flows.get(op, False)) for op in call.operands]
     spec = saved_by(node, grads)
     if spec == SavedSpec():
         return spec, False
-    call, mine = OpCall.of(node), laid.layouts[node]
     shapes, fresh = [], []
     for src, shape, need in zip(call.operands, call.shapes, mine.operands):
         shapes.append(shape if need is None else local_shape(shape, need, laid.mesh))

@@ -56,7 +56,8 @@ class SavedSpec:
     inner_product_bytes: int = 0
 
 
-#: saved_by's results by op, operand metadata, non-tensor arguments, grad flags and device.
+#: specs by op, operand metadata, non-tensor arguments, device, grad flags and the pieces the
+#: operands ran as (None: their global values); None where the op did not run.
 _CACHE: dict[Hashable, SavedSpec | None] = {}
 
 
@@ -109,7 +110,7 @@ def _grad_flags(node: torch.fx.Node, grad_operands: Sequence[bool]) -> tuple[boo
     return flags if any(flags) else None
 
 
-Pieces = tuple[tuple[tuple[int, ...], bool], ...]  # per operand: (shape, contiguous)
+Pieces = tuple[tuple[tuple[int, ...], bool], ...]  # per operand: (shape, fresh: a collective's output)
 
 
 def _cached(node: torch.fx.Node, flags: tuple[bool, ...], pieces: Pieces | None) -> SavedSpec | None:

@@ -128,11 +128,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     if plan is None:
         plan = _plan_once(
             mesh,
-            lambda: plan_captured(
+            lambda deterministic: plan_captured(
                 captured,
                 spec,
                 cluster=cluster,
                 time_limit=time_limit,
+                deterministic=deterministic,
                 seed=seed,
                 capture_s=time.perf_counter() - t0,
                 pipeline=pipeline,
@@ -197,22 +198,25 @@ def _precision_of(plan: Plan | None, precision: MixedPrecision | None) -> MixedP
     return saved
 
 
-def _plan_once(mesh: Any | None, make_plan: Callable[[], Plan]) -> Plan:
+def _plan_once(mesh: Any | None, make_plan: Callable[[bool], Plan]) -> Plan:
     """The plan, solved once: on the mesh's first rank (rank 0 for ``None``: the whole job),
     sent to the others (as plain data) when the mesh spans the job, so the other ranks spend
     no time in the solver. An error planning there is raised on every rank. Otherwise (one
-    rank, a mesh of part of the job, a fake process group) every rank plans; the solver is
-    deterministic, so they agree.
+    rank, a fake process group) the rank plans alone, or (a mesh of part of the job) every
+    rank of it plans: ``make_plan(deterministic)`` is then told to limit the solver by
+    deterministic time alone, so that they agree.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1 or dist.get_backend() == "fake" or (mesh is not None and mesh.mesh.numel() != world):
-        return make_plan()
+    if world == 1 or dist.get_backend() == "fake":
+        return make_plan(False)
+    if mesh is not None and mesh.mesh.numel() != world:
+        return make_plan(True)
     source = 0 if mesh is None else int(mesh.mesh.flatten()[0])
     box: list[Any] = [None]
     failure = None
     if dist.get_rank() == source:
         try:
-            box[0] = make_plan().to_dict()
+            box[0] = make_plan(False).to_dict()
         except Exception as exc:  # noqa: BLE001 - re-raised here, and said on every other rank
             failure, box[0] = exc, f"{type(exc).__name__}: {exc}"
     dist.broadcast_object_list(box, src=source)
@@ -304,7 +308,9 @@ def compile_loss(
     loss = _Loss(loss_fn)
     captured = capture(loss, (output, target), None, spec)
     fixed = dict(zip(captured.inputs, module.output_layouts))  # the target, the last input, stays free
-    plan = plan_captured(captured, spec, cluster=Cluster.from_dict(module.plan.cluster), fixed_inputs=fixed)
+    cluster = Cluster.from_dict(module.plan.cluster)
+    # every rank plans its loss apart: the deterministic limit alone makes their plans agree
+    plan = plan_captured(captured, spec, cluster=cluster, fixed_inputs=fixed, deterministic=True)
     return build_module(loss, module.stage_mesh, module.stage_mesh, captured, plan)
 
 
@@ -332,7 +338,7 @@ def _searched_mesh(
         )
     if plan is None:
         plan = _plan_once(
-            None, lambda: plan_model(model, example_args, devices, example_kwargs=example_kwargs, **options)
+            None, lambda _: plan_model(model, example_args, devices, example_kwargs=example_kwargs, **options)
         )
     spec = plan.device_mesh_spec
     if spec.size != devices:

@@ -37,8 +37,8 @@ class _Solved(NamedTuple):
 class Search:
     """What every candidate of the memory search is solved and assembled with: the setting
     (whose ``budget`` is the bytes per device a plan must fit), the ILP's cost tables and
-    each candidate's memory terms, the solver's deterministic seconds left (``time_limit``
-    shared by every solve) and its seed."""
+    each candidate's memory terms, the solver's time left (``time_limit`` shared by every
+    solve) and its seed."""
 
     setting: PlanSetting
     tables: CostTables
@@ -192,8 +192,9 @@ def _solve_within(search: Search, choice: MemoryChoice, limit: float | None, way
     setting = search.setting
     g = setting.graph
     ilp = _ilp(search, choice, limit)
-    solved = ilp.solve(time_limit=search.clock.share(ways), seed=search.seed)
-    search.clock.spend(ilp)
+    clock = search.clock
+    solved = ilp.solve(time_limit=clock.share(ways), seed=search.seed, wall_limit=clock.wall_share(ways))
+    clock.spend(ilp)
     if solved is None:
         return None
     assignment, stats = solved
@@ -238,8 +239,10 @@ def _last_fits(search: Search, last: MemoryChoice) -> bool:
 def _least_memory(search: Search, choice: MemoryChoice) -> Plan:
     """The plan of ``choice`` minimising the ILP's memory estimate (recorded as tried)."""
     ilp = _ilp(search, choice)
-    assignment, _ = ilp.minimum_memory(time_limit=search.clock.share(), seed=search.seed)
-    search.clock.spend(ilp)
+    clock = search.clock
+    limits = {"time_limit": clock.share(), "wall_limit": clock.wall_share()}
+    assignment, _ = ilp.minimum_memory(seed=search.seed, **limits)
+    clock.spend(ilp)
     report = _report(search.setting.graph, None)
     plan = assemble_plan(replace(search.setting, budget=None), choice, assignment, report)
     search.tried.append((plan, choice))

@@ -66,12 +66,13 @@ def plan(
     process group is needed. A number of devices instead searches the mesh too (``pp``, ``dp`` and
     ``tp`` axes and the pipeline: see :mod:`autopar.planning.mesh_search`; ``pipeline`` then fixes
     the pipeline of meshes with one, ``time_limit`` bounds each mesh's planning, and the meshes are
-    planned in up to ``workers`` processes at once: by default one per CPU this process may use,
-    at most 8; 1 plans them here, one after another). ``cluster`` is
-    a preset name (default ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the solver
-    in deterministic seconds (about wall seconds on one core), every solve of the memory search
-    included, and sizes the ILP (``autopar.planning.axis_groups``); with the same ``seed`` every
-    call, on every rank, returns the same plan. ``pipeline`` runs a pipeline over one mesh axis (see
+    planned in up to ``workers`` processes at once: by default one per CPU this process may use, at
+    most 8; 1 plans them here, one after another). ``cluster`` is a preset name (default
+    ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the solver in seconds, every solve
+    of the memory search included (on the wall clock and in CP-SAT's deterministic seconds,
+    whichever ends first), and sizes the ILP (``autopar.planning.axis_groups``); with the same
+    ``seed`` every call returns the same plan unless the wall clock ended a search (the plan's
+    ``solver.status`` is then ``FEASIBLE``). ``pipeline`` runs a pipeline over one mesh axis (see
     :mod:`autopar.planning.pipeline`); the example inputs are the whole batch. ``memory`` sets ZeRO,
     the optimizer's state and offload (:class:`~autopar.ir.options.Memory`); ``memory_budget``
     (bytes per device) makes the planner choose sharding, the ZeRO stage and recompute so that the
@@ -79,8 +80,8 @@ def plan(
     ``precision`` computes in a lower precision with fp32 master weights
     (:class:`~autopar.ir.options.MixedPrecision`). ``update`` (:mod:`autopar.ir.updates`) plans the
     workers' mesh as ``compile(..., update=...)`` compiles it (the synchronous plan, without ZeRO:
-    the servers hold the optimizer state) and adds what the mode makes of its step
-    (``Plan.update``; :mod:`autopar.planning.update_cost`)."""
+    the servers hold the optimizer state) and adds what the mode makes of its step (``Plan.update``;
+    :mod:`autopar.planning.update_cost`)."""
     if not isinstance(cluster, Cluster):
         cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
     if update is not None:
@@ -198,8 +199,13 @@ def plan_captured(
     fixed_inputs: Mapping[str, Layout] | None = None,
     memory: Memory | None = None,
     memory_budget: float | None = None,
+    deterministic: bool = False,
 ) -> Plan:
     """:func:`plan` for a model captured by :func:`capture_for` (``autopar.compile`` captures once).
+
+    ``deterministic`` limits the solver by CP-SAT's deterministic seconds alone, so that ranks
+    planning the same program apart get the same plan; otherwise the wall clock limits it too
+    (:class:`~autopar.planning.solver.SolverClock`).
 
     ``fixed_inputs`` pins the layouts of user inputs by placeholder name (a loss
     compiled for a model's outputs takes them as they come). The budget is
@@ -244,7 +250,7 @@ def plan_captured(
         ),
         tables=cost_tables(g),
         terms=MemoryTerms(g, memory),
-        clock=SolverClock(time_limit),
+        clock=SolverClock.starting(time_limit, deterministic),
         seed=seed,
     )
     build_s = time.perf_counter() - t1

@@ -51,8 +51,12 @@ equals ``s_{u,i} s_{v,j}`` at any optimum, so the linearisation is exact with on
 constraint per non-zero entry (Alpa's needs a variable for every entry).
 
 Determinism: one search worker, a fixed seed and a *deterministic* time limit, so
-every rank computes the same plan from the same graph. When the limit stops the
-search, the best plan found is returned with its optimality gap. The search starts from a
+every rank computes the same plan from the same graph. Where one process plans (``autopar.plan``,
+the first rank of ``autopar.compile``, which sends the plan to the others) the wall clock also
+ends the search (:class:`SolverClock`): CP-SAT's deterministic seconds ran 4-5 wall seconds each
+on the 2-core development machine, so a limit of 30 took over two minutes. A search the limit
+stops, on either clock, returns the best plan found with its optimality gap; one the wall clock
+stops may return another plan on another run. The search starts from a
 hinted plan: the one the caller gives (the memory search's last, for an ILP that differs from
 it in a few terms) or each root's cheapest strategy; the same calls give the same hints.
 """
@@ -114,18 +118,35 @@ def reduce_pairs(
 
 @dataclass
 class SolverClock:
-    """The solver's deterministic seconds left to one plan: its ``time_limit``, shared by every
-    solve planning makes (the fastest plan, then the memory search's candidates)."""
+    """The solver time left to one plan: its ``time_limit``, shared by every solve planning makes
+    (the fastest plan, then the memory search's candidates). ``left`` counts CP-SAT's
+    deterministic seconds; ``deadline`` (a :func:`time.monotonic` instant) also ends planning on
+    the wall clock, None where several ranks plan the same program apart and must agree (the
+    deterministic limit alone makes their searches identical)."""
 
     left: float
+    deadline: float | None = None
+
+    @classmethod
+    def starting(cls, time_limit: float, deterministic: bool) -> SolverClock:
+        """``time_limit`` seconds from now: deterministic seconds, and wall seconds unless
+        ``deterministic``."""
+        return cls(time_limit, None if deterministic else time.monotonic() + time_limit)
 
     def share(self, ways: int = 1) -> float:
-        """The limit of the next solve when ``ways`` solves share what is left (none when
-        nothing is: a solve that runs out before any solution says so, see ``solve``)."""
-        return max(self.left / ways, 0.0)
+        """The deterministic limit of the next solve when ``ways`` solves share what is left (none
+        when nothing is, on either clock: a solve that runs out before any solution says so, see
+        ``solve``)."""
+        wall = self.wall_share(ways)
+        return 0.0 if wall is not None and wall <= 0 else max(self.left / ways, 0.0)
+
+    def wall_share(self, ways: int = 1) -> float | None:
+        """The wall-clock limit of the next solve, shared like :meth:`share`; None without one."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0) / ways
 
     def spend(self, ilp: StrategyILP) -> None:
-        """Count the deterministic seconds ``ilp``'s solves have used since the last call."""
+        """Count the deterministic seconds ``ilp``'s solves have used since the last call (the wall
+        clock counts itself)."""
         self.left -= ilp.spent
         ilp.spent = 0.0
 
@@ -204,12 +225,15 @@ class StrategyILP:
             terms += [(_kib(m[i, j]), _edge(model, s, edges, u, v, i, j)) for i, j in zip(*np.nonzero(m))]
         return sum(k * v for k, v in terms if k > 0)
 
-    def minimum_memory(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], float]:
-        """The choices needing the least memory, and those bytes (the memory objective alone)."""
+    def minimum_memory(
+        self, time_limit: float = 30.0, seed: int = 0, wall_limit: float | None = None
+    ) -> tuple[dict[str, int], float]:
+        """The choices needing the least memory, and those bytes (the memory objective alone);
+        limits as :meth:`solve`'s."""
         model = cp_model.CpModel()
         s = self._choose_one(model, self.node_costs)
         model.Minimize(self._memory_terms(model, s, {}))
-        solver = self._solver(time_limit, seed)
+        solver = self._solver(time_limit, seed, wall_limit)
         status = self._run(solver, model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise PlanError(
@@ -225,11 +249,13 @@ class StrategyILP:
         return status
 
     @staticmethod
-    def _solver(time_limit: float, seed: int) -> cp_model.CpSolver:
+    def _solver(time_limit: float, seed: int, wall_limit: float | None) -> cp_model.CpSolver:
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         solver.parameters.random_seed = seed
         solver.parameters.max_deterministic_time = time_limit
+        if wall_limit is not None:
+            solver.parameters.max_time_in_seconds = wall_limit
         # the LP relaxation of every edge constraint: it proves strategy ILPs optimal 4-20x
         # sooner than the default level (1), which left some small models at the time limit;
         # presolve finds little to simplify in them and took half of the 405B shape's solves
@@ -251,8 +277,12 @@ class StrategyILP:
             for i, j in zip(*np.nonzero(m))
         ]
 
-    def solve(self, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, int], SolverStats] | None:
-        """The cheapest choices and the solver's report; None if no choice fits the memory budget."""
+    def solve(
+        self, time_limit: float = 30.0, seed: int = 0, wall_limit: float | None = None
+    ) -> tuple[dict[str, int], SolverStats] | None:
+        """The cheapest choices and the solver's report; None if no choice fits the memory budget.
+        The search stops after ``time_limit`` deterministic seconds, or ``wall_limit`` seconds on
+        the wall clock where given, whichever comes first."""
         t0 = time.perf_counter()
         nodes, pairs = reduce_pairs(self.node_costs, self.pair_costs)
         self.scale = self._scale(nodes, pairs)
@@ -268,7 +298,7 @@ class StrategyILP:
         model.Minimize(sum(w * v for w, v in objective + terms))
         hinted = self._hint(model, s, nodes)
         build = time.perf_counter() - t0
-        solver = self._solver(time_limit, seed)
+        solver = self._solver(time_limit, seed, wall_limit)
         t1 = time.perf_counter()
         status = self._run(solver, model)
         solve = time.perf_counter() - t1

@@ -126,19 +126,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     captured = capture_for(model, example_args, example_kwargs, spec, pipeline, precision)
     captured.unapplied[:0] = unapplied
     if plan is None:
+        solving = {"cluster": cluster, "time_limit": time_limit, "seed": seed, "pipeline": pipeline}
+        more = {"memory": memory, "memory_budget": memory_budget, "capture_s": time.perf_counter() - t0}
         plan = _plan_once(
             mesh,
             lambda deterministic: plan_captured(
-                captured,
-                spec,
-                cluster=cluster,
-                time_limit=time_limit,
-                deterministic=deterministic,
-                seed=seed,
-                capture_s=time.perf_counter() - t0,
-                pipeline=pipeline,
-                memory=memory,
-                memory_budget=memory_budget,
+                captured, spec, deterministic=deterministic, **solving, **more
             ),
         )
     if plan.device_mesh_spec != spec:

@@ -53,7 +53,7 @@ constraint per non-zero entry (Alpa's needs a variable for every entry).
 Determinism: one search worker, a fixed seed and a *deterministic* time limit, so
 every rank computes the same plan from the same graph. Where one process plans (``autopar.plan``,
 the first rank of ``autopar.compile``, which sends the plan to the others) the wall clock also
-ends the search (:class:`SolverClock`): CP-SAT's deterministic seconds ran 4-5 wall seconds each
+ends the search (:class:`SolverClock`): CP-SAT's deterministic seconds ran 4-6 wall seconds each
 on the 2-core development machine, so a limit of 30 took over two minutes. A search the limit
 stops, on either clock, returns the best plan found with its optimality gap; one the wall clock
 stops may return another plan on another run. The search starts from a

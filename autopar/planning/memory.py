@@ -10,7 +10,8 @@ splits a parameter over, ``s`` the optimizer's fp32 values per element)::
                                                  gradient and the states), else 0
     activations  kept:  every value some op saves for backward, once per (value, layout),
                         outside recompute regions; a region keeps only its inputs and the
-                        outputs its policy saves
+                        outputs its policy saves; and what the program returns (the caller
+                        holds it through backward)
                  peak:  the forward's, or a region's recomputation in backward: kept up to it,
                         plus what it recomputes, less its kept outputs no op saves
 
@@ -385,6 +386,15 @@ def _recompute_peak(log: _RegionLog, base: float, kept: Mapping[tuple, float], d
     return peak
 
 
+def returned_values(laid: LaidOutGraph) -> list[Saved]:
+    """The tensors the program returns, which the caller holds through backward (logits beside
+    a loss), each in its producer's layout; a graph input returned as it is allocates nothing."""
+    output = next(n for n in reversed(laid.graph.nodes) if n.op == "output")
+    values = [v for v in torch.utils._pytree.tree_leaves(output.args) if v in laid.layouts]
+    items = (held_value(laid, v, laid.layouts[v].output) for v in values)
+    return [item for item in items if item.source.op != "placeholder"]
+
+
 def activation_memory(
     laid: LaidOutGraph,
     regions: Mapping[torch.fx.Node, Region],
@@ -426,6 +436,10 @@ def activation_memory(
             by_regions.add(item.key)
 
     position = {n: i for i, n in enumerate(laid.graph.nodes)}
+    returned = returned_values(laid)  # held by the caller, on the device, from their op on
+    for item in returned:
+        keep(position[item.source], item, False)
+    held.update(item.key for item in returned)
     for at, node in enumerate(laid.graph.nodes):
         saved = saved_values(laid, node)
         held.update(item.key for item in saved)
@@ -464,7 +478,8 @@ def activation_memory(
             keep(at, item, True)
             log.cached.setdefault(item.key, at)
     total = sum(kept.values())
-    device = {k: v for k, v in kept.items() if k in by_regions or not offload}
+    on_device = by_regions | {item.key for item in returned}
+    device = {k: v for k, v in kept.items() if k in on_device or not offload}
     names = [n.name for n in laid.graph.nodes]
     kept_by = [0.0] * len(names)  # device bytes first kept at each position
     for k, v in device.items():
@@ -476,5 +491,5 @@ def activation_memory(
     by_node: dict[str, float] = {}
     for key, at in owner.items():
         by_node[names[at]] = by_node.get(names[at], 0.0) + kept[key]
-    by_autograd = sum(v for k, v in kept.items() if k not in by_regions)
+    by_autograd = sum(v for k, v in kept.items() if k not in on_device)
     return ActivationMemory(kept=total, peak=peak, by_node=by_node, by_autograd=by_autograd)

@@ -12,7 +12,7 @@ from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory
 from autopar.ir.plan import Plan
-from autopar.planning.memory import state_bytes, zero_split
+from autopar.planning.held_state import state_bytes, zero_split
 from autopar.planning.solver import MemoryRows, StrategyILP
 from examples import gpt
 

@@ -1,7 +1,7 @@
 """What parameters and buffers hold per rank under a plan's ZeRO stage: their splits and bytes.
 
 :func:`zero_splits` picks, for every parameter whose gradient the program sums, the mesh axis
-and dim ZeRO splits it along (:func:`~autopar.planning.memory.zero_split`); :func:`held_state`
+and dim ZeRO splits it along (:func:`zero_split`); :func:`held_state`
 prices every parameter's and buffer's bytes per rank (itself, its gradient, optimizer state,
 host) and what its optimizer step updates; under ZeRO-3 :func:`stored_split` stores the split
 parameters split, so their consumers gather them.
@@ -9,22 +9,83 @@ parameters split, so their consumers gather them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
-from autopar.ir.layout import format_layout
+from autopar.ir.layout import Layout, format_layout, local_shape
+from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory
 from autopar.ir.plan import ChoiceKind
+from autopar.ir.strided import is_split
 from autopar.planning.gradient_sums import planned_edges
 from autopar.planning.laid_out import LaidOutGraph
-from autopar.planning.memory import local_bytes, state_bytes, with_split, zero_split
-from autopar.planning.step_overheads import Update
+from autopar.planning.memory import local_bytes
+from autopar.planning.step_overheads import FP32_BYTES, Update
 from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
 from autopar.rules import shape_of
 
 Split = tuple[int, int]  # (mesh axis, tensor dim) ZeRO splits a parameter along
+
+
+def zero_split(
+    shape: tuple[int, ...],
+    layout: Layout,
+    summed_axes: Iterable[int],
+    mesh: MeshSpec,
+    itemsize: int,
+    threshold: int,
+) -> tuple[int, int] | None:
+    """``(mesh axis, tensor dim)`` ZeRO splits a parameter along, or None to keep it whole.
+
+    The axis is the first of ``summed_axes`` (those its gradient is summed over) of size
+    above 1 on which the parameter is replicated; the dim the first one no axis splits
+    whose local size that axis divides. Parameters under ``threshold`` bytes per rank stay whole.
+    """
+    local = local_shape(shape, layout, mesh)
+    if math.prod(local) * itemsize < max(threshold, 1):
+        return None
+    used = {p.dim for p in layout if is_split(p)}
+    for a in sorted(summed_axes):
+        n = mesh.axis_sizes[a]
+        if n == 1 or not isinstance(layout[a], Replicate):
+            continue
+        for d, size in enumerate(local):
+            if d not in used and size % n == 0:
+                return a, d
+    return None
+
+
+def with_split(layout: Layout, split: tuple[int, int]) -> Layout:
+    """``layout`` with mesh axis ``split[0]`` splitting tensor dim ``split[1]``."""
+    axis, dim = split
+    return (*layout[:axis], Shard(dim), *layout[axis + 1 :])
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Per-rank bytes of one parameter's state (see :mod:`autopar.planning.memory`'s docstring)."""
+
+    param: float
+    grad: float
+    optimizer: float
+    host: float
+
+
+def state_bytes(local: float, itemsize: int, split: int, zero: int, memory: Memory, grad: bool) -> StateBytes:
+    """The state of a parameter of ``local`` bytes per rank, split ``split`` ways by ZeRO stage ``zero``."""
+    numel = local / itemsize
+    shard = numel / split
+    param = local / split if zero == 3 else local
+    g = (local / split if zero >= 2 else local) if grad else 0.0
+    states = FP32_BYTES * memory.optimizer_states * (shard if zero >= 1 else numel) if grad else 0.0
+    if memory.offload_optimizer and grad:
+        host = FP32_BYTES * (memory.optimizer_states + 2) * (shard if zero >= 1 else numel)
+        return StateBytes(param=param, grad=g, optimizer=0.0, host=host)
+    return StateBytes(param=param, grad=g, optimizer=states, host=0.0)
 
 
 @dataclass(frozen=True)

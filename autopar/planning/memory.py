@@ -15,15 +15,15 @@ splits a parameter over, ``s`` the optimizer's fp32 values per element)::
                  peak:  the forward's, or a region's recomputation in backward: kept up to it,
                         plus what it recomputes, less its kept outputs no op saves
 
-``bytes(p)`` is the parameter's local size in its planned layout. A parameter is split
-by ZeRO only along a mesh axis its gradient is summed over (a data-parallel axis for
-it), along a dimension no other axis splits and that the axis divides, and only when
-its local size is at least ``zero_threshold`` (:func:`zero_split`). What autograd
-saves per op comes from :mod:`autopar.planning.saved_tensors` (the op run once on fake
-tensors: on the rank's pieces of its operands where it can run so, :func:`_rank_spec`); under a
-pipeline a stage keeps its activations for as many
-microbatches as its schedule has in flight. The activation model reads a graph's layouts
-as data (:class:`~autopar.planning.laid_out.LaidOutGraph`), never from ``node.meta``.
+``bytes(p)`` is the parameter's local size in its planned layout. A parameter is split by ZeRO
+only along a mesh axis its gradient is summed over (a data-parallel axis for it), along a
+dimension no other axis splits and that the axis divides, and only when its local size is at
+least ``zero_threshold`` (:func:`~autopar.planning.held_state.zero_split`). What autograd saves
+per op comes from :mod:`autopar.planning.saved_tensors` (the op run once on fake tensors: on the
+rank's pieces of its operands where it can run so, :func:`_rank_spec`); under a pipeline a stage
+keeps its activations for as many microbatches as its schedule has in flight. The activation
+model reads a graph's layouts as data (:class:`~autopar.planning.laid_out.LaidOutGraph`), never
+from ``node.meta``.
 """
 
 from __future__ import annotations
@@ -35,21 +35,17 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
 
 from autopar.ir.layout import Layout, local_fraction, local_shape
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
-from autopar.ir.options import SELECTIVE, Memory
-from autopar.ir.strided import is_split
+from autopar.ir.options import SELECTIVE
 from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.recompute import Region
 from autopar.planning.saved_tensors import SavedSpec, saved_by, saved_locally, storage_ref
 from autopar.planning.storages import source_of, storage_of, tensor_value, viewed_operand
 from autopar.rules import OpCall
-
-FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -58,63 +54,6 @@ class MemoryChoice:
 
     zero: int
     recompute: Mapping[str, str]
-
-
-def zero_split(
-    shape: tuple[int, ...],
-    layout: Layout,
-    summed_axes: Iterable[int],
-    mesh: MeshSpec,
-    itemsize: int,
-    threshold: int,
-) -> tuple[int, int] | None:
-    """``(mesh axis, tensor dim)`` ZeRO splits a parameter along, or None to keep it whole.
-
-    The axis is the first of ``summed_axes`` (those its gradient is summed over) of size
-    above 1 on which the parameter is replicated; the dim the first one no axis splits
-    whose local size that axis divides. Parameters under ``threshold`` bytes per rank stay whole.
-    """
-    local = local_shape(shape, layout, mesh)
-    if math.prod(local) * itemsize < max(threshold, 1):
-        return None
-    used = {p.dim for p in layout if is_split(p)}
-    for a in sorted(summed_axes):
-        n = mesh.axis_sizes[a]
-        if n == 1 or not isinstance(layout[a], Replicate):
-            continue
-        for d, size in enumerate(local):
-            if d not in used and size % n == 0:
-                return a, d
-    return None
-
-
-def with_split(layout: Layout, split: tuple[int, int]) -> Layout:
-    """``layout`` with mesh axis ``split[0]`` splitting tensor dim ``split[1]``."""
-    axis, dim = split
-    return (*layout[:axis], Shard(dim), *layout[axis + 1 :])
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Per-rank bytes of one parameter's state (see the module docstring)."""
-
-    param: float
-    grad: float
-    optimizer: float
-    host: float
-
-
-def state_bytes(local: float, itemsize: int, split: int, zero: int, memory: Memory, grad: bool) -> StateBytes:
-    """The state of a parameter of ``local`` bytes per rank, split ``split`` ways by ZeRO stage ``zero``."""
-    numel = local / itemsize
-    shard = numel / split
-    param = local / split if zero == 3 else local
-    g = (local / split if zero >= 2 else local) if grad else 0.0
-    states = FP32_BYTES * memory.optimizer_states * (shard if zero >= 1 else numel) if grad else 0.0
-    if memory.offload_optimizer and grad:
-        host = FP32_BYTES * (memory.optimizer_states + 2) * (shard if zero >= 1 else numel)
-        return StateBytes(param=param, grad=g, optimizer=0.0, host=host)
-    return StateBytes(param=param, grad=g, optimizer=states, host=0.0)
 
 
 # --- activations ---------------------------------------------------------------------
@@ -174,6 +113,8 @@ def held_value(
     while not redistributed and str(value.target) == LAYOUT_CONSTRAINT:
         value, edge = value.args[0], (value.name, 0)
         redistributed = layout != laid.layouts[value].output
+    if not redistributed and (gathered := _redistributed_under(laid, value)) is not None:
+        return held_value(laid, *gathered)
     source, index = source_of(value)
     storage, nbytes = storage_of(source, index)
     if redistributed:  # a collective's output: a new tensor of the value's own size
@@ -182,6 +123,29 @@ def held_value(
     fraction = local_fraction(layout, laid.mesh)
     key = (storage, layout, edge) if redistributed else (storage, fraction)
     return Saved(key, nbytes * fraction, source, redistributed)
+
+
+def _redistributed_under(
+    laid: LaidOutGraph, value: torch.fx.Node
+) -> tuple[torch.fx.Node, Layout, tuple[str, int]] | None:
+    """Where ``value`` is a view (through views and a split's pieces) of an operand the program
+    redistributed for the viewing op, that operand, its layout there and the edge: the view's
+    memory is that collective's output (a loss's view of logits gathered for it), not its source's."""
+    node = value
+    while True:
+        if node.target is operator.getitem:
+            node = node.args[0]
+        base = viewed_operand(node)
+        if base is None or node not in laid.layouts or base not in laid.layouts:
+            return None
+        operands = OpCall.of(node).operands
+        if base not in operands:
+            return None
+        slot = operands.index(base)
+        need = laid.layouts[node].operands[slot]
+        if need is not None and need != laid.layouts[base].output:
+            return base, need, (node.name, slot)
+        node = base
 
 
 def copy_values(

@@ -3,7 +3,7 @@
 Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers again in
 backward (ZeRO-2's reduce-scatter and all-gather cost what the all-reduce does, but for the
 gathers' latency, paid per shard); recomputed ops run their forward again. Bytes: each parameter's state
-(:func:`~autopar.planning.memory.state_bytes`, split over the axes it is replicated on),
+(:func:`~autopar.planning.held_state.state_bytes`, split over the axes it is replicated on),
 and each op's saved values in the layouts of its strategy, each value counted at its
 first saver; inside a recompute region only what the region keeps, plus the first
 region's own values (the one being recomputed). A plan's figure is exact
@@ -25,13 +25,8 @@ from autopar.ir.options import FULL, SELECTIVE, Memory
 from autopar.ir.plan import ChoiceKind, CollectiveKind
 from autopar.planning.cost import Collective
 from autopar.planning.edge_costs import edge_layouts, edge_table, fold_edge, table_key
-from autopar.planning.memory import (
-    MemoryChoice,
-    largest_operand,
-    local_bytes,
-    state_bytes,
-    zero_split,
-)
+from autopar.planning.held_state import state_bytes, zero_split
+from autopar.planning.memory import MemoryChoice, largest_operand, local_bytes
 from autopar.planning.recompute import Region, module_regions
 from autopar.planning.saved_tensors import SavedSpec, saved_by
 from autopar.planning.solver import MemoryRows, reduce_pairs

@@ -47,6 +47,9 @@ from autopar.planning.saved_tensors import SavedSpec, saved_by, saved_locally, s
 from autopar.planning.storages import source_of, storage_of, tensor_value, viewed_operand
 from autopar.rules import OpCall
 
+# per edge (consumer, operand slot), the layouts of the copies its collectives make on the way
+EdgeCopies = Mapping[tuple[str, int], tuple[Layout, ...]]
+
 
 @dataclass(frozen=True)
 class MemoryChoice:
@@ -162,12 +165,14 @@ def copy_values(
     ]
 
 
-def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
+def saved_values(laid: LaidOutGraph, node: torch.fx.Node, copies: EdgeCopies | None = None) -> list[Saved]:
     """What ``node`` keeps for backward, per rank (see :class:`Saved`).
 
     A placeholder's value kept in its own layout (a parameter, a buffer, the batch; or a
     view of one) is not allocated by the step and is left out; one redistributed is a
-    copy and counts. What is saved is the op's on the rank's operands (:func:`_rank_spec`).
+    copy and counts, and so is one read through a ``grad_all_reduce`` (``copies`` of the edge,
+    see :func:`activation_memory`), which copies it in forward. What is saved is the op's on
+    the rank's operands (:func:`_rank_spec`).
     """
     if node.op != "call_function" or node.target is operator.getitem or node not in laid.layouts:
         return []
@@ -178,6 +183,10 @@ def saved_values(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
     for i in spec.inputs:
         operand, layout = call.operands[i], mine.operands[i]
         if layout is None or operand not in laid.layouts:
+            continue
+        made = (copies or {}).get((node.name, i), ())
+        if made and layout == laid.layouts[operand].output:  # the op reads the last copy
+            out.append(copy_values(laid, operand, made, (node.name, i))[-1])
             continue
         item = held_value(laid, operand, layout, (node.name, i))
         if not (item.source.op == "placeholder" and not item.redistributed):
@@ -363,7 +372,7 @@ def activation_memory(
     laid: LaidOutGraph,
     regions: Mapping[torch.fx.Node, Region],
     offload: bool = False,
-    copies: Mapping[tuple[str, int], tuple[Layout, ...]] | None = None,
+    copies: EdgeCopies | None = None,
 ) -> ActivationMemory:
     """Activation bytes of a laid-out graph (see the module docstring).
 
@@ -405,7 +414,7 @@ def activation_memory(
         keep(position[item.source], item, False)
     held.update(item.key for item in returned)
     for at, node in enumerate(laid.graph.nodes):
-        saved = saved_values(laid, node)
+        saved = saved_values(laid, node, copies)
         held.update(item.key for item in saved)
         region = regions.get(node) if node in layouts else None
         if region is None:

@@ -414,9 +414,10 @@ def activation_memory(
         keep(position[item.source], item, False)
     held.update(item.key for item in returned)
     for at, node in enumerate(laid.graph.nodes):
-        saved = saved_values(laid, node, copies)
-        held.update(item.key for item in saved)
         region = regions.get(node) if node in layouts else None
+        # inside a region an edge's copies are what its checkpoint caches (below)
+        saved = saved_values(laid, node, copies if region is None else None)
+        held.update(item.key for item in saved)
         if region is None:
             for item in saved:
                 keep(at, item, False)

@@ -363,7 +363,7 @@ def returned_values(laid: LaidOutGraph) -> list[Saved]:
     """The tensors the program returns, which the caller holds through backward (logits beside
     a loss), each in its producer's layout; a graph input returned as it is allocates nothing."""
     output = next(n for n in reversed(laid.graph.nodes) if n.op == "output")
-    values = [v for v in torch.utils._pytree.tree_leaves(output.args) if v in laid.layouts]
+    values = [v for v in output.all_input_nodes if v in laid.layouts]
     items = (held_value(laid, v, laid.layouts[v].output) for v in values)
     return [item for item in items if item.source.op != "placeholder"]
 

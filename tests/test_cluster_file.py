@@ -152,13 +152,14 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         "optimizer_tensor_s",
         "function_rates",
         "recompute_op_s",
+        "recompute_unit_s",
         "asynchronous",
         "host_op_overhead_s",
         "threads_per_rank",
     )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, False, None, None]
+    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, None, False, None, None]
     assert [getattr(cluster, k) for k in added] == defaults
     measured = replace(
         cluster,
@@ -169,6 +170,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         optimizer_tensor_s=3e-4,
         function_rates={"gelu": 2e9, "gelu_backward": 1e9},
         recompute_op_s=6e-5,
+        recompute_unit_s=3e-5,
         asynchronous=True,
         host_op_overhead_s=4e-6,
         threads_per_rank=4,
@@ -178,6 +180,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         {"op_overhead_s": -1.0},
         {"optimizer_tensor_s": -1e-6},
         {"recompute_op_s": -1e-6},
+        {"recompute_unit_s": -1e-6},
         {"host_op_overhead_s": -1e-6},
         {"ranks_per_core": 0.5},
         {"threads_per_rank": 0},
@@ -244,8 +247,9 @@ def _check_calibrated(path: Path, devices_per_node: int, threads: int) -> None:
     assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
     assert cluster.devices_per_node == devices_per_node
     assert cluster.op_overhead_s > 0 and cluster.optimizer_tensor_s > 0
-    # a recompute region's op: its relaunch and the checkpoint policy's dispatch, some 15 plain ops
-    assert cluster.recompute_op_s > cluster.op_overhead_s and not cluster.asynchronous
+    # a recompute region's unit (an op or a tensor it saves): the relaunch, the checkpoint policy's
+    # dispatch and hooks, some 10 plain ops
+    assert cluster.recompute_unit_s > cluster.op_overhead_s and not cluster.asynchronous
     timed = {*TIMED_FUNCTIONS, *(f"{name}_backward" for name in TIMED_BACKWARD)}
     assert set(cluster.function_rates) == timed and min(cluster.function_rates.values()) > 0
     for link in (cluster.intra_node, cluster.inter_node):
@@ -295,7 +299,7 @@ def test_calibrate_times_one_device_with_a_presets_links(tmp_path: Path, capsys)
     assert cluster.devices_per_node == preset.devices_per_node
     assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
     assert cluster.peak_flops["float32"] < preset.peak_flops["float32"] / 100  # the CPU's, not the H100's
-    assert cluster.recompute_op_s > cluster.op_overhead_s > 0 and not cluster.asynchronous
+    assert cluster.recompute_unit_s > cluster.op_overhead_s > 0 and not cluster.asynchronous
     model, args = gpt.build()
     assert autopar.plan(model, args, {"dp": 2}, cluster=str(path)).cluster["name"] == "calibrated"
 

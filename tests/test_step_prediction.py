@@ -281,6 +281,30 @@ def test_launches_overlap_the_compute_of_an_asynchronous_device():
 
 def test_a_recomputed_op_costs_the_calibrated_recompute_overhead():
     cluster = replace(BASE, op_overhead_s=1e-5)
-    assert op_seconds(cluster, True, True) == pytest.approx(4e-5)  # not measured: one more op
-    assert op_seconds(replace(cluster, recompute_op_s=6e-5), True, True) == pytest.approx(9e-5)
-    assert op_seconds(replace(cluster, recompute_op_s=6e-5), False, False) == pytest.approx(1e-5)
+    assert op_seconds(cluster, True, 3) == pytest.approx(4e-5)  # not measured: one more op
+    assert op_seconds(replace(cluster, recompute_op_s=6e-5), True, 3) == pytest.approx(9e-5)
+    assert op_seconds(replace(cluster, recompute_op_s=6e-5), False, 0) == pytest.approx(1e-5)
+    # calibrated per unit: the op and each tensor autograd saves for it
+    units = replace(cluster, recompute_op_s=6e-5, recompute_unit_s=2e-5)
+    assert op_seconds(units, True, 3) == pytest.approx(9e-5)
+    assert op_seconds(units, True, 1) == pytest.approx(5e-5)
+
+
+def test_a_recomputed_op_counts_a_unit_per_tensor_it_saves():
+    # a linear saves its input and weight, a product by a number nothing: what the checkpoint's
+    # hooks handle for each, besides the op itself
+    class Scaled(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2.0
+
+    def units(region: torch.nn.Module) -> float:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), region, torch.nn.Linear(8, 8))
+        autopar.recompute(model[1], "full")
+        args = (torch.randn(2, 4, 8),)
+        plans = [
+            autopar.plan(model, args, {"dp": 1}, cluster=replace(BASE, recompute_unit_s=u)) for u in (0, 1)
+        ]
+        return plans[1].prediction.overhead_s - plans[0].prediction.overhead_s
+
+    assert units(Scaled()) == pytest.approx(1.0)
+    assert units(torch.nn.Linear(8, 8)) == pytest.approx(3.0)

@@ -53,6 +53,7 @@ from autopar.planning.named_layouts import named_layouts
 from autopar.planning.pipeline import PipelineInputs, plan_pipeline
 from autopar.planning.plan_fit import annotation_record, input_shapes
 from autopar.planning.recompute import Region, recompute_regions
+from autopar.planning.saved_tensors import saved_by
 from autopar.planning.stage_nodes import check_stage_memory
 from autopar.planning.step_overheads import (
     GradSum,
@@ -113,7 +114,10 @@ def assemble_plan(
         g, assignment, summed, splits if choice.zero in (1, 2) else {}, choice.zero
     )
     recomputed = _recomputed(g, assignment, regions)
-    ops = program_ops(graph, g.requires_grad, {d.name: d.compute_s for d in nodes}, recomputed, redists)
+    units = _recompute_units(g, graph, recomputed)
+    ops = program_ops(
+        graph, g.requires_grad, {d.name: d.compute_s for d in nodes}, recomputed, redists, units
+    )
     updates = {p: update_seconds(u, setting.cluster, setting.memory) for p, u in state.updates.items()}
     passes = setting.pipeline.microbatches if setting.pipeline is not None else 1
     gradients = {
@@ -323,6 +327,19 @@ def _recomputed(
         and c.compute is not None
         and g.requires_grad.get(node)
         and (policy == FULL or not is_selective_save(node.target))
+    }
+
+
+def _recompute_units(
+    g: StrategyGraph, graph: torch.fx.Graph, recomputed: Mapping[str, float]
+) -> dict[str, int]:
+    """Each recomputed op's units of the checkpoint's work (``Cluster.recompute_unit_s``): one for
+    the op and one per tensor autograd saves for it, which the checkpoint's hooks pack in forward
+    and unpack in backward."""
+    return {
+        n.name: 1 + saved_by(n, [bool(g.requires_grad.get(a)) for a in OpCall.of(n).operands]).packed
+        for n in graph.nodes
+        if n.name in recomputed
     }
 
 

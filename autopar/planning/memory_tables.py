@@ -2,7 +2,8 @@
 
 Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers again in
 backward (ZeRO-2's reduce-scatter and all-gather cost what the all-reduce does, but for the
-gathers' latency, paid per shard); recomputed ops run their forward again. Bytes: each parameter's state
+gathers' latency, paid per shard); recomputed ops run their forward again, with the checkpoint's
+work for each (:func:`~autopar.planning.step_overheads.recompute_seconds`). Bytes: each parameter's state
 (:func:`~autopar.planning.held_state.state_bytes`, split over the axes it is replicated on),
 and each op's saved values in the layouts of its strategy, each value counted at its
 first saver; inside a recompute region only what the region keeps, plus the first
@@ -30,6 +31,7 @@ from autopar.planning.memory import MemoryChoice, largest_operand, local_bytes
 from autopar.planning.recompute import Region, module_regions
 from autopar.planning.saved_tensors import SavedSpec, saved_by
 from autopar.planning.solver import MemoryRows, reduce_pairs
+from autopar.planning.step_overheads import recompute_seconds
 from autopar.planning.storages import source_of, storage_of
 from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
 from autopar.rules import OpCall, Strategy, shape_of
@@ -191,8 +193,9 @@ def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTabl
         tables.add_bytes(c, np.array(values))
         if region is not None and g.requires_grad.get(node) and c.compute is not None:
             if region[1] == FULL or not is_selective_save(node.target):
-                # forward again: a third of forward + backward, and one more op's overhead
-                tables.add_seconds(c, c.compute / 3.0 + g.cost.cluster.op_overhead_s)
+                # forward again: a third of forward + backward, and the checkpoint's work for it
+                again = recompute_seconds(g.cost.cluster, 1 + spec.packed)
+                tables.add_seconds(c, c.compute / 3.0 + again)
 
 
 def _operand_weights(

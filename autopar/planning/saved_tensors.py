@@ -54,6 +54,9 @@ class SavedSpec:
     # attention's math path multiplies q by k first) that are neither its outputs nor saved: what
     # a selective recompute region keeps of it besides, whole storages, each counted once
     inner_product_bytes: int = 0
+    # how many tensors autograd packs, a repeat counted each time: a checkpoint's hooks run once
+    # for each (what a recompute region's op costs grows with them: Cluster.recompute_unit_s)
+    packed: int = 0
 
 
 #: specs by op, operand metadata, non-tensor arguments, device, grad flags and the pieces the
@@ -68,14 +71,17 @@ def saved_by(node: torch.fx.Node, grad_operands: Sequence[bool]) -> SavedSpec:
     (``getitem``, Python arithmetic on sizes), and calls where no floating operand requires grad,
     get an empty spec. ``grad_operands`` has one flag per ``OpCall.of(node).operands``. An op that
     cannot run on fake tensors (no fake kernel, a symbolic size from another trace) gets the
-    conservative spec: every grad-requiring floating operand saved, no outputs, no extra bytes.
+    conservative spec: every grad-requiring floating operand saved (once), no outputs, no extra bytes.
     Must be called outside any tracing or dispatch mode (it runs its own fake mode).
     """
     flags = _grad_flags(node, grad_operands)
     if flags is None:
         return SavedSpec()
     spec = _cached(node, flags, None)
-    return SavedSpec(frozenset(i for i, flag in enumerate(flags) if flag)) if spec is None else spec
+    if spec is None:
+        saved = frozenset(i for i, flag in enumerate(flags) if flag)
+        return SavedSpec(saved, packed=len(saved))
+    return spec
 
 
 def saved_locally(
@@ -216,7 +222,9 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...], pieces:
     own = {storage_ref(t) for t in (*operands, *outputs, *packed)}  # counted above
     inner = {storage_ref(t): t.untyped_storage().nbytes() for t in products.outputs}
     inner_bytes = sum(n for ref, n in inner.items() if ref not in own)
-    return SavedSpec(frozenset(inputs), frozenset(saved_outputs), sum(extra.values()), inner_bytes)
+    return SavedSpec(
+        frozenset(inputs), frozenset(saved_outputs), sum(extra.values()), inner_bytes, len(packed)
+    )
 
 
 class _InnerProducts(TorchDispatchMode):

@@ -5,9 +5,10 @@ what the runtime does (``docs/cost_model.md``, "The whole step"):
 
 * **op overhead**: every op the program executes costs ``Cluster.op_overhead_s`` (launch and
   dispatch) on top of its roofline time: once in forward, :data:`BACKWARD_OPS_PER_OP` times in
-  backward when a gradient flows through it, and ``Cluster.recompute_op_s`` when a recompute
-  region runs it (:func:`op_seconds`); on an asynchronous device (a GPU) the host launches ahead
-  while the device computes, and what of the two overlaps is taken off (:func:`launch_queue`);
+  backward when a gradient flows through it, and ``Cluster.recompute_unit_s`` per unit (the op
+  and each tensor autograd saves for it) when a recompute region runs it (:func:`op_seconds`);
+  on an asynchronous device (a GPU) the host launches ahead while the device computes, and what
+  of the two overlaps is taken off (:func:`launch_queue`);
 * **the optimizer step**: a memory-bound update of each rank's optimizer shard, as many passes
   as torch's default optimizer makes (:func:`update_passes`), plus its ops; under
   optimizer offload the gradients' copies to the host, the update there, and the copies back
@@ -56,13 +57,23 @@ BACKWARD_SHARE = 2 / 3
 FP32_BYTES = 4
 
 
-def op_seconds(cluster: Cluster, grad: bool, recomputed: bool) -> float:
+def op_seconds(cluster: Cluster, grad: bool, recompute_units: int) -> float:
     """Overhead of one op of the program per microbatch: its forward, its backward ops where a
-    gradient flows, its second forward and the recompute policy's dispatch where it is recomputed
-    (``Cluster.recompute_op_s``; one more op where not measured)."""
+    gradient flows, and where it is recomputed (``recompute_units`` > 0) its
+    :func:`recompute_seconds`."""
     ops = 1 + (BACKWARD_OPS_PER_OP if grad else 0)
-    recompute = cluster.op_overhead_s if cluster.recompute_op_s is None else cluster.recompute_op_s
-    return ops * cluster.op_overhead_s + (recompute if recomputed else 0.0)
+    again = recompute_seconds(cluster, recompute_units) if recompute_units else 0.0
+    return ops * cluster.op_overhead_s + again
+
+
+def recompute_seconds(cluster: Cluster, units: int) -> float:
+    """Overhead of recomputing one op of ``units`` (one for the op and one per tensor autograd saves
+    for it), besides its forward's compute: its second forward and the checkpoint's work for it,
+    ``Cluster.recompute_unit_s`` per unit where calibrated, else ``Cluster.recompute_op_s`` (one
+    more op's overhead where neither was measured)."""
+    if cluster.recompute_unit_s is not None:
+        return units * cluster.recompute_unit_s
+    return cluster.op_overhead_s if cluster.recompute_op_s is None else cluster.recompute_op_s
 
 
 def queue_end(jobs: Iterable[tuple[float, float]]) -> float:
@@ -241,15 +252,16 @@ def hidden_sends(schedule: str, size: int, rank: int, microbatches: int) -> int:
 class OpTime:
     """One op of the program, per microbatch: ``compute_s`` its priced compute (forward and
     backward), ``grad`` whether a gradient flows through it, ``recompute_s`` what recomputing it
-    costs; its operands' collectives in forward and backward (``forward_syncs``, ``backward_syncs``:
-    how many, each a point where the ranks meet) and the backward ones' seconds. ``runs`` is False
-    for the graph's output, which executes nothing but has collectives of its own (a loss summed
-    over ranks)."""
+    costs (``recompute_units`` its checkpoint's work, :func:`op_seconds`); its operands'
+    collectives in forward and backward (``forward_syncs``, ``backward_syncs``: how many, each a
+    point where the ranks meet) and the backward ones' seconds. ``runs`` is False for the graph's
+    output, which executes nothing but has collectives of its own (a loss summed over ranks)."""
 
     name: str
     compute_s: float
     grad: bool
     recompute_s: float = 0.0
+    recompute_units: int = 0  # where recomputed, one plus the tensors autograd saves for it
     forward_syncs: int = 0
     backward_syncs: int = 0
     backward_comm_s: float = 0.0
@@ -386,11 +398,12 @@ def program_ops(
     compute_s: Mapping[str, float],
     recompute_s: Mapping[str, float],
     redistributions: Iterable[Redistribution],
+    recompute_units: Mapping[str, int],
 ) -> list[OpTime]:
     """The :class:`OpTime` of every op of ``graph`` (``getitem`` picks an output, it runs nothing)
     and of its output, from each one's priced compute, whether a gradient flows through it
-    (``flows``), its recompute, and the collectives of the redistributions into it (a parameter's
-    gradient sum goes to no op)."""
+    (``flows``), its recompute and recompute units, and the collectives of the redistributions
+    into it (a parameter's gradient sum goes to no op)."""
     syncs: dict[str, tuple[int, int, float]] = {}  # op -> its operands' forward, backward collectives
     for r in redistributions:
         f, b, seconds = syncs.get(r.dst, (0, 0, 0.0))
@@ -401,6 +414,7 @@ def program_ops(
             compute_s.get(n.name, 0.0),
             bool(flows.get(n)),
             recompute_s.get(n.name, 0.0),
+            recompute_units.get(n.name, 0),
             *syncs.get(n.name, (0, 0, 0.0)),
             runs=n.op != "output",
         )
@@ -420,7 +434,7 @@ def step_terms(
     gradients."""
     return StepTerms(
         ops=tuple(ops),
-        op_s={op.name: op_seconds(cluster, op.grad, op.recompute_s > 0) for op in ops if op.runs},
+        op_s={op.name: op_seconds(cluster, op.grad, op.recompute_units) for op in ops if op.runs},
         update_s=dict(update_s),
         grad_sums=dict(grad_sums),
         straggler_s=cluster.straggler_s,

@@ -86,7 +86,7 @@ def device_cluster(device: str, base: Cluster) -> Cluster:
         memory_bandwidth_Bps=bandwidth,
         memory_bytes=memory,
         op_overhead_s=rank_speed.op_overhead(device),
-        recompute_op_s=rank_speed.recompute_overhead(device),
+        recompute_unit_s=rank_speed.recompute_overhead(device),
         asynchronous=accelerated,
         host_link_Bps=rank_speed.host_link(device) if accelerated else base.host_link_Bps,
         host_memory_bandwidth_Bps=rank_speed.memory_bandwidth("cpu") if accelerated else None,
@@ -111,5 +111,6 @@ def device_report(cluster: Cluster, device: str) -> list[str]:
         f"memory {cluster.memory_bandwidth_Bps / 1e9:.0f} GB/s, "
         f"{cluster.memory_bytes / 2**30:.1f} GiB; {cluster.op_overhead_s * 1e6:.1f} us per op "
         f"({'queued ahead of the compute' if cluster.asynchronous else 'synchronous'}), "
-        f"{(cluster.recompute_op_s or 0) * 1e6:.0f} us more in a recompute region{host}"
+        f"{(cluster.recompute_unit_s or 0) * 1e6:.0f} us per unit of a recompute region (an op or a "
+        f"tensor it saves){host}"
     ]

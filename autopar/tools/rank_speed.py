@@ -41,6 +41,7 @@ _FUNCTION_NUMEL = {"cpu": 1 << 18, "cuda": 1 << 24}
 # calibration to the next on ranks sharing cores, whose scheduler slices are some 4 ms
 _FUNCTION_CALLS = 8
 _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
+_BLOCK_LAYERS = 4  # layers of the small transformer block timed for a recompute region's unit
 _STEPPED = 64  # parameter tensors of the optimizer step timed per tensor
 _STEPPED_NUMEL = 1 << 10  # elements of each: their bytes move in a few microseconds
 
@@ -175,24 +176,84 @@ def op_overhead(device: str = "cpu") -> float:
     autograd engine's bookkeeping are what is timed, as a training step's ops pay them. The
     forward runs as the compiled program's code does, a ``GraphModule`` calling ATen's overloads
     (their Python entry costs some 1 us more per op than a tensor method's on a CPU)."""
-    chain, _ = _chains(device)
-    return together_seconds(chain, 25, device) / (3 * _CHAIN)
+    return together_seconds(_chain(device), 25, device) / (3 * _CHAIN)
 
 
 def recompute_overhead(device: str = "cpu") -> float:
-    """Seconds one op of a recompute region costs besides its forward and backward overhead
-    (``Cluster.recompute_op_s``): the chain of :func:`op_overhead` run as the runtime runs a
-    recompute region (:class:`~autopar.passes.apply_recompute.Recomputed`, the full policy) less
-    the plain chain, per link: the product's second launch in backward, and the selective
-    checkpoint's policy consulted for it in forward and again in recompute."""
-    chain, recomputed = _chains(device)
-    extra = together_seconds(recomputed, 25, device) - together_seconds(chain, 25, device)
-    return max(0.0, extra / _CHAIN)
+    """Seconds a recompute region costs per unit of its work (``Cluster.recompute_unit_s``): one
+    unit per op it runs and one per tensor autograd saves for them. Timed on
+    :data:`_BLOCK_LAYERS` layers of a small pre-norm transformer block (:func:`_block_program`), each
+    run as the runtime runs a recompute region (:class:`~autopar.passes.apply_recompute.Recomputed`,
+    the full policy), less the plain layers: the ops' second launch in backward, the selective
+    checkpoint's policy consulted for each in forward and again in recompute, and the checkpoint's
+    hooks packing and unpacking every saved tensor. A chain of one op kind misprices a model's
+    regions: per op on a CPU here, a chain of matrix products cost 62 us, of additions 13, of
+    ``aten.linear`` on 3-D inputs 134, and the block's ops 93 on average."""
+    program, inputs = _block_program(device)
+    regions = [Recomputed(program, FULL) for _ in range(_BLOCK_LAYERS)]
+
+    def run(layers: list[torch.nn.Module]) -> None:
+        y = inputs[0]
+        for layer in layers:
+            y = layer(y, *inputs[1:])[0]
+        y.sum().backward()
+
+    def extra() -> float:
+        plain = together_seconds(partial(run, [program] * _BLOCK_LAYERS), 25, device)
+        return together_seconds(partial(run, regions), 25, device) - plain
+
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        program(*inputs)
+    units = sum(n.op == "call_function" for n in program.graph.nodes) + len(packed)
+    # the median of three pairs: one pair in a few reads half again as much (a collection of
+    # the many small objects the checkpoint's hooks make, a scheduler tick)
+    return max(0.0, statistics.median(extra() for _ in range(3)) / (units * _BLOCK_LAYERS))
 
 
-def _chains(device: str) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Forward and backward of the chain of :data:`_CHAIN` products, plain and as a recompute
-    region: one graph of ``aten.mm`` calls, as the compiled program calls its ops."""
+def _block_program(device: str) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """A pre-norm transformer block as the compiled program calls it (a ``GraphModule`` of the ATen
+    overloads ``torch.export`` captures: layer norms, ``linear`` on 3-D activations, the heads'
+    views, causal attention, tanh GELU, residual adds), too small for its arithmetic to count, and
+    its inputs: an activation that needs a gradient and the parameters."""
+    batch, seq, width, heads = 8, 8, 16, 2
+    aten, graph = torch.ops.aten, torch.fx.Graph()
+    shapes = {
+        "x": (batch, seq, width),
+        "ln1_w": (width,),
+        "ln1_b": (width,),
+        "ln2_w": (width,),
+        "ln2_b": (width,),
+    }
+    for name, out_features in [("q", width), ("k", width), ("v", width), ("o", width), ("fc", 4 * width)]:
+        shapes |= {f"{name}_w": (out_features, width), f"{name}_b": (out_features,)}
+    shapes |= {"proj_w": (width, 4 * width), "proj_b": (width,)}
+    n = {name: graph.placeholder(name) for name in shapes}
+
+    def call(op: object, *args: object, **kwargs: object) -> torch.fx.Node:
+        return graph.call_function(op, args, kwargs)
+
+    def linear(y: torch.fx.Node, name: str) -> torch.fx.Node:
+        return call(aten.linear.default, y, n[f"{name}_w"], n[f"{name}_b"])
+
+    def heads_of(y: torch.fx.Node) -> torch.fx.Node:
+        return call(aten.transpose.int, call(aten.view.default, y, [batch, seq, heads, width // heads]), 1, 2)
+
+    normed = call(aten.layer_norm.default, n["x"], [width], n["ln1_w"], n["ln1_b"], 1e-5, False)
+    q, k, v = (heads_of(linear(normed, name)) for name in "qkv")
+    attended = call(aten.scaled_dot_product_attention.default, q, k, v, None, 0.0, True)
+    merged = call(aten.reshape.default, call(aten.transpose.int, attended, 1, 2), [batch, seq, width])
+    hidden = call(aten.add.Tensor, n["x"], linear(merged, "o"))
+    normed = call(aten.layer_norm.default, hidden, [width], n["ln2_w"], n["ln2_b"], 1e-5, False)
+    mlp = linear(call(aten.gelu.default, linear(normed, "fc"), approximate="tanh"), "proj")
+    graph.output((call(aten.add.Tensor, hidden, mlp),))
+    inputs = [torch.randn(shape, device=device, requires_grad=True) for shape in shapes.values()]
+    return torch.fx.GraphModule(torch.nn.Module(), graph), inputs
+
+
+def _chain(device: str) -> Callable[[], None]:
+    """Forward and backward of the chain of :data:`_CHAIN` products: one graph of ``aten.mm``
+    calls, as the compiled program calls its ops."""
     weights = [torch.randn(4, 4, device=device, requires_grad=True) for _ in range(_CHAIN)]
     x = torch.randn(4, 4, device=device)
     graph = torch.fx.Graph()
@@ -201,15 +262,11 @@ def _chains(device: str) -> tuple[Callable[[], None], Callable[[], None]]:
         y = graph.call_function(torch.ops.aten.mm.default, (y, w))
     graph.output((y,))
     program = torch.fx.GraphModule(torch.nn.Module(), graph)
-    region = Recomputed(program, FULL)
 
     def chain() -> None:
         program(x, *weights)[0].sum().backward()
 
-    def recomputed() -> None:
-        region(x, *weights)[0].sum().backward()
-
-    return chain, recomputed
+    return chain
 
 
 def optimizer_tensor(bandwidth: float, device: str = "cpu") -> float:

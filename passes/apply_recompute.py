@@ -14,7 +14,11 @@ under ``torch.utils.checkpoint`` with selective checkpointing:
   attention; only the cheap ops between them are recomputed.
 
 Under both policies, an autopar op marked ``node.meta["autopar.regather"]`` (a ZeRO-3
-parameter gather) is recomputed, i.e. gathered again in backward and never kept.
+parameter gather) is recomputed, i.e. gathered again in backward and never kept. A ``"full"``
+region without autopar ops has nothing to keep: it runs under plain checkpointing, which
+recomputes every op just the same without the selective policy's dispatch of each op (Python,
+twice: on a CPU half of what a recomputed op costs besides its compute,
+:func:`uses_policy`).
 
 The call returns a tuple with one entry per region value used outside the region; each
 such value's node stays in the graph, under its name, as an ``operator.getitem`` of the
@@ -45,7 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from autopar.ir.errors import CompileError
 from autopar.ir.meta import GRADS, LAYOUTS, RECOMPUTE, REGATHER, STAGE, NodeLayouts, write_layouts
 from autopar.ir.ops import is_autopar_op, is_selective_save
-from autopar.ir.options import POLICIES, SELECTIVE
+from autopar.ir.options import POLICIES, SELECTIVE, uses_policy
 
 
 def policy_fn(policy: str, regathers: tuple[bool, ...]) -> Callable[..., CheckpointPolicy]:
@@ -85,7 +89,9 @@ class Recomputed(torch.nn.Module):
     """Runs ``region`` (a graph module returning a tuple) under activation checkpointing.
 
     ``forward(*inputs)`` returns what ``region(*inputs)`` returns; in backward the ops the
-    policy does not keep run again (see the module docstring and :func:`policy_fn`).
+    policy does not keep run again (see the module docstring and :func:`policy_fn`), under the
+    selective checkpoint's policy where ``selective`` (:func:`uses_policy`), else under plain
+    checkpointing.
     """
 
     def __init__(self, region: torch.fx.GraphModule, policy: str) -> None:
@@ -100,8 +106,12 @@ class Recomputed(torch.nn.Module):
             for n in region.graph.nodes
             if n.op == "call_function" and is_autopar_op(n.target)
         )
+        # under the selective checkpoint's policy (uses_policy); calibrate sets it to time both ways
+        self.selective = uses_policy(policy, bool(self.regathers))
 
     def forward(self, *inputs: Any) -> Any:
+        if not self.selective:
+            return checkpoint(self.region, *inputs, use_reentrant=False)
         return checkpoint(self.region, *inputs, use_reentrant=False, context_fn=self._contexts)
 
     def _contexts(self) -> tuple[Any, Any]:

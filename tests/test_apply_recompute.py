@@ -167,6 +167,8 @@ def test_loss_and_gradients_are_unchanged(exported: torch.export.ExportedProgram
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["_guards_fn", "recompute_0"]
     assert isinstance(gm.recompute_0, apply_recompute.Recomputed)
     assert gm.recompute_0.policy == policy
+    # no collectives in the region: a full one needs no policy, plain checkpointing recomputes all
+    assert gm.recompute_0.selective == (policy == SELECTIVE)
     for got, want in zip(_loss_and_grads(gm, _example()), reference, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
@@ -340,6 +342,7 @@ def test_a_regather_gathers_again_in_backward(
             n.meta[REGATHER] = regather and n.target is torch.ops.autopar.all_gather.default
     gm = apply_recompute.run(gm, None)
     assert gm.recompute_0.regathers == (regather,)
+    assert gm.recompute_0.selective  # a collective in it: kept, or gathered again, by the policy
     collectives.reset_comm_counts()
     gm(x).backward()
     assert collectives.collective_calls() == {("all_gather", "dp"): gathers}

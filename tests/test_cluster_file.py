@@ -153,13 +153,14 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         "function_rates",
         "recompute_op_s",
         "recompute_unit_s",
+        "checkpoint_unit_s",
         "asynchronous",
         "host_op_overhead_s",
         "threads_per_rank",
     )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, None, False, None, None]
+    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, None, None, False, None, None]
     assert [getattr(cluster, k) for k in added] == defaults
     measured = replace(
         cluster,
@@ -171,6 +172,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         function_rates={"gelu": 2e9, "gelu_backward": 1e9},
         recompute_op_s=6e-5,
         recompute_unit_s=3e-5,
+        checkpoint_unit_s=2e-5,
         asynchronous=True,
         host_op_overhead_s=4e-6,
         threads_per_rank=4,
@@ -181,6 +183,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         {"optimizer_tensor_s": -1e-6},
         {"recompute_op_s": -1e-6},
         {"recompute_unit_s": -1e-6},
+        {"checkpoint_unit_s": -1e-6},
         {"host_op_overhead_s": -1e-6},
         {"ranks_per_core": 0.5},
         {"threads_per_rank": 0},
@@ -250,6 +253,7 @@ def _check_calibrated(path: Path, devices_per_node: int, threads: int) -> None:
     # a recompute region's unit (an op or a tensor it saves): the relaunch, the checkpoint policy's
     # dispatch and hooks, some 10 plain ops
     assert cluster.recompute_unit_s > cluster.op_overhead_s and not cluster.asynchronous
+    assert 0 < cluster.checkpoint_unit_s < cluster.recompute_unit_s  # no policy to consult
     timed = {*TIMED_FUNCTIONS, *(f"{name}_backward" for name in TIMED_BACKWARD)}
     assert set(cluster.function_rates) == timed and min(cluster.function_rates.values()) > 0
     for link in (cluster.intra_node, cluster.inter_node):

@@ -21,6 +21,7 @@ from autopar.planning.step_overheads import (
     OPTIMIZER_OPS_PER_TENSOR,
     GradSum,
     OpTime,
+    RecomputeWork,
     Update,
     bucket_times,
     buckets,
@@ -281,30 +282,53 @@ def test_launches_overlap_the_compute_of_an_asynchronous_device():
 
 def test_a_recomputed_op_costs_the_calibrated_recompute_overhead():
     cluster = replace(BASE, op_overhead_s=1e-5)
-    assert op_seconds(cluster, True, 3) == pytest.approx(4e-5)  # not measured: one more op
-    assert op_seconds(replace(cluster, recompute_op_s=6e-5), True, 3) == pytest.approx(9e-5)
-    assert op_seconds(replace(cluster, recompute_op_s=6e-5), False, 0) == pytest.approx(1e-5)
-    # calibrated per unit: the op and each tensor autograd saves for it
+    work = RecomputeWork(3)
+    assert op_seconds(cluster, True, work) == pytest.approx(4e-5)  # not measured: one more op
+    assert op_seconds(replace(cluster, recompute_op_s=6e-5), True, work) == pytest.approx(9e-5)
+    assert op_seconds(replace(cluster, recompute_op_s=6e-5), False) == pytest.approx(1e-5)
+    # calibrated per unit: the op and each tensor autograd saves for it, under the checkpoint's
+    # policy or (a full region without collectives) without it
     units = replace(cluster, recompute_op_s=6e-5, recompute_unit_s=2e-5)
-    assert op_seconds(units, True, 3) == pytest.approx(9e-5)
-    assert op_seconds(units, True, 1) == pytest.approx(5e-5)
+    assert op_seconds(units, True, work) == pytest.approx(9e-5)
+    assert op_seconds(units, True, RecomputeWork(1)) == pytest.approx(5e-5)
+    assert op_seconds(units, True, RecomputeWork(3, selective=False)) == pytest.approx(9e-5)
+    plain = replace(units, checkpoint_unit_s=1e-5)
+    assert op_seconds(plain, True, RecomputeWork(3, selective=False)) == pytest.approx(6e-5)
+    assert op_seconds(plain, True, work) == pytest.approx(9e-5)
+
+
+def _recompute_seconds(region: torch.nn.Module, mesh: dict[str, int], **units: float) -> float:
+    """What recomputing ``region`` between two linears adds to the predicted overhead under a
+    cluster of no op overhead whose recompute figures are ``units``; the first linear's output
+    replicated."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), region, torch.nn.Linear(8, 8))
+    autopar.shard(model[0], out_strategy=((None, None, None),))
+    autopar.recompute(model[1], "full")
+    args = (torch.randn(2, 4, 8),)
+    clusters = [replace(BASE, recompute_unit_s=0.0, checkpoint_unit_s=0.0), replace(BASE, **units)]
+    plans = [autopar.plan(model, args, mesh, cluster=c) for c in clusters]
+    return plans[1].prediction.overhead_s - plans[0].prediction.overhead_s
 
 
 def test_a_recomputed_op_counts_a_unit_per_tensor_it_saves():
     # a linear saves its input and weight, a product by a number nothing: what the checkpoint's
-    # hooks handle for each, besides the op itself
+    # hooks handle for each, besides the op itself; a full region of plain ops runs without the
+    # selective policy (checkpoint_unit_s)
     class Scaled(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * 2.0
 
-    def units(region: torch.nn.Module) -> float:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), region, torch.nn.Linear(8, 8))
-        autopar.recompute(model[1], "full")
-        args = (torch.randn(2, 4, 8),)
-        plans = [
-            autopar.plan(model, args, {"dp": 1}, cluster=replace(BASE, recompute_unit_s=u)) for u in (0, 1)
-        ]
-        return plans[1].prediction.overhead_s - plans[0].prediction.overhead_s
+    figures = {"recompute_unit_s": 1.0, "checkpoint_unit_s": 0.25}
+    assert _recompute_seconds(Scaled(), {"dp": 1}, **figures) == pytest.approx(0.25)
+    assert _recompute_seconds(torch.nn.Linear(8, 8), {"dp": 1}, **figures) == pytest.approx(0.75)
+    assert _recompute_seconds(torch.nn.Linear(8, 8), {"dp": 1}, recompute_unit_s=1.0) == pytest.approx(3.0)
 
-    assert units(Scaled()) == pytest.approx(1.0)
-    assert units(torch.nn.Linear(8, 8)) == pytest.approx(3.0)
+
+def test_a_region_a_redistribution_runs_into_is_priced_under_the_policy():
+    # the region's input split over tp from the replicated output before it: a collective joins
+    # the region, which then runs under the selective checkpoint's policy to keep its output
+    region = torch.nn.Linear(8, 8)
+    autopar.shard(region, in_strategy=(("tp", None, None),))
+    model_figures = {"recompute_unit_s": 1.0, "checkpoint_unit_s": 0.25}
+    seconds = _recompute_seconds(region, {"tp": 2}, **model_figures)
+    assert seconds == pytest.approx(3.0)

@@ -31,6 +31,14 @@ FULL, SELECTIVE = RecomputePolicy.FULL, RecomputePolicy.SELECTIVE
 POLICIES = tuple(p.value for p in RecomputePolicy)
 
 
+def uses_policy(policy: str, autopar_ops: bool) -> bool:
+    """Whether a recompute region of ``policy`` runs under the selective checkpoint's policy: a
+    selective one always (it keeps products), a full one where it has ``autopar_ops`` (it keeps
+    collectives' outputs and gathers regathers again); a full region of plain ops recomputes them
+    all, as plain checkpointing does (``autopar.passes.apply_recompute``)."""
+    return policy == SELECTIVE or autopar_ops
+
+
 @dataclass(frozen=True)
 class Memory:
     """How a plan holds its state; the bytes each choice costs are in :mod:`autopar.planning.memory`.

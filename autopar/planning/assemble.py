@@ -23,7 +23,7 @@ from autopar.ir.layout import Layout, format_layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import is_selective_save
-from autopar.ir.options import FULL, Memory, Pipeline
+from autopar.ir.options import FULL, Memory, Pipeline, uses_policy
 from autopar.ir.plan import (
     Alternative,
     ChoiceKind,
@@ -57,6 +57,7 @@ from autopar.planning.saved_tensors import saved_by
 from autopar.planning.stage_nodes import check_stage_memory
 from autopar.planning.step_overheads import (
     GradSum,
+    RecomputeWork,
     StepTerms,
     gradient_seconds,
     program_ops,
@@ -114,10 +115,8 @@ def assemble_plan(
         g, assignment, summed, splits if choice.zero in (1, 2) else {}, choice.zero
     )
     recomputed = _recomputed(g, assignment, regions)
-    units = _recompute_units(g, graph, recomputed)
-    ops = program_ops(
-        graph, g.requires_grad, {d.name: d.compute_s for d in nodes}, recomputed, redists, units
-    )
+    work = _recompute_work(g, graph, recomputed, regions, redists)
+    ops = program_ops(graph, g.requires_grad, {d.name: d.compute_s for d in nodes}, recomputed, redists, work)
     updates = {p: update_seconds(u, setting.cluster, setting.memory) for p, u in state.updates.items()}
     passes = setting.pipeline.microbatches if setting.pipeline is not None else 1
     gradients = {
@@ -330,17 +329,26 @@ def _recomputed(
     }
 
 
-def _recompute_units(
-    g: StrategyGraph, graph: torch.fx.Graph, recomputed: Mapping[str, float]
-) -> dict[str, int]:
-    """Each recomputed op's units of the checkpoint's work (``Cluster.recompute_unit_s``): one for
-    the op and one per tensor autograd saves for it, which the checkpoint's hooks pack in forward
-    and unpack in backward."""
-    return {
-        n.name: 1 + saved_by(n, [bool(g.requires_grad.get(a)) for a in OpCall.of(n).operands]).packed
-        for n in graph.nodes
-        if n.name in recomputed
-    }
+def _recompute_work(
+    g: StrategyGraph,
+    graph: torch.fx.Graph,
+    recomputed: Mapping[str, float],
+    regions: Mapping[torch.fx.Node, Region],
+    redists: Iterable[Redistribution],
+) -> dict[str, RecomputeWork]:
+    """Each recomputed op's checkpoint work: one unit for the op and one per tensor autograd saves
+    for it, which the checkpoint's hooks pack in forward and unpack in backward; under the
+    selective checkpoint's policy where its region is selective or a redistribution runs into it
+    (its collectives join the region: ``autopar.passes.mark_recompute``)."""
+    into = {r.dst for r in redists}
+    with_ops = {region for node, (region, _) in regions.items() if node.name in into}
+    work = {}
+    for n in graph.nodes:
+        if n.name in recomputed:
+            region, policy = regions[n]
+            saved = saved_by(n, [bool(g.requires_grad.get(a)) for a in OpCall.of(n).operands])
+            work[n.name] = RecomputeWork(1 + saved.packed, uses_policy(policy, region in with_ops))
+    return work
 
 
 def _warnings(g: StrategyGraph) -> list[str]:

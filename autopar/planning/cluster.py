@@ -103,6 +103,9 @@ class Cluster:
     unpack each): an op of the region costs ``recompute_unit_s * (1 + saved tensors)``, so a
     cast or an addition (nothing saved) costs less than a ``linear`` (two) or a layer norm; it
     replaces ``recompute_op_s`` then. On a CPU some 40 us a unit against 4 us for a plain op.
+    ``checkpoint_unit_s`` is the unit of a full region without collectives, which the runtime runs
+    under plain checkpointing (no policy to consult: some 20 us a unit on a CPU); None where not
+    measured: ``recompute_unit_s``.
     ``asynchronous`` says the device runs an op after its launch returns (a GPU): the host then
     launches ahead while the device computes, and the ops' overhead overlaps their compute
     (:func:`~autopar.planning.step_overheads.launch_queue`); False where the host computes (CPU
@@ -138,6 +141,7 @@ class Cluster:
     function_rates: Mapping[str, float] = field(default_factory=dict, hash=False)
     recompute_op_s: float | None = None
     recompute_unit_s: float | None = None
+    checkpoint_unit_s: float | None = None
     asynchronous: bool = False
     host_op_overhead_s: float | None = None
     threads_per_rank: int | None = None
@@ -156,7 +160,7 @@ class Cluster:
         host = (self.host_link_Bps, self.host_memory_bandwidth_Bps, self.transcendentals_per_s)
         optimizer, recompute = self.optimizer_tensor_s or 0.0, self.recompute_op_s or 0.0
         overheads = (self.op_overhead_s, optimizer, recompute, self.host_op_overhead_s or 0.0)
-        overheads += (self.recompute_unit_s or 0.0,)
+        overheads += (self.recompute_unit_s or 0.0, self.checkpoint_unit_s or 0.0)
         overheads += (self.straggler_s, self.straggler_base_s)
         if min(overheads) < 0 or any(b is not None and b <= 0 for b in host):
             raise OptionError(
@@ -190,6 +194,7 @@ class Cluster:
             "function_rates": dict(self.function_rates),
             "recompute_op_s": self.recompute_op_s,
             "recompute_unit_s": self.recompute_unit_s,
+            "checkpoint_unit_s": self.checkpoint_unit_s,
             "asynchronous": self.asynchronous,
             "host_op_overhead_s": self.host_op_overhead_s,
             "threads_per_rank": self.threads_per_rank,
@@ -200,12 +205,13 @@ class Cluster:
         """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
         the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``,
         ``optimizer_tensor_s``, ``function_rates``, ``recompute_op_s``, ``recompute_unit_s``,
-        ``asynchronous``, ``host_op_overhead_s``, ``threads_per_rank``) are optional, so files
-        written before them still load."""
+        ``checkpoint_unit_s``, ``asynchronous``, ``host_op_overhead_s``, ``threads_per_rank``) are
+        optional, so files written before them still load."""
         host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
         transcendentals, optimizer = data.get("transcendentals_per_s"), data.get("optimizer_tensor_s")
         recompute, host_op = data.get("recompute_op_s"), data.get("host_op_overhead_s")
         threads, unit = data.get("threads_per_rank"), data.get("recompute_unit_s")
+        plain_unit = data.get("checkpoint_unit_s")
         return cls(
             name=str(data["name"]),
             peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
@@ -226,6 +232,7 @@ class Cluster:
             function_rates={str(k): float(v) for k, v in data.get("function_rates", {}).items()},
             recompute_op_s=None if recompute is None else float(recompute),
             recompute_unit_s=None if unit is None else float(unit),
+            checkpoint_unit_s=None if plain_unit is None else float(plain_unit),
             asynchronous=bool(data.get("asynchronous", False)),
             host_op_overhead_s=None if host_op is None else float(host_op),
             threads_per_rank=None if threads is None else int(threads),

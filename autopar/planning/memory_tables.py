@@ -31,7 +31,7 @@ from autopar.planning.memory import MemoryChoice, largest_operand, local_bytes
 from autopar.planning.recompute import Region, module_regions
 from autopar.planning.saved_tensors import SavedSpec, saved_by
 from autopar.planning.solver import MemoryRows, reduce_pairs
-from autopar.planning.step_overheads import recompute_seconds
+from autopar.planning.step_overheads import RecomputeWork, recompute_seconds
 from autopar.planning.storages import source_of, storage_of
 from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
 from autopar.rules import OpCall, Strategy, shape_of
@@ -194,7 +194,7 @@ def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTabl
         if region is not None and g.requires_grad.get(node) and c.compute is not None:
             if region[1] == FULL or not is_selective_save(node.target):
                 # forward again: a third of forward + backward, and the checkpoint's work for it
-                again = recompute_seconds(g.cost.cluster, 1 + spec.packed)
+                again = recompute_seconds(g.cost.cluster, RecomputeWork(1 + spec.packed))
                 tables.add_seconds(c, c.compute / 3.0 + again)
 
 

@@ -6,7 +6,8 @@ what the runtime does (``docs/cost_model.md``, "The whole step"):
 * **op overhead**: every op the program executes costs ``Cluster.op_overhead_s`` (launch and
   dispatch) on top of its roofline time: once in forward, :data:`BACKWARD_OPS_PER_OP` times in
   backward when a gradient flows through it, and ``Cluster.recompute_unit_s`` per unit (the op
-  and each tensor autograd saves for it) when a recompute region runs it (:func:`op_seconds`);
+  and each tensor autograd saves for it; ``Cluster.checkpoint_unit_s`` in a full region without
+  collectives) when a recompute region runs it (:func:`op_seconds`);
   on an asynchronous device (a GPU) the host launches ahead while the device computes, and what
   of the two overlaps is taken off (:func:`launch_queue`);
 * **the optimizer step**: a memory-bound update of each rank's optimizer shard, as many passes
@@ -57,22 +58,34 @@ BACKWARD_SHARE = 2 / 3
 FP32_BYTES = 4
 
 
-def op_seconds(cluster: Cluster, grad: bool, recompute_units: int) -> float:
+@dataclass(frozen=True)
+class RecomputeWork:
+    """What the checkpoint does for one recomputed op: ``units``, one for the op and one per tensor
+    autograd saves for it (its hooks pack each in forward and unpack it in backward), under the
+    selective checkpoint's policy where ``selective`` (a selective region, or a full one with
+    collectives: :func:`~autopar.passes.apply_recompute.uses_policy`)."""
+
+    units: int
+    selective: bool = True
+
+
+def op_seconds(cluster: Cluster, grad: bool, recompute: RecomputeWork | None = None) -> float:
     """Overhead of one op of the program per microbatch: its forward, its backward ops where a
-    gradient flows, and where it is recomputed (``recompute_units`` > 0) its
-    :func:`recompute_seconds`."""
+    gradient flows, and where it is recomputed its :func:`recompute_seconds`."""
     ops = 1 + (BACKWARD_OPS_PER_OP if grad else 0)
-    again = recompute_seconds(cluster, recompute_units) if recompute_units else 0.0
-    return ops * cluster.op_overhead_s + again
+    return ops * cluster.op_overhead_s + (recompute_seconds(cluster, recompute) if recompute else 0.0)
 
 
-def recompute_seconds(cluster: Cluster, units: int) -> float:
-    """Overhead of recomputing one op of ``units`` (one for the op and one per tensor autograd saves
-    for it), besides its forward's compute: its second forward and the checkpoint's work for it,
-    ``Cluster.recompute_unit_s`` per unit where calibrated, else ``Cluster.recompute_op_s`` (one
-    more op's overhead where neither was measured)."""
+def recompute_seconds(cluster: Cluster, work: RecomputeWork) -> float:
+    """Overhead of recomputing one op, besides its forward's compute: its second forward and the
+    checkpoint's work for it. ``Cluster.recompute_unit_s`` per unit under the policy,
+    ``Cluster.checkpoint_unit_s`` without it (the policy's figure where that was not measured);
+    files calibrated before units price ``Cluster.recompute_op_s`` per op, and one more op's
+    overhead where nothing was measured."""
     if cluster.recompute_unit_s is not None:
-        return units * cluster.recompute_unit_s
+        plain = cluster.checkpoint_unit_s
+        unit = cluster.recompute_unit_s if work.selective or plain is None else plain
+        return work.units * unit
     return cluster.op_overhead_s if cluster.recompute_op_s is None else cluster.recompute_op_s
 
 
@@ -252,7 +265,7 @@ def hidden_sends(schedule: str, size: int, rank: int, microbatches: int) -> int:
 class OpTime:
     """One op of the program, per microbatch: ``compute_s`` its priced compute (forward and
     backward), ``grad`` whether a gradient flows through it, ``recompute_s`` what recomputing it
-    costs (``recompute_units`` its checkpoint's work, :func:`op_seconds`); its operands'
+    costs (``recompute`` its checkpoint's work, :func:`op_seconds`); its operands'
     collectives in forward and backward (``forward_syncs``, ``backward_syncs``: how many, each a
     point where the ranks meet) and the backward ones' seconds. ``runs`` is False for the graph's
     output, which executes nothing but has collectives of its own (a loss summed over ranks)."""
@@ -261,7 +274,7 @@ class OpTime:
     compute_s: float
     grad: bool
     recompute_s: float = 0.0
-    recompute_units: int = 0  # where recomputed, one plus the tensors autograd saves for it
+    recompute: RecomputeWork | None = None  # where recomputed
     forward_syncs: int = 0
     backward_syncs: int = 0
     backward_comm_s: float = 0.0
@@ -398,11 +411,11 @@ def program_ops(
     compute_s: Mapping[str, float],
     recompute_s: Mapping[str, float],
     redistributions: Iterable[Redistribution],
-    recompute_units: Mapping[str, int],
+    recompute: Mapping[str, RecomputeWork],
 ) -> list[OpTime]:
     """The :class:`OpTime` of every op of ``graph`` (``getitem`` picks an output, it runs nothing)
     and of its output, from each one's priced compute, whether a gradient flows through it
-    (``flows``), its recompute and recompute units, and the collectives of the redistributions
+    (``flows``), its recompute and the checkpoint's work for it, and the collectives of the redistributions
     into it (a parameter's gradient sum goes to no op)."""
     syncs: dict[str, tuple[int, int, float]] = {}  # op -> its operands' forward, backward collectives
     for r in redistributions:
@@ -414,7 +427,7 @@ def program_ops(
             compute_s.get(n.name, 0.0),
             bool(flows.get(n)),
             recompute_s.get(n.name, 0.0),
-            recompute_units.get(n.name, 0),
+            recompute.get(n.name),
             *syncs.get(n.name, (0, 0, 0.0)),
             runs=n.op != "output",
         )
@@ -434,7 +447,7 @@ def step_terms(
     gradients."""
     return StepTerms(
         ops=tuple(ops),
-        op_s={op.name: op_seconds(cluster, op.grad, op.recompute_units) for op in ops if op.runs},
+        op_s={op.name: op_seconds(cluster, op.grad, op.recompute) for op in ops if op.runs},
         update_s=dict(update_s),
         grad_sums=dict(grad_sums),
         straggler_s=cluster.straggler_s,

@@ -186,6 +186,7 @@ def _measure_world(per_node: int, threads: int) -> dict[str, Any] | None:
         "function_rates": function_rates,
         "op_overhead_s": op_overhead,
         "recompute_unit_s": recompute_overhead,
+        "checkpoint_unit_s": lambda: recompute_overhead(selective=False),
         "optimizer_tensor_s": lambda: optimizer_tensor(bandwidths[-1]),
     }
     bandwidths, mine = [], {}
@@ -233,6 +234,7 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "function_rates": {f: min(r["function_rates"][f] for r in per_rank) for f in first["function_rates"]},
         "op_overhead_s": max(r["op_overhead_s"] for r in per_rank),
         "recompute_unit_s": max(r["recompute_unit_s"] for r in per_rank),
+        "checkpoint_unit_s": max(r["checkpoint_unit_s"] for r in per_rank),
         "optimizer_tensor_s": max(r["optimizer_tensor_s"] for r in per_rank),
         "stragglers": _straggle([r["straggling"] for r in per_rank]),
         "ranks_per_core": max(r["ranks_per_core"] for r in per_rank),
@@ -334,6 +336,7 @@ def _cluster(
         measured_on=measured_on,
         op_overhead_s=measured["op_overhead_s"],
         recompute_unit_s=measured["recompute_unit_s"],
+        checkpoint_unit_s=measured["checkpoint_unit_s"],
         optimizer_tensor_s=measured["optimizer_tensor_s"],
         straggler_base_s=measured["stragglers"][0],
         straggler_s=measured["stragglers"][1],
@@ -446,7 +449,8 @@ def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: 
         f"{(cluster.transcendentals_per_s or 0) / 1e9:.2f} G exp/s; G values/s "
         f"{', '.join(f'{f} {rate / 1e9:.2f}' for f, rate in cluster.function_rates.items())}; "
         f"{cluster.op_overhead_s * 1e6:.1f} us per op, {(cluster.recompute_unit_s or 0) * 1e6:.0f} us "
-        "per unit of a recompute region (an op or a tensor it saves), "
+        "per unit of a recompute region (an op or a tensor it saves; "
+        f"{(cluster.checkpoint_unit_s or 0) * 1e6:.0f} us without collectives), "
         f"{(cluster.optimizer_tensor_s or 0) * 1e6:.0f} us per tensor of the "
         "optimizer step; "
         f"a collective waits {cluster.straggler_base_s * 1e3:.1f} ms for stragglers, "

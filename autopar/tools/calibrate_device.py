@@ -87,6 +87,7 @@ def device_cluster(device: str, base: Cluster) -> Cluster:
         memory_bytes=memory,
         op_overhead_s=rank_speed.op_overhead(device),
         recompute_unit_s=rank_speed.recompute_overhead(device),
+        checkpoint_unit_s=rank_speed.recompute_overhead(device, selective=False),
         asynchronous=accelerated,
         host_link_Bps=rank_speed.host_link(device) if accelerated else base.host_link_Bps,
         host_memory_bandwidth_Bps=rank_speed.memory_bandwidth("cpu") if accelerated else None,
@@ -112,5 +113,5 @@ def device_report(cluster: Cluster, device: str) -> list[str]:
         f"{cluster.memory_bytes / 2**30:.1f} GiB; {cluster.op_overhead_s * 1e6:.1f} us per op "
         f"({'queued ahead of the compute' if cluster.asynchronous else 'synchronous'}), "
         f"{(cluster.recompute_unit_s or 0) * 1e6:.0f} us per unit of a recompute region (an op or a "
-        f"tensor it saves){host}"
+        f"tensor it saves; {(cluster.checkpoint_unit_s or 0) * 1e6:.0f} us without collectives){host}"
     ]

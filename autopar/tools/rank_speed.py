@@ -179,18 +179,21 @@ def op_overhead(device: str = "cpu") -> float:
     return together_seconds(_chain(device), 25, device) / (3 * _CHAIN)
 
 
-def recompute_overhead(device: str = "cpu") -> float:
-    """Seconds a recompute region costs per unit of its work (``Cluster.recompute_unit_s``): one
-    unit per op it runs and one per tensor autograd saves for them. Timed on
-    :data:`_BLOCK_LAYERS` layers of a small pre-norm transformer block (:func:`_block_program`), each
-    run as the runtime runs a recompute region (:class:`~autopar.passes.apply_recompute.Recomputed`,
-    the full policy), less the plain layers: the ops' second launch in backward, the selective
-    checkpoint's policy consulted for each in forward and again in recompute, and the checkpoint's
-    hooks packing and unpacking every saved tensor. A chain of one op kind misprices a model's
-    regions: per op on a CPU here, a chain of matrix products cost 62 us, of additions 13, of
-    ``aten.linear`` on 3-D inputs 134, and the block's ops 93 on average."""
+def recompute_overhead(device: str = "cpu", selective: bool = True) -> float:
+    """Seconds a recompute region costs per unit of its work: one unit per op it runs and one per
+    tensor autograd saves for them. Timed on :data:`_BLOCK_LAYERS` layers of a small pre-norm
+    transformer block (:func:`_block_program`), each run as the runtime runs a recompute region
+    (:class:`~autopar.passes.apply_recompute.Recomputed`, the full policy) less the plain layers:
+    the ops' second launch in backward, the checkpoint's hooks packing and unpacking every saved
+    tensor, and where ``selective`` the selective checkpoint's policy consulted for each op in
+    forward and again in recompute (``Cluster.recompute_unit_s``; without it, a full region of
+    plain ops, ``Cluster.checkpoint_unit_s``). A chain of one op kind misprices a model's regions:
+    per op on a CPU here, under the policy, a chain of matrix products cost 62 us, of additions
+    13, of ``aten.linear`` on 3-D inputs 134, and the block's ops 93 on average."""
     program, inputs = _block_program(device)
     regions = [Recomputed(program, FULL) for _ in range(_BLOCK_LAYERS)]
+    for region in regions:
+        region.selective = selective
 
     def run(layers: list[torch.nn.Module]) -> None:
         y = inputs[0]

@@ -7,8 +7,9 @@ Usage, from the repository root, on a machine with a CUDA GPU::
 The device is timed first as ``autopar calibrate --device cuda`` times it
 (:func:`autopar.tools.calibrate_device.device_cluster`, :mod:`autopar.tools.rank_speed` on the
 GPU: product FLOP/s per dtype, memory bandwidth, exp and the elementwise functions' rates, the
-overhead of an op, of a recompute region's op and of an optimizer tensor, the copies to and from
-the host, the host's memory bandwidth and op overhead) into an asynchronous cluster whose
+overhead of an op, of a recompute region's unit (an op or a tensor it saves) and of an optimizer
+tensor, the copies to and from the host, the host's memory bandwidth and op overhead) into an
+asynchronous cluster whose
 links are the ``h100`` preset's: one GPU has no link to time, and a one-device plan sends nothing
 over one.
 Then the example GPT is planned, compiled on a mesh of that one device (an NCCL world of one) and

@@ -17,7 +17,9 @@ trained under every plan of :data:`PLANS` (two model sizes; fp32 or bf16 mixed p
 recompute; the optimizer offloaded to the host). Each plan's steps are timed in a row, as a
 training loop runs them (the median of ``--steps`` after two warm-ups), and again with the plans
 taking turns one step each, which leaves each step's host caches cold: on an H100 host the
-launch-bound fp32 b16 step took 14.8 ms in a row and 21.7 ms in turns. Each plan's predicted step
+launch-bound fp32 b16 step took 14.8 ms in a row and 21.7 ms in turns. The host's per-op cost is
+timed again before and after the steps (it moved 2x within seconds on such hosts, and with it
+every launch-bound step) and printed beside the calibration's. Each plan's predicted step
 under the measured cluster and under the ``h100`` preset (vendor peaks) is printed beside the
 measured steps, with the ratios and the Spearman rank correlation, and its first loss beside the
 plain model's on the same device (the compiled program must compute what the model does).
@@ -130,13 +132,23 @@ def _world(device: str, names: list[str], steps: int) -> dict[str, Any]:
             built[name] = _build(name, cluster, device)
         except Exception as error:  # noqa: BLE001 - a plan that fails is reported, the others go on
             failed[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}"
+    # the host dispatches ops at a pace that moves 2x within seconds on some hosts: its op timed
+    # again around the plans' steps says how far from the calibration's the steps ran
+    before = rank_speed.op_overhead(device)
     alone = {name: _median_steps([plan["step"]], steps, device)[0] for name, plan in built.items()}
     in_turns = _median_steps([plan["step"] for plan in built.values()], steps, device)
+    host_op_s = (before, rank_speed.op_overhead(device))
     rows = {
         name: {**{k: v for k, v in plan.items() if k != "step"}, "measured": alone[name], "in_turns": turns}
         for (name, plan), turns in zip(built.items(), in_turns)
     }
-    return {"cluster": cluster.to_dict(), "calibration_s": timed, "plans": rows, "failed": failed}
+    return {
+        "cluster": cluster.to_dict(),
+        "calibration_s": timed,
+        "plans": rows,
+        "failed": failed,
+        "host_op_s": host_op_s,
+    }
 
 
 def _median_steps(steps: list[Callable[[], float]], rounds: int, device: str) -> list[float]:
@@ -188,6 +200,8 @@ def _print(found: dict[str, Any], device: str) -> None:
     if len(rows) > 1:
         pred = [r["predicted"] for r in rows.values()]
         print(f"Spearman rank correlation: {spearman(pred, [r['measured'] for r in rows.values()]):.2f}")
+    before, after = (t * 1e6 for t in found["host_op_s"])
+    print(f"the host's op: {before:.1f} us before the plans' steps, {after:.1f} after (calibrated above)")
     for name, why in found["failed"].items():
         print(f"FAILED {name}: {why}")
 

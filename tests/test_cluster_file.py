@@ -304,6 +304,7 @@ def test_calibrate_times_one_device_with_a_presets_links(tmp_path: Path, capsys)
     assert set(cluster.peak_flops) == {"float32", "bfloat16", "float16"}
     assert cluster.peak_flops["float32"] < preset.peak_flops["float32"] / 100  # the CPU's, not the H100's
     assert cluster.recompute_unit_s > cluster.op_overhead_s > 0 and not cluster.asynchronous
+    assert 0 < cluster.checkpoint_unit_s < cluster.recompute_unit_s
     model, args = gpt.build()
     assert autopar.plan(model, args, {"dp": 2}, cluster=str(path)).cluster["name"] == "calibrated"
 

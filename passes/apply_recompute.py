@@ -18,7 +18,7 @@ parameter gather) is recomputed, i.e. gathered again in backward and never kept.
 region without autopar ops has nothing to keep: it runs under plain checkpointing, which
 recomputes every op just the same without the selective policy's dispatch of each op (Python,
 twice: on a CPU half of what a recomputed op costs besides its compute,
-:func:`uses_policy`).
+:func:`~autopar.ir.options.uses_policy`).
 
 The call returns a tuple with one entry per region value used outside the region; each
 such value's node stays in the graph, under its name, as an ``operator.getitem`` of the

@@ -63,7 +63,7 @@ class RecomputeWork:
     """What the checkpoint does for one recomputed op: ``units``, one for the op and one per tensor
     autograd saves for it (its hooks pack each in forward and unpack it in backward), under the
     selective checkpoint's policy where ``selective`` (a selective region, or a full one with
-    collectives: :func:`~autopar.passes.apply_recompute.uses_policy`)."""
+    collectives: :func:`~autopar.ir.options.uses_policy`)."""
 
     units: int
     selective: bool = True

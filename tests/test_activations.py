@@ -78,8 +78,9 @@ def spec(inputs=(), outputs=(), extra_bytes=0) -> SavedSpec:
 
 
 def saved_as(node: torch.fx.Node, flags) -> SavedSpec:
-    """What :func:`saved_by` says is saved, its count of packed tensors aside (tested apart)."""
-    return replace(saved_by(node, flags), packed=0)
+    """What :func:`saved_by` says is saved, its count of packed tensors and their order aside
+    (tested apart)."""
+    return replace(saved_by(node, flags), packed=0, output_before_last_pack=False)
 
 
 @pytest.mark.parametrize("flags, packed", [((True, True), 2), ((False, True), 1), ((False, False), 0)])
@@ -87,6 +88,17 @@ def test_a_spec_counts_the_tensors_autograd_packs(flags, packed):
     assert saved_by(call_node(aten.mm.default, meta(4, 8), meta(8, 3)), flags).packed == packed
     x = meta(4, 8)  # one tensor packed twice counts twice: the checkpoint's hooks run for each
     assert saved_by(call_node(aten.mul.Tensor, x, x), [True, True]).packed == 2
+
+
+def test_a_spec_says_whether_the_output_exists_at_the_last_pack():
+    # autograd packs a product's operands before it runs, a layer norm's statistics after: a
+    # recomputation torch stops at the last pack holds the layer norm's output, not the product's
+    product = call_node(aten.mm.default, meta(4, 8), meta(8, 3))
+    assert not saved_by(product, [True, True]).output_before_last_pack
+    norm = call_node(aten.layer_norm.default, meta(4, 8), [8], meta(8), meta(8))
+    assert saved_by(norm, [True, True, True]).output_before_last_pack
+    linear = call_node(aten.linear.default, meta(2, 4, 8), meta(3, 8))  # the product last
+    assert not saved_by(linear, [True, True]).output_before_last_pack
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,6 @@ from ``node.meta``.
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 from collections.abc import Iterable, Iterator, Mapping
@@ -324,6 +323,8 @@ class _RegionLog:
 
     last: int = 0  # its last op
     last_saver: int = -1  # its last op saving a tensor for backward: the recomputation stops there
+    # whether that op's output is made before the stop (SavedSpec.output_before_last_pack)
+    last_saver_made: bool = False
     saved: dict[tuple, tuple[float, int]] = field(default_factory=dict)  # key -> (bytes, first saver)
     cached: dict[tuple, int] = field(default_factory=dict)  # outputs its policy keeps -> position
     # what its ops allocate: key -> (bytes, position, last use); recomputed, what no op saves lives
@@ -331,27 +332,33 @@ class _RegionLog:
     made: dict[tuple, tuple[float, int, int]] = field(default_factory=dict)
 
 
-def _recompute_peak(log: _RegionLog, base: float, kept: Mapping[tuple, float], dead: set[tuple]) -> float:
-    """The most alive while backward recomputes a region, from ``base`` (what is kept up to its
-    last op): each recomputed value it saves adds its bytes at its first saver, one it does not
+def _recompute_peak(log: _RegionLog, alive: Mapping[tuple, float], dead: set[tuple]) -> float:
+    """The most alive while backward recomputes a region, from what is ``alive`` when it starts
+    (what is kept up to its last op, and what the caller holds): each recomputed value it saves
+    and that is not alive adds its bytes at its first saver (a value the ops after the region
+    kept was freed by their backward: the region makes it again), one it does not
     save lives from its op to its last use or the recomputation's end (torch stops it in its last
-    saving op, whose own output is not seen alive: the example GPT's sequence-parallel full
-    recompute measured 903 KB against 969 KB when it was counted); a kept output
+    saving op, whose own output is made only where autograd packs after the op ran, its outputs
+    or statistics, rather than operands before it: the example GPT's sequence-parallel full
+    recompute, whose last saver packs operands, measured 903 KB against 969 KB when its output
+    was counted, and a BERT layer ending in a layer norm 2 KB above the prediction when it was
+    not); a kept output
     that nothing saves for backward (in ``dead``) is freed once the recomputation has used it."""
     adds: dict[int, float] = {}
     frees: dict[int, float] = {}
     for key, (nbytes, at) in log.saved.items():
-        if key not in kept:
+        if key not in alive:
             adds[at] = adds.get(at, 0.0) + nbytes
     for key, (nbytes, at, end) in log.made.items():
-        if key not in kept and key not in log.saved and at < log.last_saver:
+        made_before_stop = at < log.last_saver or (at == log.last_saver and log.last_saver_made)
+        if key not in alive and key not in log.saved and made_before_stop:
             adds[at] = adds.get(at, 0.0) + nbytes
             last = min(end, log.last_saver)
             frees[last] = frees.get(last, 0.0) + nbytes
     for key, at in log.cached.items():
-        if key in dead and at <= log.last_saver:
-            frees[at] = frees.get(at, 0.0) + kept[key]
-    peak = running = base
+        if key in dead and key in alive and at <= log.last_saver:
+            frees[at] = frees.get(at, 0.0) + alive[key]
+    peak = running = sum(alive.values())
     for at in sorted(adds.keys() | frees.keys()):
         running += adds.get(at, 0.0)
         peak = max(peak, running)
@@ -388,12 +395,12 @@ def activation_memory(
     values, and the copy a gradient-only ``grad_all_reduce`` makes) and, under the selective
     policy, the outputs of its matrix products and attention; everything else its ops save
     is recomputed in backward. Liveness: backward frees what the ops after a region kept
-    before it recomputes that region; the recomputation (torch's non-reentrant checkpoint)
-    runs the region's ops up to the last one saving a tensor, each adding what it saves (and
-    what it makes for the next ops, until they have used it), and hands each kept output over
-    as it goes, so one that no op saves for backward is
-    freed then. The peak is the larger of the forward's and, over regions, the most alive
-    during its recomputation.
+    before it recomputes that region, but for what the program returns (the caller holds it);
+    the recomputation (torch's non-reentrant checkpoint) runs the region's ops up to the last
+    one saving a tensor, each adding what it saves (and what it makes for the next ops, until
+    they have used it), and hands each kept output over as it goes, so one that no op saves
+    for backward is freed then. The peak is the larger of the forward's and, over regions,
+    the most alive during its recomputation.
     """
     layouts = laid.layouts
     kept: dict[tuple, float] = {}
@@ -427,6 +434,8 @@ def activation_memory(
         log.last = at
         if saved:
             log.last_saver = at
+            flows = [bool(laid.flows.get(op, False)) for op in OpCall.of(node).operands]
+            log.last_saver_made = saved_by(node, flows).output_before_last_pack
         for item in saved:
             log.saved.setdefault(item.key, (item.nbytes, at))
         for j, key, nbytes in _outputs(laid, node):
@@ -455,12 +464,13 @@ def activation_memory(
     on_device = by_regions | {item.key for item in returned}
     device = {k: v for k, v in kept.items() if k in on_device or not offload}
     names = [n.name for n in laid.graph.nodes]
-    kept_by = [0.0] * len(names)  # device bytes first kept at each position
-    for k, v in device.items():
-        kept_by[owner[k]] += v
-    up_to = list(itertools.accumulate(kept_by))
     dead = {k for k in device if k not in held}
-    recomputing = [_recompute_peak(log, up_to[log.last], device, dead) for log in logs.values()]
+    # what the caller holds stays through backward, made after a region or not
+    caller = {item.key for item in returned}
+    recomputing = [
+        _recompute_peak(log, {k: v for k, v in device.items() if owner[k] <= log.last or k in caller}, dead)
+        for log in logs.values()
+    ]
     peak = max([_forward_peak(laid, device, owner), *recomputing])
     by_node: dict[str, float] = {}
     for key, at in owner.items():

@@ -57,6 +57,11 @@ class SavedSpec:
     # how many tensors autograd packs, a repeat counted each time: a checkpoint's hooks run once
     # for each (what a recompute region's op costs grows with them: Cluster.recompute_unit_s)
     packed: int = 0
+    # whether its output is made before autograd packs the last tensor it saves: autograd packs
+    # operands before an op runs and its outputs and statistics after (a layer norm's output
+    # exists when its statistics are packed, a product's not when its operands are), so a
+    # recomputation torch stops at this op's last pack holds its output only then
+    output_before_last_pack: bool = False
 
 
 #: specs by op, operand metadata, non-tensor arguments, device, grad flags and the pieces the
@@ -196,12 +201,16 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...], pieces:
             (node.args, node.kwargs),
         )
         packed: list[torch.Tensor] = []
+        products = _InnerProducts()
+        made_at_pack = 0  # how many tensors the op's inner ops had made when the last was packed
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal made_at_pack
             packed.append(t)
+            made_at_pack = len(products.made)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _InnerProducts() as products:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), products:
             result = node.target(*args, **kwargs)
     operands = [fakes[a] for a in call.operands]
     outputs = [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
@@ -222,23 +231,33 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...], pieces:
     own = {storage_ref(t) for t in (*operands, *outputs, *packed)}  # counted above
     inner = {storage_ref(t): t.untyped_storage().nbytes() for t in products.outputs}
     inner_bytes = sum(n for ref, n in inner.items() if ref not in own)
+    made_first = {storage_ref(t) for t in products.made[:made_at_pack]}
     return SavedSpec(
-        frozenset(inputs), frozenset(saved_outputs), sum(extra.values()), inner_bytes, len(packed)
+        frozenset(inputs),
+        frozenset(saved_outputs),
+        sum(extra.values()),
+        inner_bytes,
+        len(packed),
+        any(storage_ref(t) in made_first for t in outputs),
     )
 
 
 class _InnerProducts(TorchDispatchMode):
     """Collects the outputs of the matrix products and attention ops dispatched inside a ``with``
-    (:func:`autopar.ir.ops.is_selective_save`: the ops the selective recompute policy keeps)."""
+    (:func:`autopar.ir.ops.is_selective_save`: the ops the selective recompute policy keeps), and
+    in ``made`` every op's output tensors in the order they were made."""
 
     def __init__(self) -> None:
         super().__init__()
         self.outputs: list[torch.Tensor] = []
+        self.made: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.made += tensors
         if is_selective_save(func):
-            self.outputs += [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.outputs += tensors
         return out
 
 

@@ -199,13 +199,18 @@ def saved_values(laid: LaidOutGraph, node: torch.fx.Node, copies: EdgeCopies | N
     return out
 
 
+def _grads(laid: LaidOutGraph, node: torch.fx.Node) -> list[bool]:
+    """Which operands of ``node`` take a gradient."""
+    return [bool(laid.flows.get(op, False)) for op in OpCall.of(node).operands]
+
+
 def _rank_spec(laid: LaidOutGraph, node: torch.fx.Node) -> tuple[SavedSpec, bool]:
     """What ``node`` saves on one rank, and whether that was measured there: the op run on its
     operands as the rank holds them (:func:`saved_locally`: local shapes, a redistributed one
     contiguous as a collective returns it), or, where it cannot run so, at its global shapes
     (:func:`saved_by`, its other tensors then scaled like its largest operand)."""
     call, mine = OpCall.of(node), laid.layouts[node]
-    grads = [bool(laid.flows.get(op, False)) for op in call.operands]
+    grads = _grads(laid, node)
     spec = saved_by(node, grads)
     if spec == SavedSpec():
         return spec, False
@@ -434,8 +439,7 @@ def activation_memory(
         log.last = at
         if saved:
             log.last_saver = at
-            flows = [bool(laid.flows.get(op, False)) for op in OpCall.of(node).operands]
-            log.last_saver_made = saved_by(node, flows).output_before_last_pack
+            log.last_saver_made = saved_by(node, _grads(laid, node)).output_before_last_pack
         for item in saved:
             log.saved.setdefault(item.key, (item.nbytes, at))
         for j, key, nbytes in _outputs(laid, node):

@@ -201,7 +201,7 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...], pieces:
             (node.args, node.kwargs),
         )
         packed: list[torch.Tensor] = []
-        products = _InnerProducts()
+        products = _InnerOps()
         made_at_pack = 0  # how many tensors the op's inner ops had made when the last was packed
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -242,7 +242,7 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...], pieces:
     )
 
 
-class _InnerProducts(TorchDispatchMode):
+class _InnerOps(TorchDispatchMode):
     """Collects the outputs of the matrix products and attention ops dispatched inside a ``with``
     (:func:`autopar.ir.ops.is_selective_save`: the ops the selective recompute policy keeps), and
     in ``made`` every op's output tensors in the order they were made."""

@@ -337,6 +337,15 @@ class _RegionLog:
     made: dict[tuple, tuple[float, int, int]] = field(default_factory=dict)
 
 
+def _alive_at(
+    last: int, device: Mapping[tuple, float], owner: Mapping[tuple, int], caller: set[tuple]
+) -> dict[tuple, float]:
+    """What is alive when backward reaches the region ending at position ``last``: what is kept
+    up to it (the ops after it kept the rest, and their backward has freed it), and what the
+    caller holds (the program's returned values, made after the region or not)."""
+    return {k: v for k, v in device.items() if owner[k] <= last or k in caller}
+
+
 def _recompute_peak(log: _RegionLog, alive: Mapping[tuple, float], dead: set[tuple]) -> float:
     """The most alive while backward recomputes a region, from what is ``alive`` when it starts
     (what is kept up to its last op, and what the caller holds): each recomputed value it saves
@@ -469,12 +478,9 @@ def activation_memory(
     device = {k: v for k, v in kept.items() if k in on_device or not offload}
     names = [n.name for n in laid.graph.nodes]
     dead = {k for k in device if k not in held}
-    # what the caller holds stays through backward, made after a region or not
     caller = {item.key for item in returned}
-    recomputing = [
-        _recompute_peak(log, {k: v for k, v in device.items() if owner[k] <= log.last or k in caller}, dead)
-        for log in logs.values()
-    ]
+    alive = [_alive_at(log.last, device, owner, caller) for log in logs.values()]
+    recomputing = [_recompute_peak(log, at_start, dead) for log, at_start in zip(logs.values(), alive)]
     peak = max([_forward_peak(laid, device, owner), *recomputing])
     by_node: dict[str, float] = {}
     for key, at in owner.items():

@@ -253,7 +253,9 @@ def _check_calibrated(path: Path, devices_per_node: int, threads: int) -> None:
     # a recompute region's unit (an op or a tensor it saves): the relaunch, the checkpoint policy's
     # dispatch and hooks, some 10 plain ops
     assert cluster.recompute_unit_s > cluster.op_overhead_s and not cluster.asynchronous
-    assert 0 < cluster.checkpoint_unit_s < cluster.recompute_unit_s  # no policy to consult
+    # measured (its order against the policy's figure holds on a steady host: the one-device test;
+    # 4 ranks of 2 threads on 2 cores read it above, the paired calls' waits for a core dominating)
+    assert cluster.checkpoint_unit_s > 0
     timed = {*TIMED_FUNCTIONS, *(f"{name}_backward" for name in TIMED_BACKWARD)}
     assert set(cluster.function_rates) == timed and min(cluster.function_rates.values()) > 0
     for link in (cluster.intra_node, cluster.inter_node):

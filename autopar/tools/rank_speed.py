@@ -201,17 +201,33 @@ def recompute_overhead(device: str = "cpu", selective: bool = True) -> float:
             y = layer(y, *inputs[1:])[0]
         y.sum().backward()
 
-    def extra() -> float:
-        plain = together_seconds(partial(run, [program] * _BLOCK_LAYERS), 25, device)
-        return together_seconds(partial(run, regions), 25, device) - plain
-
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         program(*inputs)
     units = sum(n.op == "call_function" for n in program.graph.nodes) + len(packed)
-    # the median of three pairs: one pair in a few reads half again as much (a collection of
-    # the many small objects the checkpoint's hooks make, a scheduler tick)
-    return max(0.0, statistics.median(extra() for _ in range(3)) / (units * _BLOCK_LAYERS))
+    plain, recomputed = partial(run, [program] * _BLOCK_LAYERS), partial(run, regions)
+    extra = _paired_extra(plain, recomputed, 41, device)
+    return max(0.0, extra / (units * _BLOCK_LAYERS))
+
+
+def _paired_extra(base: Callable[[], None], more: Callable[[], None], calls: int, device: str) -> float:
+    """Seconds ``more`` takes beyond ``base``: the two called in turns ``calls`` times each, on every
+    rank at once (between barriers), the difference of their medians per call. Timed in turns, a
+    slow stretch of the host (a scheduler tick, a collection of the many small objects a
+    checkpoint's hooks make, ranks outnumbering cores) weighs on both alike: timed apart, windows of
+    each read the difference below zero on 8 threads sharing 2 cores."""
+    base(), more()
+    synchronize(device)
+    dist.barrier()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(calls):
+        for fn, timed in ((base, times[0]), (more, times[1])):
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            timed.append(time.perf_counter() - start)
+    dist.barrier()
+    return statistics.median(times[1]) - statistics.median(times[0])
 
 
 def _block_program(device: str) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:

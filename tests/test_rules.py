@@ -183,11 +183,16 @@ def localize_counts(op, args, spec, strategy, mesh) -> tuple:
     return tuple(out)
 
 
+# the cases' values are drawn once, from a fixed seed: drawn afresh on each run, a divisor of
+# -0.0013 once made ``div``'s rounding on partial sums exceed the tolerance (a CI run failed)
+_CASES_GEN = torch.Generator().manual_seed(0)
+
+
 def r(*shape, dtype=torch.float32):
     return (
-        torch.randn(*shape, dtype=dtype)
+        torch.randn(*shape, dtype=dtype, generator=_CASES_GEN)
         if dtype.is_floating_point
-        else torch.randint(0, 5, shape, dtype=dtype)
+        else torch.randint(0, 5, shape, dtype=dtype, generator=_CASES_GEN)
     )
 
 

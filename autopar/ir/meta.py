@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir.layout import Layout
 
@@ -142,3 +143,8 @@ def per_node(fn: Callable[[torch.fx.Node], T]) -> Callable[[torch.fx.Node], T]:
         return result
 
     return cached
+
+
+def storage_ref(t: torch.Tensor) -> StorageWeakRef:
+    """A weak reference naming the storage ``t`` lives in (equal for a tensor and its views)."""
+    return StorageWeakRef(t.untyped_storage())

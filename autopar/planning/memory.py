@@ -37,12 +37,12 @@ import torch
 
 from autopar.ir.layout import Layout, local_fraction, local_shape
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import NodeLayouts
+from autopar.ir.meta import NodeLayouts, storage_ref
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
 from autopar.ir.options import SELECTIVE
 from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.recompute import Region
-from autopar.planning.saved_tensors import SavedSpec, saved_by, saved_locally, storage_ref
+from autopar.planning.saved_tensors import SavedSpec, saved_by, saved_locally
 from autopar.planning.storages import source_of, storage_of, tensor_value, viewed_operand
 from autopar.rules import OpCall
 

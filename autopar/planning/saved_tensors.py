@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.ir.meta import per_node
+from autopar.ir.meta import per_node, storage_ref
 from autopar.ir.ops import is_selective_save
 from autopar.rules import OpCall
 
@@ -141,11 +141,6 @@ def _cached(node: torch.fx.Node, flags: tuple[bool, ...], pieces: Pieces | None)
 
 def _differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
-
-
-def storage_ref(t: torch.Tensor) -> StorageWeakRef:
-    """A weak reference naming the storage ``t`` lives in (equal for a tensor and its views)."""
-    return StorageWeakRef(t.untyped_storage())
 
 
 def _device(call: OpCall) -> torch.device:

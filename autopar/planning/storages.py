@@ -12,8 +12,7 @@ import operator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.ir.meta import output_values, per_node
-from autopar.planning.saved_tensors import storage_ref
+from autopar.ir.meta import output_values, per_node, storage_ref
 
 
 def tensor_value(node: torch.fx.Node, index: int) -> torch.Tensor:

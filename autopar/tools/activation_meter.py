@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from autopar.planning.saved_tensors import storage_ref
+from autopar.ir.meta import storage_ref
 
 
 class ActivationMeter(TorchDispatchMode):

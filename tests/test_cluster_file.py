@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
+import timeit
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 import autopar
 from autopar import OptionError
 from autopar.ir.plan import CollectiveKind
+from autopar.planning.cluster import AttentionRates
 from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster, this_machine
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 from autopar.tools.calibrate import _straggle, fit_ring, threads_per_rank
@@ -157,10 +160,11 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         "asynchronous",
         "host_op_overhead_s",
         "threads_per_rank",
+        "attention",
     )
     old = {k: v for k, v in get_cluster("cpu-gloo").to_dict().items() if k not in added}
     cluster = Cluster.from_dict(old)
-    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, None, None, False, None, None]
+    defaults = [0.0, 0.0, 0.0, 1.0, None, None, None, None, {}, None, None, None, False, None, None, None]
     assert [getattr(cluster, k) for k in added] == defaults
     measured = replace(
         cluster,
@@ -176,6 +180,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
         asynchronous=True,
         host_op_overhead_s=4e-6,
         threads_per_rank=4,
+        attention=AttentionRates(flop_scale=1.2, score_s=1e-9, causal_block=512.0),
     )
     assert Cluster.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
     for bad in (
@@ -193,6 +198,8 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
     ):
         with pytest.raises(OptionError):
             replace(cluster, **bad)
+    with pytest.raises(OptionError, match="attention rates need flop_scale > 0"):
+        AttentionRates(flop_scale=0.0, score_s=1e-9, causal_block=0.0)
 
 
 def test_a_collective_fit_is_not_dragged_down_by_one_lucky_sample():
@@ -241,6 +248,37 @@ def test_stragglers_are_fitted_to_a_wait_per_collective_and_the_square_root_of_t
     assert _straggle([rank(0.003, 0.01, stalled=0.05)]) == pytest.approx((0.003, 0.01))
 
 
+def _check_attention(cluster: Cluster) -> None:
+    """Attention was timed: its products near the product rate (the kernels' small blocks and
+    the backward's recomputed scores cost some 1.2x here), a score's own cost, and the causal
+    kernel's key blocks (512 on this CPU) within the 1024 keys timed."""
+    rates = cluster.attention
+    assert rates is not None and 0.5 < rates.flop_scale < 8 and rates.score_s < 1e-7
+    assert 0 <= rates.causal_block <= 1024
+
+
+def _attention_ratio(cluster: Cluster, shape: tuple[int, int, int, int], causal: bool) -> float:
+    """Measured over predicted seconds of an attention's forward and backward of ``shape``
+    (batch, heads, length, head dim), on one thread as the calibrating rank computed."""
+    q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
+    scores = math.prod(shape[:3]) * shape[2]
+    attention = (scores, shape[2] if causal else 0)
+    predicted = CostModel({"x": 1}, cluster).op_time(
+        4 * scores * shape[3], 0, torch.float32, grad=True, attention=attention
+    )
+
+    def step() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step()
+        return statistics.median(timeit.repeat(step, number=1, repeat=7)) / predicted
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _check_calibrated(path: Path, devices_per_node: int, threads: int) -> None:
     """The file is this machine's, with both links and all four kinds measured on ranks computing
     on ``threads`` threads each, and plan takes it."""
@@ -256,6 +294,7 @@ def _check_calibrated(path: Path, devices_per_node: int, threads: int) -> None:
     # measured (its order against the policy's figure holds on a steady host: the one-device test;
     # 4 ranks of 2 threads on 2 cores read it above, the paired calls' waits for a core dominating)
     assert cluster.checkpoint_unit_s > 0
+    _check_attention(cluster)
     timed = {*TIMED_FUNCTIONS, *(f"{name}_backward" for name in TIMED_BACKWARD)}
     assert set(cluster.function_rates) == timed and min(cluster.function_rates.values()) > 0
     for link in (cluster.intra_node, cluster.inter_node):
@@ -307,6 +346,12 @@ def test_calibrate_times_one_device_with_a_presets_links(tmp_path: Path, capsys)
     assert cluster.peak_flops["float32"] < preset.peak_flops["float32"] / 100  # the CPU's, not the H100's
     assert cluster.recompute_unit_s > cluster.op_overhead_s > 0 and not cluster.asynchronous
     assert 0 < cluster.checkpoint_unit_s < cluster.recompute_unit_s
+    assert "attention at" in out and "causal blocks of" in out
+    _check_attention(cluster)
+    # attention of other shapes than the one timed, as the plan prices it and as it runs: here
+    # 1.0-1.13x (before attention was timed, 1.47x the plain one: its products at the product rate)
+    assert 0.75 < _attention_ratio(cluster, (1, 4, 1024, 64), False) < 1.3
+    assert 0.75 < _attention_ratio(cluster, (2, 4, 768, 64), True) < 1.3
     model, args = gpt.build()
     assert autopar.plan(model, args, {"dp": 2}, cluster=str(path)).cluster["name"] == "calibrated"
 

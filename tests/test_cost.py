@@ -9,6 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import dtype_name
+from autopar.planning.cluster import AttentionRates
 from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster
 
 R, P = Replicate(), Partial()
@@ -364,3 +365,72 @@ def test_timed_functions_are_priced_at_their_calibrated_rates():
     assert gelu_tanh == pytest.approx(n / 0.25, rel=1e-6)  # its backward not timed: as before
     assert silu == pytest.approx(n / 2.0 + n / 0.1, rel=1e-6)
     assert tanh == pytest.approx(n / 1.0, rel=1e-6)
+
+
+def test_attention_is_priced_as_its_fused_kernel_runs_where_calibrated():
+    """With the cluster's attention rates, ``scaled_dot_product_attention`` costs its products at
+    ``flop_scale`` times the product rate plus a cost per score; under the implicit causal mask
+    (queries and keys of one length) a fraction ``(1 + block / length) / 2`` of that, none saved
+    with an explicit mask; forward alone a third. Without the rates, as before."""
+    import autopar
+
+    class Attention(torch.nn.Module):
+        def __init__(self, causal: bool, masked: bool) -> None:
+            super().__init__()
+            self.causal, self.masked = causal, masked
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.fc(x).view(2, 64, 2, 8).transpose(1, 2)  # batch 2, 2 heads, length 64, dim 8
+            mask = torch.ones(64, 64, dtype=torch.bool).tril() if self.masked else None
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, mask, is_causal=self.causal)
+
+    rates = AttentionRates(flop_scale=2.0, score_s=1e-3, causal_block=16.0)
+    peaks = {"float32": 1e12, "bfloat16": 4e12}
+    base = replace(get_cluster("fast-links"), transcendentals_per_s=1e9, peak_flops=peaks)
+    scores, flops = 2 * 2 * 64 * 64, 2 * 2 * 2 * 64 * 64 * 16
+    full = 2.0 * 3 * flops / 1e12 + 1e-3 * scores
+    x = torch.randn(2, 64, 16)
+    for causal, masked, fraction in (
+        (False, False, 1.0),
+        (True, False, (1 + 16 / 64) / 2),
+        (False, True, 1.0),
+    ):
+        seconds = {}
+        for cluster in (base, replace(base, attention=rates)):
+            plan = autopar.plan(Attention(causal, masked), (x,), {"dp": 1}, cluster=cluster)
+            [seconds[cluster.attention]] = [n.compute_s for n in plan.nodes if "scaled_dot" in n.op]
+        assert seconds[rates] == pytest.approx(fraction * full, rel=1e-6)
+        assert seconds[None] == pytest.approx(3 * flops / 1e12 + 2 * scores / 1e9, rel=1e-3)
+    model = CostModel({"x": 1}, replace(base, attention=rates))
+    assert model.op_time(flops, 0, torch.float32, attention=(scores, 0)) == pytest.approx(full / 3)
+    assert model.op_time(flops, 0, torch.bfloat16, attention=(scores, 0), grad=True) == pytest.approx(
+        2.0 * 3 * flops / 4e12 + 1e-3 * scores
+    )
+
+
+def test_views_and_dropouts_that_drop_nothing_move_no_bytes():
+    """An op handing back its operand's memory reshaped (transpose, view, a reshape that needs no
+    copy) or a dropout of p 0 costs no compute; a reshape that must copy, a slice (its backward
+    writes the operand's size) and a dropout that drops keep their bytes."""
+    import autopar
+
+    class Views(torch.nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.fc, self.p = torch.nn.Linear(16, 16), p
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.nn.functional.dropout(self.fc(x), self.p, self.training)  # 4 x 8 x 16
+            t = h.view(4, 8, 2, 8).transpose(1, 2)  # views
+            copied = t.reshape(4, 2 * 8 * 8)  # not contiguous: a copy
+            return (copied[:, :64] + h.reshape(4, 128)[:, 64:]).sum()
+
+    x = torch.randn(4, 8, 16)
+    for p, dropout_moves in ((0.0, False), (0.5, True)):
+        plan = autopar.plan(Views(p), (x,), {"dp": 1}, cluster="h100")
+        seconds = [(n.op.split(".")[1], n.compute_s) for n in plan.nodes if n.op.startswith("aten.")]
+        costly = {op for op, s in seconds if s > 0}
+        assert {"view", "transpose"}.isdisjoint(costly) and {"slice", "linear", "add"} <= costly
+        assert [s > 0 for op, s in seconds if op == "reshape"] == [True, False]  # the copy, the view
+        assert ("dropout" in costly) == dropout_moves

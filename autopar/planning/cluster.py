@@ -67,6 +67,55 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class AttentionRates:
+    """How a fused attention kernel (``scaled_dot_product_attention``: flash, memory-efficient, or
+    the CPU's blocked kernel) runs on one rank, as ``autopar calibrate`` times it.
+
+    Its forward and backward take ``flop_scale * 3 * flops / peak + score_s * scores``, times the
+    causal fraction: ``flops`` the forward's products as the rule counts them (the backward counted
+    twice them; the kernels' backward recomputes the scores, and their small blocks run below a
+    large product's rate: ``flop_scale`` is what both cost on top, some 1.25 on a CPU), ``peak``
+    the dtype's product rate, ``scores`` the query-key pairs, each of which costs ``score_s``
+    besides (its exp, the softmax's bookkeeping, forward and backward). Under the implicit causal
+    mask a kernel skips the blocks of keys wholly after its block of queries: with blocks of
+    ``causal_block`` keys, a fraction ``(1 + causal_block / length) / 2`` of the pairs is computed
+    (at most 1; some 512 on a CPU, which computes a 512-long causal sequence whole).
+    """
+
+    flop_scale: float
+    score_s: float
+    causal_block: float
+
+    def __post_init__(self) -> None:
+        if self.flop_scale <= 0 or self.score_s < 0 or self.causal_block < 0:
+            raise OptionError(
+                f"attention rates need flop_scale > 0, score_s and causal_block >= 0, got {self}"
+            )
+
+    def seconds(self, flops: float, scores: float, causal_length: int, peak: float, grad: bool) -> float:
+        """Seconds of one attention call: forward and backward where ``grad``, else the forward (a
+        third, as the cost model splits every op). ``causal_length`` is the sequence's length under
+        the implicit causal mask, 0 without it."""
+        causal = min(1.0, (1 + self.causal_block / causal_length) / 2) if causal_length else 1.0
+        both = causal * (self.flop_scale * 3 * flops / peak + self.score_s * scores)
+        return both if grad else both / 3
+
+    def describe(self) -> str:
+        """The rates in a few words, as ``autopar calibrate`` prints them."""
+        return (
+            f"attention at {self.flop_scale:.2f}x the products' time, {self.score_s * 1e9:.2f} ns a score, "
+            f"causal blocks of {self.causal_block:.0f} keys"
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        return {"flop_scale": self.flop_scale, "score_s": self.score_s, "causal_block": self.causal_block}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AttentionRates:
+        return cls(float(data["flop_scale"]), float(data["score_s"]), float(data["causal_block"]))
+
+
+@dataclass(frozen=True)
 class Cluster:
     """The hardware the plan runs on; every per-device figure is for one rank.
 
@@ -116,6 +165,9 @@ class Cluster:
     copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
     host gets (the offloaded update); None for both where the device is the host (CPU ranks):
     a copy is then memory traffic and the host update runs at ``memory_bandwidth_Bps``.
+    ``attention`` prices ``scaled_dot_product_attention`` as its fused kernel runs
+    (:class:`AttentionRates`); None where not measured: its products at ``peak_flops`` and an exp
+    per score forward and backward at ``transcendentals_per_s``.
     ``threads_per_rank`` is how many CPU threads each rank computed with when calibrate measured
     it (``torch.get_num_threads()``): its rates hold for ranks computing on as many, and a plan
     made on a rank computing on another number says so; None where not recorded (presets, one
@@ -145,6 +197,7 @@ class Cluster:
     asynchronous: bool = False
     host_op_overhead_s: float | None = None
     threads_per_rank: int | None = None
+    attention: AttentionRates | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
@@ -198,6 +251,7 @@ class Cluster:
             "asynchronous": self.asynchronous,
             "host_op_overhead_s": self.host_op_overhead_s,
             "threads_per_rank": self.threads_per_rank,
+            "attention": None if self.attention is None else self.attention.to_dict(),
         }
 
     @classmethod
@@ -205,13 +259,13 @@ class Cluster:
         """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
         the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``,
         ``optimizer_tensor_s``, ``function_rates``, ``recompute_op_s``, ``recompute_unit_s``,
-        ``checkpoint_unit_s``, ``asynchronous``, ``host_op_overhead_s``, ``threads_per_rank``) are
-        optional, so files written before them still load."""
+        ``checkpoint_unit_s``, ``asynchronous``, ``host_op_overhead_s``, ``threads_per_rank``, ``attention``)
+        are optional, so files written before them still load."""
         host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
         transcendentals, optimizer = data.get("transcendentals_per_s"), data.get("optimizer_tensor_s")
         recompute, host_op = data.get("recompute_op_s"), data.get("host_op_overhead_s")
         threads, unit = data.get("threads_per_rank"), data.get("recompute_unit_s")
-        plain_unit = data.get("checkpoint_unit_s")
+        plain_unit, attention = data.get("checkpoint_unit_s"), data.get("attention")
         return cls(
             name=str(data["name"]),
             peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
@@ -236,4 +290,5 @@ class Cluster:
             asynchronous=bool(data.get("asynchronous", False)),
             host_op_overhead_s=None if host_op is None else float(host_op),
             threads_per_rank=None if threads is None else int(threads),
+            attention=None if attention is None else AttentionRates.from_dict(attention),
         )

@@ -244,6 +244,11 @@ class CostModel:
         alpha, wire = link.latency_s if latency else 0.0, c.bytes / link.bandwidth_Bps
         return hops * alpha + share * wire
 
+    def peak(self, dtype: torch.dtype) -> float:
+        """Products' FLOP/s in ``dtype`` (the fallback dtype's where the cluster lists none)."""
+        peaks = self.cluster.peak_flops
+        return peaks.get(dtype_name(dtype), peaks[FALLBACK_DTYPE])
+
     def compute_time(
         self,
         flops: float,
@@ -256,10 +261,8 @@ class CostModel:
         bytes_accessed / memory_bandwidth)``; the transcendentals' rate is
         ``Cluster.transcendentals_per_s`` (None: not a limit), ``timed_s`` what functions priced
         at their calibrated rates take."""
-        peaks = self.cluster.peak_flops
-        peak = peaks.get(dtype_name(dtype), peaks[FALLBACK_DTYPE])
         rate = self.cluster.transcendentals_per_s
-        arithmetic = flops / peak + (transcendentals / rate if rate else 0.0) + timed_s
+        arithmetic = flops / self.peak(dtype) + (transcendentals / rate if rate else 0.0) + timed_s
         return max(arithmetic, bytes_accessed / self.cluster.memory_bandwidth_Bps)
 
     def op_time(
@@ -270,12 +273,19 @@ class CostModel:
         transcendentals: tuple[float, float] = (0.0, 0.0),
         grad: bool = False,
         function: str | None = None,
+        attention: tuple[float, int] | None = None,
     ) -> float:
         """One op's forward and, where a gradient flows (``grad``), its backward: twice the
         forward's flops and bytes, and the ``(forward, backward)`` transcendentals its rule counts.
         Where the cluster timed the elementwise ``function`` the op evaluates (``flops`` values;
         ``Cluster.function_rates``: ``function``, ``<function>_backward``), that rate prices the
-        forward, or the backward, instead of its transcendentals."""
+        forward, or the backward, instead of its transcendentals. A fused attention kernel
+        (``attention``: scores and causal length, see ``DimSpec.attention``) is priced by the
+        cluster's :class:`~autopar.planning.cluster.AttentionRates` where it has them, its bytes
+        still a floor."""
+        if attention is not None and self.cluster.attention is not None:
+            seconds = self.cluster.attention.seconds(flops, *attention, self.peak(dtype), grad)
+            return max(seconds, (3 if grad else 1) * bytes_accessed / self.cluster.memory_bandwidth_Bps)
         rates, inverse = self.cluster.function_rates, f"{function}_backward"
         timed_forward = flops / rates[function] if function in rates else 0.0
         timed_backward = flops / rates[inverse] if function is not None and inverse in rates else 0.0

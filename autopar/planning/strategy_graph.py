@@ -443,14 +443,20 @@ class _Builder:
         self, call: OpCall, spec: DimSpec, root: str | None, strategies: list[Strategy], kind: ChoiceKind
     ) -> Choice:
         """The choice of an op, with the seconds of its compute under each strategy
-        (:meth:`CostModel.op_time`)."""
+        (:meth:`CostModel.op_time`; none for an op that returns its operand's own memory)."""
         node = call.node
         out_vals = output_values(node)
         dtype = out_vals[0].dtype if out_vals else torch.float32
         itemsize = out_vals[0].element_size() if out_vals else 4
         moved = itemsize * sum(math.prod(s) for s in (*call.shapes, *call.out_shapes))
-        grad = self.requires_grad.get(node, False)
-        whole = self.cost.op_time(spec.flops, moved, dtype, spec.transcendentals, grad, spec.function)
+        grad, free = self.requires_grad.get(node, False), call.returns_its_operand()
+        whole = (
+            0.0
+            if free
+            else self.cost.op_time(
+                spec.flops, moved, dtype, spec.transcendentals, grad, spec.function, spec.attention
+            )
+        )
         costs = [whole / s.split for s in strategies]  # the roofline scales with its arguments
         return Choice(root=root, strategies=strategies, kind=kind, compute=np.array(costs))
 

@@ -74,6 +74,9 @@ class DimSpec:
     ``function`` names the elementwise function it evaluates once per output element (``flops``
     of them) where ``autopar calibrate`` times that function
     (:data:`~autopar.rules.elementwise.TIMED_FUNCTIONS`): a calibrated rate then prices it.
+    ``attention`` marks a fused attention kernel, ``(scores, causal length)`` (query-key pairs; the
+    sequence's length under the implicit causal mask, else 0), which the cluster's calibrated
+    attention rates price where it has them (:class:`~autopar.planning.cluster.AttentionRates`).
     """
 
     operands: tuple[Labels | None, ...]
@@ -91,6 +94,7 @@ class DimSpec:
     indexed: tuple[tuple[str, int], ...] = ()
     parts: tuple[tuple[str, int], ...] = ()
     function: str | None = None
+    attention: tuple[float, int] | None = None
 
     def stridable(self, label: str) -> bool:
         """Whether ``label`` may split as a strided shard (not a looked-up or counted one)."""

@@ -29,6 +29,8 @@ def sdpa(call: OpCall) -> DimSpec:
         whole.add("L")
     scores = math.prod(q[:-1]) * k[-2]
     flops = 2 * scores * (q[-1] + v[-1])
+    # the kernels skip the key blocks after a query block only under the implicit causal mask
+    causal = q[-2] if call.arg("is_causal", False) and q[-2] == k[-2] else 0
     # an exp per score in forward, and again in backward (flash attention recomputes them)
     return DimSpec(
         tuple(operands),
@@ -36,4 +38,5 @@ def sdpa(call: OpCall) -> DimSpec:
         whole=frozenset(whole),
         flops=flops,
         transcendentals=(scores, scores),
+        attention=(scores, causal),
     )

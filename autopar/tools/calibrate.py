@@ -28,6 +28,8 @@ from autopar.planning.cost import ONE_HOST, Cluster, LinkSpec, ring_terms, this_
 from autopar.tools.launch import init_restartable_process_group, spawn
 from autopar.tools.rank_speed import (
     MEASURED_DTYPES,
+    attention_rates,
+    attention_times,
     function_rates,
     matmul_flops,
     median_seconds,
@@ -183,6 +185,7 @@ def _measure_world(per_node: int, threads: int) -> dict[str, Any] | None:
     measurements: dict[str, Callable[[], Any]] = {
         "peak_flops": lambda: {dtype_name(dtype): matmul_flops(dtype) for dtype in MEASURED_DTYPES},
         "transcendentals_per_s": transcendentals,
+        "attention": attention_times,
         "function_rates": function_rates,
         "op_overhead_s": op_overhead,
         "recompute_unit_s": recompute_overhead,
@@ -232,6 +235,11 @@ def _slowest(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "memory_bandwidth_Bps": min(r["memory_bandwidth_Bps"] for r in per_rank),
         "transcendentals_per_s": min(r["transcendentals_per_s"] for r in per_rank),
         "function_rates": {f: min(r["function_rates"][f] for r in per_rank) for f in first["function_rates"]},
+        # each call's slowest rank, fitted at the slowest rank's product rate
+        "attention": attention_rates(
+            tuple(max(r["attention"][i] for r in per_rank) for i in range(3)),
+            min(r["peak_flops"]["float32"] for r in per_rank),
+        ),
         "op_overhead_s": max(r["op_overhead_s"] for r in per_rank),
         "recompute_unit_s": max(r["recompute_unit_s"] for r in per_rank),
         "checkpoint_unit_s": max(r["checkpoint_unit_s"] for r in per_rank),
@@ -344,6 +352,7 @@ def _cluster(
         threads_per_rank=measured["threads_per_rank"],
         transcendentals_per_s=measured["transcendentals_per_s"],
         function_rates=measured["function_rates"],
+        attention=measured["attention"],
         **links,
     )
     return cluster, notes
@@ -452,7 +461,7 @@ def _report(cluster: Cluster, measured: dict[str, Any], notes: list[str], path: 
         "per unit of a recompute region (an op or a tensor it saves; "
         f"{(cluster.checkpoint_unit_s or 0) * 1e6:.0f} us without collectives), "
         f"{(cluster.optimizer_tensor_s or 0) * 1e6:.0f} us per tensor of the "
-        "optimizer step; "
+        f"optimizer step; {cluster.attention.describe() if cluster.attention else 'attention not timed'}; "
         f"a collective waits {cluster.straggler_base_s * 1e3:.1f} ms for stragglers, "
         f"and {cluster.straggler_s * 1e3:.1f} ms more after 1 s of compute"
     ]

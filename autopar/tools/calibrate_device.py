@@ -78,11 +78,12 @@ def device_cluster(device: str, base: Cluster) -> Cluster:
     bandwidth = rank_speed.memory_bandwidth(device)
     accelerated = place.type != "cpu"
     memory = torch.cuda.get_device_properties(place).total_memory if accelerated else base.memory_bytes
+    peaks = {dtype_name(d): rank_speed.matmul_flops(d, device) for d in rank_speed.MEASURED_DTYPES}
     return dataclasses.replace(
         base,
         name="calibrated",
         measured_on=this_machine(),
-        peak_flops={dtype_name(d): rank_speed.matmul_flops(d, device) for d in rank_speed.MEASURED_DTYPES},
+        peak_flops=peaks,
         memory_bandwidth_Bps=bandwidth,
         memory_bytes=memory,
         op_overhead_s=rank_speed.op_overhead(device),
@@ -95,6 +96,7 @@ def device_cluster(device: str, base: Cluster) -> Cluster:
         optimizer_tensor_s=rank_speed.optimizer_tensor(bandwidth, device),
         transcendentals_per_s=rank_speed.transcendentals(device),
         function_rates=rank_speed.function_rates(device),
+        attention=rank_speed.attention_rates(rank_speed.attention_times(device), peaks["float32"], device),
     )
 
 
@@ -113,5 +115,6 @@ def device_report(cluster: Cluster, device: str) -> list[str]:
         f"{cluster.memory_bytes / 2**30:.1f} GiB; {cluster.op_overhead_s * 1e6:.1f} us per op "
         f"({'queued ahead of the compute' if cluster.asynchronous else 'synchronous'}), "
         f"{(cluster.recompute_unit_s or 0) * 1e6:.0f} us per unit of a recompute region (an op or a "
-        f"tensor it saves; {(cluster.checkpoint_unit_s or 0) * 1e6:.0f} us without collectives){host}"
+        f"tensor it saves; {(cluster.checkpoint_unit_s or 0) * 1e6:.0f} us without collectives){host}; "
+        f"{cluster.attention.describe() if cluster.attention else 'attention not timed'}"
     ]

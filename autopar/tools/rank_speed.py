@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.ir.options import FULL
 from autopar.passes.apply_recompute import Recomputed
+from autopar.planning.cluster import AttentionRates
 from autopar.planning.step_overheads import FP32_BYTES, update_passes
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 
@@ -40,6 +41,9 @@ _FUNCTION_NUMEL = {"cpu": 1 << 18, "cuda": 1 << 24}
 # calls per timed call: 11 single calls (4 to 20 ms in all) read rates up to 3x apart from one
 # calibration to the next on ranks sharing cores, whose scheduler slices are some 4 ms
 _FUNCTION_CALLS = 8
+# (batch, heads, sequence) of the attention timed, at head dims 64 and 128 (products a head's width
+# apart, the same scores): 1 x 2 x 1024 takes 10-30 ms a call on one CPU thread
+_ATTENTION = {"cpu": (1, 2, 1024), "cuda": (4, 16, 2048)}
 _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _BLOCK_LAYERS = 4  # layers of the small transformer block timed for a recompute region's unit
 _STEPPED = 64  # parameter tensors of the optimizer step timed per tensor
@@ -129,6 +133,41 @@ def transcendentals(device: str = "cpu") -> float:
     return _values_per_second(lambda: torch.exp(x, out=out), numel, _EXP_CALLS, device)
 
 
+def attention_times(device: str = "cpu") -> tuple[float, float, float]:
+    """Median seconds of ``scaled_dot_product_attention``'s forward and backward (fp32, the
+    shape :data:`_ATTENTION` names for the device) at head dim 64, at 128, and at 64 under the
+    causal mask, the three called in turns on every rank at once (see :func:`_in_turns`):
+    :func:`attention_rates` fits them."""
+    batch, heads, length = _ATTENTION[torch.device(device).type]
+
+    def call(head_dim: int, causal: bool) -> Callable[[], None]:
+        shape = (batch, heads, length, head_dim)
+        q, k, v = (torch.randn(shape, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.ones(shape, device=device)
+        return lambda: torch.autograd.backward(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), grad
+        )
+
+    narrow, wide, causal = _in_turns([call(64, False), call(128, False), call(64, True)], 7, device)
+    return narrow, wide, causal
+
+
+def attention_rates(times: tuple[float, float, float], peak: float, device: str = "cpu") -> AttentionRates:
+    """The :class:`~autopar.planning.cluster.AttentionRates` of :func:`attention_times`, against the
+    product rate ``peak``: the two head dims' difference is a head's products (``flop_scale``),
+    the rest of the narrow call is per score (``score_s``), and the causal call's share of it
+    gives the key block the kernel skips by (``causal_block``)."""
+    narrow, wide, causal = times
+    batch, heads, length = _ATTENTION[torch.device(device).type]
+    scores = batch * heads * length * length
+    counted = 3 * 2 * scores * 2 * 64  # the rule's forward products at head dim 64, and backward's
+    # noise can only make the wider call look cheaper per product: then all of it is products
+    per_flop = max(wide - narrow, 0.0) / counted or narrow / counted
+    score_s = max(narrow - per_flop * counted, 0.0) / scores
+    block = length * min(1.0, max(0.0, 2 * causal / narrow - 1))
+    return AttentionRates(flop_scale=per_flop * peak, score_s=score_s, causal_block=block)
+
+
 def _values_per_second(call: Callable[[], object], values: int, calls: int, device: str) -> float:
     """Values per second of ``call`` (``values`` each), timed ``calls`` at a time on every rank at
     once (:func:`together_seconds`)."""
@@ -211,23 +250,31 @@ def recompute_overhead(device: str = "cpu", selective: bool = True) -> float:
 
 
 def _paired_extra(base: Callable[[], None], more: Callable[[], None], calls: int, device: str) -> float:
-    """Seconds ``more`` takes beyond ``base``: the two called in turns ``calls`` times each, on every
-    rank at once (between barriers), the difference of their medians per call. Timed in turns, a
-    slow stretch of the host (a scheduler tick, a collection of the many small objects a
-    checkpoint's hooks make, ranks outnumbering cores) weighs on both alike: timed apart, windows of
-    each read the difference below zero on 8 threads sharing 2 cores."""
-    base(), more()
+    """Seconds ``more`` takes beyond ``base``: the difference of their medians per call, the two
+    called in turns (:func:`_in_turns`)."""
+    plain, extra = _in_turns([base, more], calls, device)
+    return extra - plain
+
+
+def _in_turns(fns: list[Callable[[], None]], calls: int, device: str) -> list[float]:
+    """The median seconds per call of each of ``fns``, called in turns ``calls`` times each, on every
+    rank at once (between barriers). Timed in turns, a slow stretch of the host (a scheduler tick,
+    a collection of the many small objects a checkpoint's hooks make, ranks outnumbering cores)
+    weighs on all alike: timed apart, windows of two read their difference below zero on 8
+    threads sharing 2 cores."""
+    for fn in fns:
+        fn()
     synchronize(device)
     dist.barrier()
-    times: tuple[list[float], list[float]] = ([], [])
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(calls):
-        for fn, timed in ((base, times[0]), (more, times[1])):
+        for fn, timed in zip(fns, times):
             start = time.perf_counter()
             fn()
             synchronize(device)
             timed.append(time.perf_counter() - start)
     dist.barrier()
-    return statistics.median(times[1]) - statistics.median(times[0])
+    return [statistics.median(t) for t in times]
 
 
 def _block_program(device: str) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:

@@ -412,7 +412,8 @@ def test_attention_is_priced_as_its_fused_kernel_runs_where_calibrated():
 def test_views_and_dropouts_that_drop_nothing_move_no_bytes():
     """An op handing back its operand's memory reshaped (transpose, view, a reshape that needs no
     copy) or a dropout of p 0 costs no compute; a reshape that must copy, a slice (its backward
-    writes the operand's size) and a dropout that drops keep their bytes."""
+    writes the operand's size), a dropout that drops and an in-place op (made functional, its
+    fake value still shares the storage it wrote) keep their bytes."""
     import autopar
 
     class Views(torch.nn.Module):
@@ -422,6 +423,8 @@ def test_views_and_dropouts_that_drop_nothing_move_no_bytes():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = torch.nn.functional.dropout(self.fc(x), self.p, self.training)  # 4 x 8 x 16
+            h = h * 1.0
+            h.mul_(2.0)
             t = h.view(4, 8, 2, 8).transpose(1, 2)  # views
             copied = t.reshape(4, 2 * 8 * 8)  # not contiguous: a copy
             return (copied[:, :64] + h.reshape(4, 128)[:, 64:]).sum()
@@ -432,5 +435,6 @@ def test_views_and_dropouts_that_drop_nothing_move_no_bytes():
         seconds = [(n.op.split(".")[1], n.compute_s) for n in plan.nodes if n.op.startswith("aten.")]
         costly = {op for op, s in seconds if s > 0}
         assert {"view", "transpose"}.isdisjoint(costly) and {"slice", "linear", "add"} <= costly
+        assert [s > 0 for op, s in seconds if op == "mul"] == [True, True]  # the product, the in-place one
         assert [s > 0 for op, s in seconds if op == "reshape"] == [True, False]  # the copy, the view
         assert ("dropout" in costly) == dropout_moves

@@ -27,6 +27,7 @@ from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 from autopar.tools.calibrate import _straggle, fit_ring, threads_per_rank
 from autopar.tools.cli import main
 from autopar.tools.launch import free_port
+from autopar.tools.rank_speed import _ATTENTION, attention_rates
 from examples import gpt
 
 _LINK = {"latency_s": 1e-4, "bandwidth_Bps": 1e9}
@@ -246,6 +247,24 @@ def test_stragglers_are_fitted_to_a_wait_per_collective_and_the_square_root_of_t
     assert _straggle([rank(0.003, 0.01, slow_b2b=0.05)]) == pytest.approx((0.003, 0.01))
     # one round the host stalled in: the median over the rounds leaves it out
     assert _straggle([rank(0.003, 0.01, stalled=0.05)]) == pytest.approx((0.003, 0.01))
+
+
+def test_attention_rates_are_fitted_within_what_a_kernel_can_do():
+    """Times made by the model give back its rates; a difference of head dims faster than the
+    product rate is read at that rate (the rest per score), a narrow call faster than its own
+    products at that rate all as products; a causal call at half the full one skips by 0 keys."""
+    batch, heads, length = _ATTENTION["cpu"]
+    scores = batch * heads * length * length
+    counted, peak = 3 * 2 * scores * 2 * 64, 1e11
+    narrow = 1.25 * counted / peak + 2e-9 * scores
+    fitted = attention_rates((narrow, narrow + 1.25 * counted / peak, 0.75 * narrow), peak)
+    assert fitted.flop_scale == pytest.approx(1.25) and fitted.score_s == pytest.approx(2e-9)
+    assert fitted.causal_block == pytest.approx(length / 2)
+    fast_products = attention_rates((narrow, narrow + 0.3 * counted / peak, 0.5 * narrow), peak)
+    assert fast_products.flop_scale == pytest.approx(1.0) and fast_products.causal_block == 0
+    assert fast_products.score_s == pytest.approx((narrow - counted / peak) / scores)
+    all_products = attention_rates((0.5 * counted / peak, counted / peak, counted / peak), peak)
+    assert all_products.flop_scale == pytest.approx(0.5) and all_products.score_s == 0
 
 
 def _check_attention(cluster: Cluster) -> None:

@@ -161,9 +161,10 @@ def attention_rates(times: tuple[float, float, float], peak: float, device: str 
     batch, heads, length = _ATTENTION[torch.device(device).type]
     scores = batch * heads * length * length
     counted = 3 * 2 * scores * 2 * 64  # the rule's forward products at head dim 64, and backward's
-    # noise can only make the wider call look cheaper per product: then all of it is products
-    per_flop = max(wide - narrow, 0.0) / counted or narrow / counted
-    score_s = max(narrow - per_flop * counted, 0.0) / scores
+    # a head's products run no faster than a large product, nor take longer than the whole call:
+    # on ranks outnumbering their cores the calls' difference once read 3x that rate
+    per_flop = min(max((wide - narrow) / counted, 1 / peak), narrow / counted)
+    score_s = max(narrow - per_flop * counted, 0.0) / scores  # 0 but for rounding at the upper bound
     block = length * min(1.0, max(0.0, 2 * causal / narrow - 1))
     return AttentionRates(flop_scale=per_flop * peak, score_s=score_s, causal_block=block)
 

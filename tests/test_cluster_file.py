@@ -367,10 +367,14 @@ def test_calibrate_times_one_device_with_a_presets_links(tmp_path: Path, capsys)
     assert 0 < cluster.checkpoint_unit_s < cluster.recompute_unit_s
     assert "attention at" in out and "causal blocks of" in out
     _check_attention(cluster)
-    # attention of other shapes than the one timed, as the plan prices it and as it runs: here
-    # 1.0-1.13x (before attention was timed, 1.47x the plain one: its products at the product rate)
-    assert 0.75 < _attention_ratio(cluster, (1, 4, 1024, 64), False) < 1.3
-    assert 0.75 < _attention_ratio(cluster, (2, 4, 768, 64), True) < 1.3
+    # attention as the plan prices it and as it runs: the shape timed (1.0-1.1x here, 1.5-1.65x by
+    # the roofline before attention was timed; within the suite the host has read it 1.36x), and
+    # others against it, which a slower host moves alike: more heads, and a causal sequence twice
+    # as long, of whose pairs the CPU kernel computes 0.625 (the roofline, all: 0.63 of the shape's)
+    timed = _attention_ratio(cluster, (1, 2, 1024, 64), False)
+    assert 0.6 < timed < 1.7
+    assert 0.8 < _attention_ratio(cluster, (1, 4, 1024, 64), False) / timed < 1.25
+    assert 0.8 < _attention_ratio(cluster, (1, 2, 2048, 64), True) / timed < 1.25
     model, args = gpt.build()
     assert autopar.plan(model, args, {"dp": 2}, cluster=str(path)).cluster["name"] == "calibrated"
 

@@ -61,6 +61,23 @@ def viewed_operand(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def computes_nothing(node: torch.fx.Node) -> bool:
+    """Whether an op hands back its operand's own memory whole, forward and backward, so that its
+    only cost is its dispatch: a dropout that returns its input, or a view (:func:`viewed_operand`)
+    of as many elements whose schema says its result aliases the operand (a transpose, a reshape
+    that needs no copy, a squeeze). A view of fewer or more elements (a slice, an expand) is free
+    forward but not backward; an in-place op made functional keeps a fake value sharing the
+    storage it wrote, but computes (its schema declares no alias)."""
+    viewed = viewed_operand(node)
+    if viewed is None or str(node.target) == "aten.dropout.default":
+        return viewed is not None
+    schema = getattr(node.target, "_schema", None)
+    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+    out = node.meta["val"]
+    whole = isinstance(out, torch.Tensor) and out.numel() == viewed.meta["val"].numel()
+    return alias is not None and not alias.is_write and whole
+
+
 def storage_of(node: torch.fx.Node, index: int) -> tuple[StorageWeakRef, int]:
     """The storage of output ``index`` of ``node`` (shared by its views) and its global bytes."""
     value = tensor_value(node, index)

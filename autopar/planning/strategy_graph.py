@@ -42,6 +42,7 @@ from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
 from autopar.ir.plan import ChoiceKind
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.planning.cost import CostModel
+from autopar.planning.storages import computes_nothing
 from autopar.planning.tying import tie_blocks
 from autopar.rules import (
     DimSpec,
@@ -449,7 +450,7 @@ class _Builder:
         dtype = out_vals[0].dtype if out_vals else torch.float32
         itemsize = out_vals[0].element_size() if out_vals else 4
         moved = itemsize * sum(math.prod(s) for s in (*call.shapes, *call.out_shapes))
-        grad, free = self.requires_grad.get(node, False), call.returns_its_operand()
+        grad, free = self.requires_grad.get(node, False), computes_nothing(node)
         whole = (
             0.0
             if free

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.ir.meta import output_values, per_node, storage_ref
+from autopar.ir.meta import output_values, per_node
 
 
 @dataclass(frozen=True)
@@ -36,30 +36,6 @@ class OpCall:
                     return self.node.kwargs[name]
                 return a.default_value if a.has_default_value() else default
         return default
-
-    def returns_its_operand(self) -> bool:
-        """Whether the op hands back its first operand's own memory, forward and backward, and
-        computes nothing (its only cost is its dispatch): a view of as many elements (a transpose,
-        a reshape that needs no copy, a squeeze: its schema says its result may alias the operand,
-        and its fake value shares the operand's storage, as the real one does), or a dropout that
-        drops nothing (p 0, or not training: ATen returns the input itself, though the fake value
-        is a copy). A view of fewer or more elements (a slice, an expand) is free forward but not
-        backward. (An in-place op made functional keeps its fake value, which shares the storage
-        it wrote; its schema declares no alias.)"""
-        outs = output_values(self.node)
-        if not self.operands or len(outs) != 1:
-            return False
-        source = self.operands[0].meta["val"]
-        if self.node.target in _DROPOUTS:
-            return self.arg("p") == 0 or self.arg("train") is False
-        schema = getattr(self.node.target, "_schema", None)
-        alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
-        view = alias is not None and not alias.is_write
-        same_memory = view and storage_ref(outs[0]) == storage_ref(source)
-        return same_memory and outs[0].numel() == source.numel()
-
-
-_DROPOUTS = (torch.ops.aten.dropout.default,)
 
 
 @per_node

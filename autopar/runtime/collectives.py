@@ -186,7 +186,10 @@ def _all_gather_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None
     if ctx.grad == "reduce_scatter":
         return reduce_scatter(g, ctx.dim, ctx.axis, ctx.parts, ctx.size), None, None, None, None, None
     # aten's narrow, not autopar::shard: its own backward (zero padding) is the exact adjoint.
-    return _chunk(g, ctx.dim, ctx.axis, ctx.parts, ctx.size), None, None, None, None, None
+    # Copied out: a view would keep the whole gradient alive as long as the piece, and a parameter
+    # stored split (ZeRO-3) would hold it as its .grad.
+    piece = _chunk(g, ctx.dim, ctx.axis, ctx.parts, ctx.size).clone(memory_format=torch.contiguous_format)
+    return piece, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- reduce_scatter

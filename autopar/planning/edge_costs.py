@@ -76,9 +76,12 @@ def table_entries(g: StrategyGraph) -> int:
     return sum(sizes.values())
 
 
-def edge_table(g: StrategyGraph, e: Edge, price: Callable[[Strategy, Strategy | None], float]) -> np.ndarray:
+def edge_table(
+    g: StrategyGraph, e: Edge, price: Callable[[Strategy, Strategy | None], float | tuple[float, ...]]
+) -> np.ndarray:
     """``price`` of edge ``e`` per pair of its producer's and consumer's strategies: a matrix,
-    or a vector (one entry per strategy) where both nodes share a root."""
+    or a vector (one entry per strategy) where both nodes share a root; where ``price`` returns
+    a tuple, its items along a last axis."""
     cs, cd = g.choices[e.src], g.choices[e.dst]
     if _shares_root(cs, cd):
         return np.array([price(a, b) for a, b in zip(cs.strategies, cd.strategies)])

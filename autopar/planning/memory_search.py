@@ -21,8 +21,8 @@ from autopar.ir.plan import Plan, SolverReport
 from autopar.planning.assemble import PlanSetting, alternatives, assemble_plan
 from autopar.planning.edge_costs import CostTables
 from autopar.planning.memory import MemoryChoice
-from autopar.planning.memory_tables import MemoryTerms
-from autopar.planning.solver import SolverClock, SolverStats, StrategyILP
+from autopar.planning.memory_tables import MemoryTerms, summed_pairs
+from autopar.planning.solver import SolverClock, SolverStats, SolverTimeout, StrategyILP
 from autopar.planning.stage_split import PipelineFitError
 from autopar.planning.strategy_graph import StrategyGraph
 
@@ -31,6 +31,14 @@ class _Solved(NamedTuple):
     plan: Plan
     stats: SolverStats
     assignment: dict[str, int]
+
+
+class _Unfit(NamedTuple):
+    """A solve no split into pipeline stages fits the budget with: the least a rank holds under
+    the split holding least (``peak``)."""
+
+    assignment: dict[str, int]
+    peak: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +56,12 @@ class Search:
     tried: list[tuple[Plan, MemoryChoice]] = field(default_factory=list)  # plans that did not fit
     # solves whose split into pipeline stages did not fit, assembled without a budget if needed
     unassembled: list[tuple[MemoryChoice, dict[str, int], SolverReport]] = field(default_factory=list)
-    unlimited: dict[tuple, _Solved | None] = field(default_factory=dict)  # solves without a limit, per choice
+    # solves without a limit, per choice
+    unlimited: dict[tuple, _Solved | _Unfit | None] = field(default_factory=dict)
     # the last solve's strategy per root: the next solve's hint (see StrategyILP._hint)
     last: dict[str, int] = field(default_factory=dict)
+    # choices a solve of which under a limit found no plan in its share of the time
+    timed_out: list[MemoryChoice] = field(default_factory=list)
 
 
 # CP-SAT works in integer units: objectives and bounds agree to about this fraction
@@ -76,13 +87,14 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         return first.plan, False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
-    # under a pipeline the ILP bounds no memory (a stage's share is known once assembled): when
-    # neither the fastest plan of the choice holding least (the most ZeRO and recompute) nor its
-    # plan of least estimated memory fits, no other choice is searched
-    unbounded = search.setting.pipeline is not None
-    if unbounded and not _last_fits(search, choices[-1]):
+    # under a pipeline the ILP's estimate is the share of a rank with stages about equal, which a
+    # split balancing memory can beat: no choice is skipped by it, but when the plan of least
+    # estimated memory of the choice holding least (the most ZeRO and recompute) does not fit,
+    # none is searched
+    pipelined = search.setting.pipeline is not None
+    if pipelined and _least_of(search, choices[-1]).peak_memory_bytes > search.setting.budget:
         return None, True
-    left = [c for c in choices if unbounded or search.terms.least_bytes(c) <= search.setting.budget]
+    left = [c for c in choices if pipelined or search.terms.least_bytes(c) <= search.setting.budget]
     # what the ILP's estimate leaves out of the fastest plan's exact figure (values alive only
     # for a while in the forward): a constrained solve first leaves that much of the budget free
     margin = (
@@ -99,18 +111,45 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         added = search.terms.seconds_at(c, first.assignment)
         return base + search.terms.least_seconds(c), added, search.terms.bytes_at(c, first.assignment)
 
+    ordered = [(order(c)[0], c) for c in sorted(left, key=order)]
+    if pipelined:
+        # each choice's fastest plan first (the estimate is a guess at the stages'), those of the
+        # least estimated memory at the first solve's layouts first: the likeliest to fit, whose
+        # objectives then skip the choices they beat; when none fits, the ILP bounding the estimate
+        solved = search.unlimited[(choices[0].zero, frozenset(choices[0].recompute.items()))]
+        if solved is not None:
+            ordered.sort(key=lambda t: search.terms.bytes_at(t[1], solved.assignment))
+    best = _fastest_fitting(search, ordered, not pipelined, margin)
+    if best is None and pipelined:
+        best = _fastest_fitting(search, ordered, True, 0.0)
+    if best is None:
+        # the plan of least estimated memory (the error's candidate) is a plan too, when it fits:
+        # the solves of faster ones may have run out of time, or their estimates missed a stage's
+        least = _least_of(search, choices[-1])
+        return (least if least.peak_memory_bytes <= search.setting.budget else None), True
+    return best.plan, True
+
+
+def _fastest_fitting(
+    search: Search, ordered: list[tuple[float, MemoryChoice]], constrained: bool, margin: float
+) -> _Solved | None:
+    """The fastest plan that fits of the choices in ``ordered`` (``(bound, choice)``, see
+    :func:`memory_search`), each solved with the budget in the ILP or not (``constrained``),
+    but for those whose bound cannot beat the best objective found."""
     best: _Solved | None = None
-    for i, choice in enumerate(sorted(left, key=order)):
-        if best is not None and order(choice)[0] >= best.stats.objective * (1 - _ROUNDING):
-            break
+    for i, (bound, choice) in enumerate(ordered):
+        if best is not None and bound >= best.stats.objective * (1 - _ROUNDING):
+            continue
+        if search.clock.share() <= 0:
+            break  # time_limit spent: the error names it (no_fit)
         # shares as if every choice were solved: what a skipped one leaves goes to the later ones,
         # and a solve whose plan overflows the budget can be solved again (see _solve_choice)
-        found = _solve_choice(
-            search, choice, constrained=True, ways=len(choices) - i, margin=max(0.0, margin)
-        )
-        if found is not None and (best is None or found.plan.step_time_s < best.plan.step_time_s):
+        found = _solve_choice(search, choice, constrained, ways=len(ordered) - i, margin=max(0.0, margin))
+        if found is None or not _fits(search, found):
+            continue
+        if best is None or found.plan.step_time_s < best.plan.step_time_s:
             best = found
-    return (None if best is None else best.plan), True
+    return best
 
 
 def memory_choices(captured: Captured, memory: Memory) -> list[MemoryChoice]:
@@ -132,7 +171,8 @@ def _ilp(search: Search, choice: MemoryChoice, limit: float | None = None) -> St
     extra = search.terms.of(choice)
     costs = {r: c + extra.seconds[r] for r, c in node_costs.items()}
     seconds = constant + extra.seconds_constant
-    return StrategyILP(costs, pair_costs, seconds, extra.rows(), limit, hint=dict(search.last))
+    pairs = summed_pairs(pair_costs, extra.seconds_pairs)
+    return StrategyILP(costs, pairs, seconds, extra.rows(), limit, hint=dict(search.last))
 
 
 def _solve_choice(
@@ -144,25 +184,21 @@ def _solve_choice(
     ``constrained`` puts the budget less ``margin`` into the ILP (without the margin again
     when that has no solution); each solve takes a ``ways``-th of the solver time left (the
     candidates still to solve share it). Its memory estimate is per node (see
-    :mod:`autopar.planning.memory_tables`); the plan's figure is exact (:mod:`autopar.planning.memory`).
-    Where it exceeds the budget, the ILP is solved again with its limit the plan's estimate
-    less the difference (twice at most, and only while the exact figure keeps falling). Under a pipeline
-    the budget bounds each stage (the ILP does not see microbatches in flight), so the ILP
-    has no limit and each choice is solved once.
-    With no limit, ``constrained`` only says that a plan that does not fit is None.
+    :mod:`autopar.planning.memory_tables`; under a pipeline, the share of the rank holding most);
+    the plan's figure is exact (:mod:`autopar.planning.memory`, the largest stage's under a
+    pipeline, or the least a split into stages reaches where none fits). Where it exceeds the
+    budget, the ILP is solved again with its limit the plan's estimate less the difference (twice
+    at most, and only while the exact figure keeps falling). With no limit, ``constrained`` only
+    says that a plan that does not fit is None.
     """
     budget = search.setting.budget
-    limit = budget - margin if search.setting.pipeline is None and constrained else None
-    if limit is None:
+    if not constrained:
         key = (choice.zero, frozenset(choice.recompute.items()))
         if key not in search.unlimited:
-            if constrained and search.clock.share(ways) <= 0:
-                return None  # time_limit spent: the error names it (no_fit)
             search.unlimited[key] = _solve_within(search, choice, None, ways)
         solved = search.unlimited[key]
-        fits = solved is not None and solved.plan.peak_memory_bytes <= budget
-        return solved if fits or not constrained else None
-    least = math.inf  # the least exact memory of this choice's solves so far
+        return solved if isinstance(solved, _Solved) else None
+    limit, least = budget - margin, math.inf  # least: the least exact memory of this choice's solves so far
     for _ in range(3):
         if search.clock.share(ways) <= 0:
             return None
@@ -172,9 +208,9 @@ def _solve_choice(
             continue
         if solved is None:
             return None
-        peak = solved.plan.peak_memory_bytes
-        if peak <= budget:
+        if isinstance(solved, _Solved) and _fits(search, solved):
             return solved
+        peak = _peak(solved)
         if peak >= least:  # a lower limit did not lower the exact figure: another will not either
             return None
         # lowered from the plan's own estimate, which may sit below the limit: from the limit the
@@ -184,16 +220,32 @@ def _solve_choice(
     return None
 
 
-def _solve_within(search: Search, choice: MemoryChoice, limit: float | None, ways: int) -> _Solved | None:
+def _fits(search: Search, solved: _Solved) -> bool:
+    return solved.plan.peak_memory_bytes <= search.setting.budget
+
+
+def _peak(solved: _Solved | _Unfit) -> float:
+    """The bytes per device of a solve: its plan's, or what its least split into stages holds."""
+    return solved.plan.peak_memory_bytes if isinstance(solved, _Solved) else solved.peak
+
+
+def _solve_within(
+    search: Search, choice: MemoryChoice, limit: float | None, ways: int
+) -> _Solved | _Unfit | None:
     """One solve of ``choice``'s ILP with its bytes at most ``limit``, assembled into a plan;
-    None when the ILP has no solution or no split into pipeline stages fits. A plan that does
-    not fit the budget is recorded for the error, a stage split that did not fit as its solve
-    (assembled by :func:`no_fit` only if nothing fits)."""
+    None when the ILP has no solution, :class:`_Unfit` when no split into pipeline stages fits.
+    A plan that does not fit the budget is recorded for the error, a stage split that did not
+    fit as its solve (assembled by :func:`no_fit` only if nothing fits)."""
     setting = search.setting
     g = setting.graph
     ilp = _ilp(search, choice, limit)
     clock = search.clock
-    solved = ilp.solve(time_limit=clock.share(ways), seed=search.seed, wall_limit=clock.wall_share(ways))
+    try:
+        solved = ilp.solve(time_limit=clock.share(ways), seed=search.seed, wall_limit=clock.wall_share(ways))
+    except SolverTimeout:
+        # its share of the time ran out: a candidate solved before may still fit (no_fit says so otherwise)
+        search.timed_out.append(choice)
+        solved = None
     clock.spend(ilp)
     if solved is None:
         return None
@@ -203,9 +255,9 @@ def _solve_within(search: Search, choice: MemoryChoice, limit: float | None, way
     report = _report(g, stats)
     try:
         result = assemble_plan(setting, choice, assignment, report)
-    except PipelineFitError:
+    except PipelineFitError as error:
         search.unassembled.append((choice, assignment, report))
-        return None
+        return _Unfit(assignment, error.least_bytes)
     result.alternatives = alternatives(g, ilp.node_costs, ilp.pair_costs, assignment)
     if result.peak_memory_bytes > setting.budget:
         search.tried.append((result, choice))
@@ -228,23 +280,27 @@ def _report(g: StrategyGraph, stats: SolverStats | None) -> SolverReport:
     )
 
 
-def _last_fits(search: Search, last: MemoryChoice) -> bool:
-    budget = search.setting.budget
-    fastest = _solve_choice(search, last, constrained=False)
-    if fastest is not None and fastest.plan.peak_memory_bytes <= budget:
-        return True
-    return _least_memory(search, last).peak_memory_bytes <= budget
+def _least_of(search: Search, choice: MemoryChoice) -> Plan:
+    """:func:`_least_memory` of ``choice``, solved once per search."""
+    for plan, tried in search.tried:
+        if tried is choice and plan.solver.status == "MIN_MEMORY":
+            return plan
+    return _least_memory(search, choice)
 
 
 def _least_memory(search: Search, choice: MemoryChoice) -> Plan:
-    """The plan of ``choice`` minimising the ILP's memory estimate (recorded as tried)."""
+    """The plan of ``choice`` minimising the ILP's memory estimate (recorded as tried), split into
+    pipeline stages within the budget where a split fits."""
     ilp = _ilp(search, choice)
     clock = search.clock
     limits = {"time_limit": clock.share(), "wall_limit": clock.wall_share()}
     assignment, _ = ilp.minimum_memory(seed=search.seed, **limits)
     clock.spend(ilp)
     report = _report(search.setting.graph, None)
-    plan = assemble_plan(replace(search.setting, budget=None), choice, assignment, report)
+    try:
+        plan = assemble_plan(search.setting, choice, assignment, report)
+    except PipelineFitError:
+        plan = assemble_plan(replace(search.setting, budget=None), choice, assignment, report)
     search.tried.append((plan, choice))
     return plan
 
@@ -257,11 +313,10 @@ def no_fit(search: Search, choices: list[MemoryChoice]) -> MemoryFitError:
     them is reported, under a pipeline with the parts of the stage holding the most.
     """
     mesh, budget = search.setting.mesh, search.setting.budget
-    spent = search.clock.share() <= 0
+    spent = search.clock.share() <= 0 or bool(search.timed_out)
     unbounded = replace(search.setting, budget=None)
     search.tried.extend((assemble_plan(unbounded, c, a, r), c) for c, a, r in search.unassembled)
-    if not any(choice is choices[-1] and p.solver.status == "MIN_MEMORY" for p, choice in search.tried):
-        _least_memory(search, choices[-1])
+    _least_of(search, choices[-1])
     least, choice = min(search.tried, key=lambda t: t[0].peak_memory_bytes)
     where = ""
     if least.pipeline is not None:

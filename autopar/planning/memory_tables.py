@@ -18,21 +18,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate
 
-from autopar.ir.layout import local_fraction
+from autopar.ir.layout import Layout, grad_layout, local_fraction
+from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import is_selective_save
-from autopar.ir.options import FULL, SELECTIVE, Memory
+from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
 from autopar.ir.plan import ChoiceKind, CollectiveKind
 from autopar.planning.cost import Collective
 from autopar.planning.edge_costs import edge_layouts, edge_table, fold_edge, table_key
-from autopar.planning.held_state import state_bytes, zero_split
+from autopar.planning.held_state import state_bytes, state_names, zero_split
 from autopar.planning.memory import MemoryChoice, largest_operand, local_bytes
 from autopar.planning.recompute import Region, module_regions
 from autopar.planning.saved_tensors import SavedSpec, saved_by
 from autopar.planning.solver import MemoryRows, reduce_pairs
 from autopar.planning.step_overheads import RecomputeWork, recompute_seconds
-from autopar.planning.storages import source_of, storage_of
+from autopar.planning.storages import computes_nothing, source_of, storage_of
 from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
 from autopar.rules import OpCall, Strategy, shape_of
 
@@ -41,11 +42,13 @@ from autopar.rules import OpCall, Strategy, shape_of
 class MemoryTables:
     """Per root, a vector over its strategies of seconds (``seconds``) and bytes (``nbytes``);
     per pair of roots joined by edges, a matrix of bytes (``pairs``: redistributed operands
-    kept); what no root decides in ``seconds_constant`` and ``bytes_constant``."""
+    kept, ZeRO's split state) and of seconds (``seconds_pairs``: ZeRO's collectives); what no
+    root decides in ``seconds_constant`` and ``bytes_constant``."""
 
     seconds: dict[str, np.ndarray]
     nbytes: dict[str, np.ndarray]
     pairs: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)  # bytes per pair of roots
+    seconds_pairs: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     seconds_constant: float = 0.0
     bytes_constant: float = 0.0
 
@@ -71,12 +74,15 @@ class MemoryTables:
 class MemoryTerms:
     """The terms of every memory choice of one strategy graph, built once per part: the state
     terms per ZeRO stage and the activation terms per set of recomputed modules (candidates
-    share them), summed per choice by :meth:`of`."""
+    share them), summed per choice by :meth:`of`, the bytes weighted by ``shares``: what one
+    device holds of the model's state and of one microbatch's activations
+    (:func:`stage_shares`)."""
 
-    def __init__(self, g: StrategyGraph, memory: Memory) -> None:
-        self.g, self.memory = g, memory
+    def __init__(self, g: StrategyGraph, memory: Memory, shares: tuple[float, float] = (1.0, 1.0)) -> None:
+        self.g, self.memory, self.shares = g, memory, shares
         self._state: dict[int, MemoryTables] = {}
         self._activations: dict[frozenset, MemoryTables] = {}
+        self._of: dict[tuple, MemoryTables] = {}
 
     def _empty(self) -> MemoryTables:
         return MemoryTables(
@@ -86,6 +92,12 @@ class MemoryTerms:
 
     def of(self, choice: MemoryChoice) -> MemoryTables:
         """The seconds ``choice`` adds and the bytes per device it holds (see the module docstring)."""
+        key = (choice.zero, frozenset(choice.recompute.items()))
+        if key not in self._of:
+            self._of[key] = self._sum(choice)
+        return self._of[key]
+
+    def _sum(self, choice: MemoryChoice) -> MemoryTables:
         if choice.zero not in self._state:
             self._state[choice.zero] = self._empty()
             _state_terms(self.g, choice, self.memory, self._state[choice.zero])
@@ -94,12 +106,16 @@ class MemoryTerms:
             self._activations[key] = self._empty()
             _activation_terms(self.g, choice, self._activations[key])
         state, acts = self._state[choice.zero], self._activations[key]
+        held, kept = self.shares  # of the state, of one microbatch's activations
         return MemoryTables(
             seconds={r: state.seconds[r] + acts.seconds[r] for r in state.seconds},
-            nbytes={r: state.nbytes[r] + acts.nbytes[r] for r in state.nbytes},
-            pairs=acts.pairs,  # ZeRO's state has none
+            nbytes={r: held * state.nbytes[r] + kept * acts.nbytes[r] for r in state.nbytes},
+            pairs=summed_pairs(
+                {k: held * m for k, m in state.pairs.items()}, {k: kept * m for k, m in acts.pairs.items()}
+            ),
+            seconds_pairs=summed_pairs(state.seconds_pairs, acts.seconds_pairs),
             seconds_constant=state.seconds_constant + acts.seconds_constant,
-            bytes_constant=state.bytes_constant + acts.bytes_constant,
+            bytes_constant=held * state.bytes_constant + kept * acts.bytes_constant,
         )
 
     def least_bytes(self, choice: MemoryChoice) -> float:
@@ -116,50 +132,119 @@ class MemoryTerms:
     def seconds_at(self, choice: MemoryChoice, assignment: Mapping[str, int]) -> float:
         """The seconds ``choice`` adds to the strategies ``assignment`` picks per root."""
         t = self.of(choice)
-        return t.seconds_constant + sum(float(v[assignment[r]]) for r, v in t.seconds.items())
+        return MemoryRows(t.seconds, t.seconds_pairs, t.seconds_constant).at(assignment)
 
     def least_seconds(self, choice: MemoryChoice) -> float:
-        """The fewest seconds ``choice`` can add: each root at its cheapest."""
+        """The fewest seconds ``choice`` can add: each root at its cheapest, once the pairs' row
+        and column minima are moved into the roots."""
         t = self.of(choice)
-        return t.seconds_constant + sum(float(v.min()) for v in t.seconds.values() if v.size)
+        per_root, _ = reduce_pairs(t.seconds, t.seconds_pairs)
+        return t.seconds_constant + sum(float(v.min()) for v in per_root.values() if v.size)
 
     def most_seconds(self, choice: MemoryChoice) -> float:
-        """The most seconds ``choice`` can add: each root at its dearest."""
+        """The most seconds ``choice`` can add: each root and pair at its dearest."""
         t = self.of(choice)
-        return t.seconds_constant + sum(float(v.max()) for v in t.seconds.values() if v.size)
+        roots = sum(float(v.max()) for v in t.seconds.values() if v.size)
+        return t.seconds_constant + roots + sum(float(m.max()) for m in t.seconds_pairs.values())
+
+
+def stage_shares(pipeline: Pipeline | None, mesh: MeshSpec) -> tuple[float, float]:
+    """What the rank of a pipeline holding most holds of the whole model's state and of one
+    microbatch's activations, with its stages about equal: ``1/p`` of the state and, of the
+    activations, as many stages' shares as it holds microbatch-stages in flight
+    (:meth:`~autopar.ir.options.Pipeline.in_flight`; ``p`` for 1F1B's first rank). Without a
+    pipeline, all of both."""
+    if pipeline is None:
+        return 1.0, 1.0
+    p = pipeline.size(mesh)
+    flight = max(pipeline.in_flight(p, rank) for rank in range(p))
+    return 1.0 / p, flight / pipeline.stages(mesh)
+
+
+def summed_pairs(
+    a: Mapping[tuple[str, str], np.ndarray], b: Mapping[tuple[str, str], np.ndarray]
+) -> dict[tuple[str, str], np.ndarray]:
+    """The pair matrices of ``a`` and ``b``, added where both have a pair."""
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
 
 
 def _state_terms(g: StrategyGraph, choice: MemoryChoice, memory: Memory, tables: MemoryTables) -> None:
-    """Each parameter's and buffer's state under each of its layouts, and the seconds ZeRO adds."""
-    mesh = g.mesh
+    """Each parameter's and buffer's state under each of its layouts, and the seconds ZeRO adds.
+
+    ZeRO splits a parameter over an axis its gradient is summed over, which its consumers'
+    strategies decide: under ZeRO a parameter's state is priced on the edge to its first
+    consumer, per pair of its layout and that consumer's strategy, with the axes that edge sums
+    over (:func:`_summed_axes`). Where that consumer only views the parameter (a transpose), the
+    sum happens further off: every axis the parameter is replicated on counts as summed."""
     state = {**g.captured.params, **g.captured.buffers}
+    first: dict[torch.fx.Node, Edge] = {}
+    for e in g.edges:
+        first.setdefault(e.src, e)
+    cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
     for node, c in g.choices.items():
         if node.name not in state:
             continue
         grad = node.name in g.captured.params and bool(g.requires_grad.get(node))
-        itemsize = node.meta["val"].element_size()
-        held, extra = [], []
-        for s in c.strategies:
-            layout = s.outputs[0]
-            local = local_bytes(node, layout, mesh)
-            axes = [a for a, p in enumerate(layout) if isinstance(p, Replicate)] if grad else []
-            split = (
-                zero_split(shape_of(node), layout, axes, mesh, itemsize, memory.zero_threshold)
-                if choice.zero
-                else None
-            )
-            n = mesh.axis_sizes[split[0]] if split else 1
-            b = state_bytes(local, itemsize, n, choice.zero, memory, grad)
-            held.append(b.param + b.grad + b.optimizer)
-            extra.append(_zero_seconds(g, choice.zero, split, local))
-        tables.add_bytes(c, np.array(held))
-        tables.add_seconds(c, np.array(extra))
+        e = first.get(node) if grad and choice.zero else None
+        if e is None or computes_nothing(e.dst):
+            priced = [_state_price(g, node, choice.zero, memory, s.outputs[0], grad) for s in c.strategies]
+            tables.add_bytes(c, np.array([b for b, _ in priced]))
+            tables.add_seconds(c, np.array([t for _, t in priced]))
+            continue
+        key = table_key(g, e)
+        if key not in cache:
+            both = edge_table(g, e, lambda a, b, e=e: _edge_price(g, e, a, b, choice.zero, memory))
+            cache[key] = both[..., 0], both[..., 1]
+        nbytes, seconds = cache[key]
+        tables.bytes_constant += fold_edge(g, e, nbytes, tables.nbytes, tables.pairs)
+        tables.seconds_constant += fold_edge(g, e, seconds, tables.seconds, tables.seconds_pairs)
+
+
+def _edge_price(
+    g: StrategyGraph, e: Edge, src: Strategy, dst: Strategy | None, zero: int, memory: Memory
+) -> tuple[float, float]:
+    """Bytes and ZeRO's seconds of the parameter ``e.src`` stored as ``src`` when its first
+    consumer ``e.dst`` runs ``dst``: split over the first axis the edge sums its gradient over
+    (``have[a] == need[a]``, the consumer's gradient Partial on ``a``, the parameter's Replicate)."""
+    have, need, grad = edge_layouts(e, src, dst)
+    stored = grad_layout(have)
+    summed = [
+        a
+        for a, (h, n) in enumerate(zip(have, need))
+        if grad is not None and h == n and isinstance(grad[a], Partial) and isinstance(stored[a], Replicate)
+    ]
+    return _state_price(g, e.src, zero, memory, have, True, summed)
+
+
+def _state_price(
+    g: StrategyGraph,
+    node: torch.fx.Node,
+    zero: int,
+    memory: Memory,
+    layout: Layout,
+    grad: bool,
+    summed: list[int] | None = None,
+) -> tuple[float, float]:
+    """Bytes per rank of parameter or buffer ``node`` stored as ``layout`` (``grad``: it has a
+    gradient), and the seconds ZeRO adds, split over the first of ``summed`` axes ZeRO can take
+    (by default every axis it is replicated on)."""
+    mesh = g.mesh
+    local = local_bytes(node, layout, mesh)
+    itemsize = node.meta["val"].element_size()
+    if summed is None:
+        summed = [a for a, p in enumerate(layout) if isinstance(p, Replicate)] if grad else []
+    threshold = memory.zero_threshold
+    split = zero_split(shape_of(node), layout, summed, mesh, itemsize, threshold) if zero else None
+    n = mesh.axis_sizes[split[0]] if split else 1
+    b = state_bytes(local, itemsize, n, zero, memory, grad)
+    return b.param + b.grad + b.optimizer, _zero_seconds(g, node, zero, split, local)
 
 
 def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTables) -> None:
     """Each op's saved values under each of its strategies (its operands' per edge, see
     :func:`_operand_bytes`), and the seconds recompute adds."""
     regions = module_regions(g.captured.graph, choice.recompute)
+    _regather_terms(g, regions, tables)
     first = next((name for name, _ in regions.values()), None)
     claimed: set[object] = set()  # storages already counted in their producer's layout
     into: dict[torch.fx.Node, list[Edge]] = {}
@@ -196,6 +281,28 @@ def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTabl
                 # forward again: a third of forward + backward, and the checkpoint's work for it
                 again = recompute_seconds(g.cost.cluster, RecomputeWork(1 + spec.packed))
                 tables.add_seconds(c, c.compute / 3.0 + again)
+
+
+def _regather_terms(g: StrategyGraph, regions: Mapping[torch.fx.Node, Region], tables: MemoryTables) -> None:
+    """The seconds of what a recompute region redistributes again in backward: a parameter or
+    buffer it reads in another layout than the one stored is gathered again, as the plan
+    prices it (its values come from outside, kept; only the parameters are not)."""
+    state = state_names(g)
+    cache: dict[tuple, np.ndarray] = {}
+    for e in g.edges:
+        if e.src.name not in state or e.dst not in regions:
+            continue
+        key = table_key(g, e)
+        if key not in cache:
+            cache[key] = edge_table(g, e, lambda a, b, e=e: _redistributed(g, e, a, b))
+        tables.seconds_constant += fold_edge(g, e, cache[key], tables.seconds, tables.seconds_pairs)
+
+
+def _redistributed(g: StrategyGraph, e: Edge, src: Strategy, dst: Strategy | None) -> float:
+    """Seconds of edge ``e``'s forward redistribution (a parameter's: one tensor)."""
+    have, need, _ = edge_layouts(e, src, dst)
+    val = e.src.meta["val"]
+    return g.cost.redistribute(have, need, tuple(int(n) for n in val.shape), val.element_size())[1]
 
 
 def _operand_weights(
@@ -263,15 +370,26 @@ def _saved_items(
     return items
 
 
-def _zero_seconds(g: StrategyGraph, zero: int, split: tuple[int, int] | None, local: float) -> float:
-    """Seconds ZeRO adds for one parameter: an all-gather of its shard (ZeRO-1 after the step,
-    ZeRO-3 again in backward); ZeRO-2 trades the all-reduce for a reduce-scatter and an all-gather
-    of as many bytes. The gathers after the step run one per shard, each paying its latency."""
+def _zero_seconds(
+    g: StrategyGraph, node: torch.fx.Node, zero: int, split: tuple[int, int] | None, local: float
+) -> float:
+    """Seconds ZeRO adds for one parameter of ``local`` bytes per rank, over what its bucketed
+    gradient sum costs (its wire, in the base costs): ZeRO-1 all-gathers the updated shard after
+    the step; ZeRO-2 trades the all-reduce for a reduce-scatter and an all-gather of as many bytes,
+    adding the gather's latency. ZeRO-3's consumers gather the stored shard in forward and again in
+    backward, and its gradient is reduce-scattered as it arises, not in a bucket: every pass pays
+    the three collectives' latencies (each microbatch's, under a pipeline), and one gradient sum's
+    wire per step is no longer paid. Each gather runs one per shard, paying its latency."""
     if split is None or zero == 0:
         return 0.0
     axis = g.mesh.axis_names[split[0]]
-    shard = int(local / g.mesh.axis_sizes[split[0]])
-    gather = Collective(CollectiveKind.ALL_GATHER, (axis,), shard)
+    n = g.mesh.axis_sizes[split[0]]
+    gather = Collective(CollectiveKind.ALL_GATHER, (axis,), int(local / n))
     wire = g.cost.collective_time(gather, latency=False)
     latency = g.cost.collective_time(gather) - wire
-    return g.grad_sum_weight * {1: wire + latency, 2: latency, 3: wire}[zero]
+    if zero == 3:
+        grad = int(local * g.grad_sum_itemsize(node) / node.meta["val"].element_size())
+        scatter = g.cost.collective_time(Collective(CollectiveKind.REDUCE_SCATTER, (axis,), grad))
+        summed = g.cost.collective_time(Collective(CollectiveKind.ALL_REDUCE, (axis,), grad), latency=False)
+        return 2 * (wire + latency) + scatter - g.grad_sum_weight * summed
+    return g.grad_sum_weight * {1: wire + latency, 2: latency}[zero]

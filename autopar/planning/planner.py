@@ -36,7 +36,7 @@ from autopar.planning.cost import Cluster, CostModel, get_cluster
 from autopar.planning.edge_costs import cost_tables
 from autopar.planning.forked import default_workers
 from autopar.planning.memory_search import Search, memory_choices, memory_search, no_fit
-from autopar.planning.memory_tables import MemoryTerms
+from autopar.planning.memory_tables import MemoryTerms, stage_shares
 from autopar.planning.mesh_search import search_meshes
 from autopar.planning.pipeline import microbatch
 from autopar.planning.solver import SolverClock
@@ -249,7 +249,7 @@ def plan_captured(
             budget=memory_budget if memory_budget is not None else cluster.memory_bytes,
         ),
         tables=cost_tables(g),
-        terms=MemoryTerms(g, memory),
+        terms=MemoryTerms(g, memory, stage_shares(pipeline, mesh)),
         clock=SolverClock.starting(time_limit, deterministic),
         seed=seed,
     )

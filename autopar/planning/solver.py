@@ -81,6 +81,10 @@ KIB = 1024.0
 Edges = dict[tuple[str, str, int, int], cp_model.IntVar]  # edge variables by (root u, root v, i, j)
 
 
+class SolverTimeout(PlanError):
+    """The time limit ended a solve under a memory budget before it found any plan."""
+
+
 class MemoryRows(NamedTuple):
     """The memory constraint's bytes: per root and strategy, per pair of roots and strategies, fixed."""
 
@@ -309,7 +313,7 @@ class StrategyILP:
         elif status == cp_model.UNKNOWN and self.budget is None:
             assignment = hinted  # the time limit hit before any solution: the hint is one (see _hint)
         else:
-            raise PlanError(
+            raise SolverTimeout(
                 f"the solver found no plan within {time_limit:.3g} s of solver time "
                 f"({solver.StatusName(status)}{', under the memory budget' if self.budget else ''}); "
                 f"raise time_limit"

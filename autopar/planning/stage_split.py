@@ -7,14 +7,20 @@ measures the units and plans the schedule around the split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from autopar.ir.errors import PlanError
 from autopar.ir.options import Pipeline
 
 
 class PipelineFitError(PlanError):
-    """No split of the model into pipeline stages fits the memory per device."""
+    """No split of the model into pipeline stages fits the memory per device; ``least_bytes``
+    is the least a rank holds under the split holding least."""
+
+    def __init__(self, message: str, least_bytes: float) -> None:
+        super().__init__(message)
+        self.least_bytes = least_bytes
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,15 @@ def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float)
         smallest = min(
             table.memory(i, j, s) for s in range(stages) for i in range(n) for j in range(i + 1, n + 1)
         )
+        # with every stage as fast, the split of least total time is the one of least peak
+        zeros = [0.0] * n
+        unlimited = _StageTable(replace(costs, seconds=zeros, cut_seconds=zeros), pipeline, p, math.inf)
+        _, least, _ = _split_within(unlimited, stages, math.inf)
         raise PipelineFitError(
             f"no split of the model into {stages} pipeline stages fits in {memory_bytes / 2**30:.2f} GiB "
             f"per device (the smallest stage needs {smallest / 2**30:.2f} GiB); use more devices, "
-            f"fewer microbatches in flight (schedule '1f1b') or a larger cluster memory"
+            f"fewer microbatches in flight (schedule '1f1b') or a larger cluster memory",
+            least * pipeline.virtual_stages,
         )
     out, start = [], 0
     for s, stop in enumerate(best[2]):

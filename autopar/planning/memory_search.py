@@ -80,7 +80,10 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     the best objective found is skipped, as is one whose fewest bytes exceed the budget
     (the constrained ILP would have no solution). Choices are solved by their bound; at equal bounds
     the one adding the fewest seconds to the first solve's layouts first, then the one they fill
-    least; of plans equally fast the one solved first wins.
+    least; of plans equally fast the one solved first wins. Under a pipeline (whose estimate is
+    a guess at the stages', see :func:`~autopar.planning.memory_tables.stage_shares`) each
+    choice's fastest plan is tried first, least estimated memory first, then the ILP bounding the
+    estimate. When nothing faster is found, the plan of least estimated memory is the plan if it fits.
     """
     first = _solve_choice(search, choices[0], constrained=False)
     if first is not None and first.plan.peak_memory_bytes <= search.setting.budget:

@@ -1,14 +1,18 @@
 """The memory search's terms of the ILP: per root and strategy, the seconds and bytes a memory choice adds.
 
-Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers again in
-backward (ZeRO-2's reduce-scatter and all-gather cost what the all-reduce does, but for the
-gathers' latency, paid per shard); recomputed ops run their forward again, with the checkpoint's
-work for each (:func:`~autopar.planning.step_overheads.recompute_seconds`). Bytes: each parameter's state
-(:func:`~autopar.planning.held_state.state_bytes`, split over the axes it is replicated on),
-and each op's saved values in the layouts of its strategy, each value counted at its
-first saver; inside a recompute region only what the region keeps, plus the first
-region's own values (the one being recomputed). A plan's figure is exact
-(:mod:`autopar.planning.memory`); this is the linear estimate the ILP constrains.
+Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers in forward and
+again in backward and reduce-scatters as the gradient arises (ZeRO-2's reduce-scatter and
+all-gather cost what the all-reduce does, but for the gather's latency, paid per shard);
+recomputed ops run their forward again, with the checkpoint's work for each
+(:func:`~autopar.planning.step_overheads.recompute_seconds`), and gather again the parameters
+they read in another layout. Bytes: each parameter's state
+(:func:`~autopar.planning.held_state.state_bytes`, split by ZeRO over an axis its first
+consumer sums its gradient over: per pair of strategies, as are ZeRO's seconds), and each op's
+saved values in the layouts of its strategy, each value counted at its first saver; inside a
+recompute region only what the region keeps, plus the first region's own values (the one being
+recomputed). Under a pipeline the bytes are weighted by the share of the rank holding most
+(:func:`stage_shares`). A plan's figure is exact (:mod:`autopar.planning.memory`); this is the
+linear estimate the ILP constrains.
 """
 
 from __future__ import annotations

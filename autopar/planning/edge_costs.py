@@ -40,11 +40,16 @@ def edge_layouts(edge: Edge, src: Strategy, dst: Strategy | None) -> tuple[Layou
     return have, dst.operands[edge.slot], dst.grads[edge.slot]
 
 
-def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None) -> float:
-    """Seconds of one edge when its producer runs ``src`` and its consumer ``dst``."""
+def edge_value(edge: Edge) -> tuple[tuple[int, ...], int]:
+    """The shape and bytes per element of the tensor ``edge`` carries."""
     val = edge.src.meta["val"]
     val = val[edge.index] if isinstance(val, (tuple, list)) else val
-    shape, itemsize = tuple(int(s) for s in val.shape), val.element_size()
+    return tuple(int(s) for s in val.shape), val.element_size()
+
+
+def edge_cost(g: StrategyGraph, edge: Edge, src: Strategy, dst: Strategy | None) -> float:
+    """Seconds of one edge when its producer runs ``src`` and its consumer ``dst``."""
+    shape, itemsize = edge_value(edge)
     have, need, grad = edge_layouts(edge, src, dst)
     _, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
     flows = g.requires_grad.get(edge.src, False) and grad is not None

@@ -69,6 +69,18 @@ def _parameter_only(graph: torch.fx.Graph, params: set[str]) -> list[torch.fx.No
     return list(only)
 
 
+def sums_over(have: Layout, need: Layout, grad: Layout | None, axis: int) -> bool:
+    """Whether an edge from a value stored as ``have`` into a consumer needing ``need`` and handing
+    back a gradient laid out ``grad`` sums that gradient over mesh axis ``axis``: the value keeps
+    its layout there, is replicated there, and its consumer's gradient is a partial sum there."""
+    return (
+        grad is not None
+        and have[axis] == need[axis]
+        and isinstance(grad[axis], Partial)
+        and isinstance(grad_layout(have)[axis], Replicate)
+    )
+
+
 def deferred_sums(
     laid: LaidOutGraph, params: set[str]
 ) -> tuple[dict[Edge, set[int]], dict[torch.fx.Node, set[int]]]:
@@ -94,12 +106,7 @@ def deferred_sums(
         )
 
         def sums_here(have: Layout, need: Layout, grad: Layout | None, a: int = a) -> bool:
-            return (
-                grad is not None
-                and have[a] == need[a]
-                and isinstance(grad[a], Partial)
-                and isinstance(grad_layout(have)[a], Replicate)
-            )
+            return sums_over(have, need, grad, a)
 
         def passes_on(
             e: Edge, have: Layout, need: Layout, grad: Layout | None, a: int = a, region: dict = region

@@ -57,6 +57,11 @@ class MemoryChoice:
     zero: int
     recompute: Mapping[str, str]
 
+    @property
+    def key(self) -> tuple[int, frozenset]:
+        """The choice as a hashable key (its recompute mapping is not hashable)."""
+        return self.zero, frozenset(self.recompute.items())
+
 
 # --- activations ---------------------------------------------------------------------
 

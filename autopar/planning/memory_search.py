@@ -86,7 +86,7 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     estimate. When nothing faster is found, the plan of least estimated memory is the plan if it fits.
     """
     first = _solve_choice(search, choices[0], constrained=False)
-    if first is not None and first.plan.peak_memory_bytes <= search.setting.budget:
+    if first is not None and _fits(search, first):
         return first.plan, False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
@@ -119,7 +119,7 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         # each choice's fastest plan first (the estimate is a guess at the stages'), those of the
         # least estimated memory at the first solve's layouts first: the likeliest to fit, whose
         # objectives then skip the choices they beat; when none fits, the ILP bounding the estimate
-        solved = search.unlimited[(choices[0].zero, frozenset(choices[0].recompute.items()))]
+        solved = search.unlimited[choices[0].key]
         if solved is not None:
             ordered.sort(key=lambda t: search.terms.bytes_at(t[1], solved.assignment))
     best = _fastest_fitting(search, ordered, not pipelined, margin)
@@ -196,7 +196,7 @@ def _solve_choice(
     """
     budget = search.setting.budget
     if not constrained:
-        key = (choice.zero, frozenset(choice.recompute.items()))
+        key = choice.key
         if key not in search.unlimited:
             search.unlimited[key] = _solve_within(search, choice, None, ways)
         solved = search.unlimited[key]

@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Replicate
 
-from autopar.ir.layout import Layout, grad_layout, local_fraction
+from autopar.ir.layout import Layout, local_fraction
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import is_selective_save
 from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
 from autopar.ir.plan import ChoiceKind, CollectiveKind
 from autopar.planning.cost import Collective
-from autopar.planning.edge_costs import edge_layouts, edge_table, fold_edge, table_key
+from autopar.planning.edge_costs import edge_layouts, edge_table, edge_value, fold_edge, table_key
+from autopar.planning.gradient_sums import sums_over
 from autopar.planning.held_state import state_bytes, state_names, zero_split
 from autopar.planning.memory import MemoryChoice, largest_operand, local_bytes
 from autopar.planning.recompute import Region, module_regions
@@ -96,7 +97,7 @@ class MemoryTerms:
 
     def of(self, choice: MemoryChoice) -> MemoryTables:
         """The seconds ``choice`` adds and the bytes per device it holds (see the module docstring)."""
-        key = (choice.zero, frozenset(choice.recompute.items()))
+        key = choice.key
         if key not in self._of:
             self._of[key] = self._sum(choice)
         return self._of[key]
@@ -178,7 +179,7 @@ def _state_terms(g: StrategyGraph, choice: MemoryChoice, memory: Memory, tables:
     ZeRO splits a parameter over an axis its gradient is summed over, which its consumers'
     strategies decide: under ZeRO a parameter's state is priced on the edge to its first
     consumer, per pair of its layout and that consumer's strategy, with the axes that edge sums
-    over (:func:`_summed_axes`). Where that consumer only views the parameter (a transpose), the
+    over (:func:`_edge_price`). Where that consumer only views the parameter (a transpose), the
     sum happens further off: every axis the parameter is replicated on counts as summed."""
     state = {**g.captured.params, **g.captured.buffers}
     first: dict[torch.fx.Node, Edge] = {}
@@ -209,14 +210,9 @@ def _edge_price(
 ) -> tuple[float, float]:
     """Bytes and ZeRO's seconds of the parameter ``e.src`` stored as ``src`` when its first
     consumer ``e.dst`` runs ``dst``: split over the first axis the edge sums its gradient over
-    (``have[a] == need[a]``, the consumer's gradient Partial on ``a``, the parameter's Replicate)."""
+    (:func:`~autopar.planning.gradient_sums.sums_over`)."""
     have, need, grad = edge_layouts(e, src, dst)
-    stored = grad_layout(have)
-    summed = [
-        a
-        for a, (h, n) in enumerate(zip(have, need))
-        if grad is not None and h == n and isinstance(grad[a], Partial) and isinstance(stored[a], Replicate)
-    ]
+    summed = [a for a in range(len(have)) if sums_over(have, need, grad, a)]
     return _state_price(g, e.src, zero, memory, have, True, summed)
 
 
@@ -303,10 +299,9 @@ def _regather_terms(g: StrategyGraph, regions: Mapping[torch.fx.Node, Region], t
 
 
 def _redistributed(g: StrategyGraph, e: Edge, src: Strategy, dst: Strategy | None) -> float:
-    """Seconds of edge ``e``'s forward redistribution (a parameter's: one tensor)."""
+    """Seconds of edge ``e``'s forward redistribution."""
     have, need, _ = edge_layouts(e, src, dst)
-    val = e.src.meta["val"]
-    return g.cost.redistribute(have, need, tuple(int(n) for n in val.shape), val.element_size())[1]
+    return g.cost.redistribute(have, need, *edge_value(e))[1]
 
 
 def _operand_weights(

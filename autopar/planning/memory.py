@@ -28,10 +28,11 @@ from ``node.meta``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +43,7 @@ from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
 from autopar.ir.options import SELECTIVE
 from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.recompute import Region
+from autopar.planning.recompute_peak import KeptOnDevice, RegionLog, recompute_peak
 from autopar.planning.saved_tensors import SavedSpec, saved_by, saved_locally
 from autopar.planning.storages import source_of, storage_of, tensor_value, viewed_operand
 from autopar.rules import OpCall
@@ -254,15 +256,21 @@ def largest_operand(call: OpCall) -> int | None:
     return max(range(len(call.operands)), key=lambda i: math.prod(call.shapes[i]), default=None)
 
 
-def _forward_peak(laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mapping[tuple, int]) -> float:
+def _forward_peak(
+    laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mapping[tuple, int], copies: EdgeCopies
+) -> float:
     """The most bytes alive during the forward: every value an op allocates lives from its op
     to its last use (to the end when kept), a collective's output for its one consumer, and
-    what is kept otherwise (an op's statistics) from the op that keeps it."""
+    what is kept otherwise (an op's statistics) from the op that keeps it. Before an op runs, its
+    operands are redistributed one after the other, each through its chain of collectives
+    (``copies``: a ``grad_all_reduce``'s copy, then a slice of it): each step holds its input and
+    its output, beside the operands already redistributed (see :func:`_chain_peak`)."""
     layouts = laid.layouts
     nodes = list(laid.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
     delta = [0.0] * (end + 2)
+    spikes = [0.0] * (end + 2)  # the most a chain adds before its op, above what was alive before it
     covered: set[tuple] = set()
 
     def alive(first: int, last: int, nbytes: float) -> None:
@@ -273,18 +281,37 @@ def _forward_peak(laid: LaidOutGraph, kept: Mapping[tuple, float], owner: Mappin
         if node.op != "call_function" or node not in layouts or node.target is operator.getitem:
             continue
         call = OpCall.of(node)
+        ready = 0.0  # this op's operands redistributed so far
         for slot, (src, need) in enumerate(zip(call.operands, layouts[node].operands)):
-            if need is not None and src in layouts and need != layouts[src].output:
-                item = held_value(laid, src, need, (node.name, slot))
-                covered.add(item.key)
-                alive(at, end if item.key in kept else at, item.nbytes)
+            edge = (node.name, slot)
+            moved = need is not None and src in layouts and need != layouts[src].output
+            chain = copy_values(laid, src, copies.get(edge, ()), edge) if need is not None else []
+            chain += [held_value(laid, src, need, edge)] if moved else []
+            for k, item in enumerate(chain):
+                if item.key in kept or k == len(chain) - 1:  # the op reads the last
+                    covered.add(item.key)
+                    alive(at, end if item.key in kept else at, item.nbytes)
+            spikes[at] = max(spikes[at], _chain_peak(chain, kept, ready))
+            ready += chain[-1].nbytes if chain else 0.0
         for j, key, nbytes in _outputs(laid, node):
             covered.add(key)
             alive(at, end if key in kept else _last_use(laid, node, j, position), nbytes)
     for key, nbytes in kept.items():
         if key not in covered:
             alive(owner[key], end, nbytes)
-    return _max_prefix(delta)
+    levels = list(itertools.accumulate(delta, initial=0.0))  # levels[i]: alive before position i
+    return max(_max_prefix(delta), max(level + spike for level, spike in zip(levels, spikes)))
+
+
+def _chain_peak(chain: list[Saved], kept: Mapping[tuple, float], ready: float) -> float:
+    """The most alive while a chain of collectives runs, above what was alive before its op: at
+    each step its input and output, the chain's kept outputs before them, and ``ready`` (operands
+    redistributed before it)."""
+    peak = 0.0
+    for k in range(len(chain) - 1):
+        held = sum(c.nbytes for c in chain[:k] if c.key in kept)
+        peak = max(peak, ready + held + chain[k].nbytes + chain[k + 1].nbytes)
+    return peak
 
 
 def _last_use(
@@ -327,64 +354,6 @@ def _max_prefix(delta: list[float]) -> float:
     return peak
 
 
-@dataclass
-class _RegionLog:
-    """What one recompute region keeps and recomputes, by program position (see :func:`activation_memory`)."""
-
-    last: int = 0  # its last op
-    last_saver: int = -1  # its last op saving a tensor for backward: the recomputation stops there
-    # whether that op's output is made before the stop (SavedSpec.output_before_last_pack)
-    last_saver_made: bool = False
-    saved: dict[tuple, tuple[float, int]] = field(default_factory=dict)  # key -> (bytes, first saver)
-    cached: dict[tuple, int] = field(default_factory=dict)  # outputs its policy keeps -> position
-    # what its ops allocate: key -> (bytes, position, last use); recomputed, what no op saves lives
-    # from its op to its last use, as the region's code drops it
-    made: dict[tuple, tuple[float, int, int]] = field(default_factory=dict)
-
-
-def _alive_at(
-    last: int, device: Mapping[tuple, float], owner: Mapping[tuple, int], caller: set[tuple]
-) -> dict[tuple, float]:
-    """What is alive when backward reaches the region ending at position ``last``: what is kept
-    up to it (the ops after it kept the rest, and their backward has freed it), and what the
-    caller holds (the program's returned values, made after the region or not)."""
-    return {k: v for k, v in device.items() if owner[k] <= last or k in caller}
-
-
-def _recompute_peak(log: _RegionLog, alive: Mapping[tuple, float], dead: set[tuple]) -> float:
-    """The most alive while backward recomputes a region, from what is ``alive`` when it starts
-    (what is kept up to its last op, and what the caller holds): each recomputed value it saves
-    and that is not alive adds its bytes at its first saver (a value the ops after the region
-    kept was freed by their backward: the region makes it again), one it does not
-    save lives from its op to its last use or the recomputation's end (torch stops it in its last
-    saving op, whose own output is made only where autograd packs after the op ran, its outputs
-    or statistics, rather than operands before it: the example GPT's sequence-parallel full
-    recompute, whose last saver packs operands, measured 903 KB against 969 KB when its output
-    was counted, and a BERT layer ending in a layer norm 2 KB above the prediction when it was
-    not); a kept output
-    that nothing saves for backward (in ``dead``) is freed once the recomputation has used it."""
-    adds: dict[int, float] = {}
-    frees: dict[int, float] = {}
-    for key, (nbytes, at) in log.saved.items():
-        if key not in alive:
-            adds[at] = adds.get(at, 0.0) + nbytes
-    for key, (nbytes, at, end) in log.made.items():
-        made_before_stop = at < log.last_saver or (at == log.last_saver and log.last_saver_made)
-        if key not in alive and key not in log.saved and made_before_stop:
-            adds[at] = adds.get(at, 0.0) + nbytes
-            last = min(end, log.last_saver)
-            frees[last] = frees.get(last, 0.0) + nbytes
-    for key, at in log.cached.items():
-        if key in dead and key in alive and at <= log.last_saver:
-            frees[at] = frees.get(at, 0.0) + alive[key]
-    peak = running = sum(alive.values())
-    for at in sorted(adds.keys() | frees.keys()):
-        running += adds.get(at, 0.0)
-        peak = max(peak, running)
-        running -= frees.get(at, 0.0)
-    return peak
-
-
 def returned_values(laid: LaidOutGraph) -> list[Saved]:
     """The tensors the program returns, which the caller holds through backward (logits beside
     a loss), each in its producer's layout; a graph input returned as it is allocates nothing."""
@@ -424,7 +393,7 @@ def activation_memory(
     layouts = laid.layouts
     kept: dict[tuple, float] = {}
     owner: dict[tuple, int] = {}  # key -> position of the first op keeping it
-    logs: dict[str, _RegionLog] = {}
+    logs: dict[str, RegionLog] = {}
     by_regions: set[tuple] = set()
     held: set[tuple] = set()  # what a saving op or a region's checkpoint holds into backward
 
@@ -449,7 +418,7 @@ def activation_memory(
                 keep(at, item, False)
             continue
         name, policy = region
-        log = logs.setdefault(name, _RegionLog())
+        log = logs.setdefault(name, RegionLog())
         log.last = at
         if saved:
             log.last_saver = at
@@ -484,9 +453,9 @@ def activation_memory(
     names = [n.name for n in laid.graph.nodes]
     dead = {k for k in device if k not in held}
     caller = {item.key for item in returned}
-    alive = [_alive_at(log.last, device, owner, caller) for log in logs.values()]
-    recomputing = [_recompute_peak(log, at_start, dead) for log, at_start in zip(logs.values(), alive)]
-    peak = max([_forward_peak(laid, device, owner), *recomputing])
+    alive = KeptOnDevice(device, owner, caller)
+    recomputing = [recompute_peak(log, alive, dead) for log in logs.values()]
+    peak = max([_forward_peak(laid, device, owner, copies or {}), *recomputing])
     by_node: dict[str, float] = {}
     for key, at in owner.items():
         by_node[names[at]] = by_node.get(names[at], 0.0) + kept[key]

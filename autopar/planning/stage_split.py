@@ -108,6 +108,8 @@ class _StageTable:
 
     def __init__(self, costs: UnitCosts, pipeline: Pipeline, p: int, stage_bytes: float) -> None:
         self.n, self.stage_bytes = len(costs.seconds), stage_bytes
+        if min((*costs.seconds, *costs.fixed_bytes, *costs.activation_bytes), default=0.0) < 0:
+            raise ValueError("a unit's seconds and bytes are never negative (past() relies on it)")
         self.prefix_t, self.prefix_f, self.prefix_a = ([0.0] for _ in range(3))
         for t, f, a in zip(costs.seconds, costs.fixed_bytes, costs.activation_bytes):
             self.prefix_t.append(self.prefix_t[-1] + t)
@@ -126,6 +128,11 @@ class _StageTable:
     def memory(self, i: int, j: int, s: int) -> float:
         return self.prefix_f[j] - self.prefix_f[i] + self.flight[s] * (self.prefix_a[j] - self.prefix_a[i])
 
+    def past(self, i: int, j: int, s: int, limit: float) -> bool:
+        """Whether stage ``s`` holding units ``[i, j)``, or any more after them, takes longer than
+        ``limit`` or does not fit: its units' own seconds (cuts aside) and its bytes only grow with ``j``."""
+        return self.prefix_t[j] - self.prefix_t[i] > limit or self.memory(i, j, s) > self.stage_bytes
+
 
 def _split_within(table: _StageTable, stages: int, limit: float) -> tuple[float, float, list[int]] | None:
     """(total seconds, largest stage memory, cut positions) of the split into ``stages`` whose
@@ -138,6 +145,8 @@ def _split_within(table: _StageTable, stages: int, limit: float) -> tuple[float,
         row: dict[int, tuple[float, float, list[int]]] = {}
         for i, (total, peak, cuts) in f.items():
             for j in range(i + 1, n - (stages - s - 1) + 1):
+                if table.past(i, j, s, limit):
+                    break
                 t, mem = table.seconds(i, j), table.memory(i, j, s)
                 if t > limit or mem > table.stage_bytes:
                     continue

@@ -30,11 +30,9 @@ Only the graph's own ops are rewritten: a region exported as a submodule (``torc
 whose in-place op must stay invisible to autograd) keeps its ops. Everything else is left
 as it was: the planner replicates it and lists it.
 
-The rewritten node keeps its name and metadata but for its ``val``, which gets memory of its
-own: the program runs the out-of-place op, which allocates ``y`` while ``x`` is still alive
-(``x`` dies after its last use, this op). The memory model once read the shared memory as one
-buffer, as with the in-place op: Falcon's ``mlp_output += attention_output`` was predicted a
-buffer short at its peak (measured 1.049 of the prediction on dp=4).
+The rewritten node keeps its name and metadata; its ``val`` still shares memory with
+``x``'s, which is how the memory model reads it: ``x`` is dead once ``y`` exists (every
+later use reads ``y``), one buffer as with the in-place op.
 """
 
 from __future__ import annotations
@@ -65,24 +63,12 @@ def functionalize(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         if not _same_result(node, out_of_place):
             continue
         node.target = out_of_place
-        node.meta["val"] = _fresh_value(node.meta["val"])
         for user in [u for u in written.users if order[u] > order[node]]:
             user.replace_input_with(written, node)
         rewritten.append(node)
     if rewritten:
         gm.recompile()
     return rewritten
-
-
-def _fresh_value(val: object) -> object:
-    """A value like ``val`` in memory of its own: what the out-of-place op allocates when the
-    program runs (the in-place op's fake value shares the storage it wrote)."""
-    mode = getattr(val, "fake_mode", None)
-    if not isinstance(val, torch.Tensor) or mode is None:
-        return val
-    with mode:
-        fresh = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-    return fresh.requires_grad_(val.requires_grad)
 
 
 def _out_of_place(target: object) -> torch._ops.OpOverload | None:

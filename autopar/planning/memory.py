@@ -45,7 +45,7 @@ from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.recompute import Region
 from autopar.planning.recompute_peak import KeptOnDevice, RegionLog, recompute_peak
 from autopar.planning.saved_tensors import SavedSpec, saved_by, saved_locally
-from autopar.planning.storages import source_of, storage_of, tensor_value, viewed_operand
+from autopar.planning.storages import allocates_beside, source_of, storage_of, tensor_value, viewed_operand
 from autopar.rules import OpCall
 
 # per edge (consumer, operand slot), the layouts of the copies its collectives make on the way
@@ -264,7 +264,8 @@ def _forward_peak(
     what is kept otherwise (an op's statistics) from the op that keeps it. Before an op runs, its
     operands are redistributed one after the other, each through its chain of collectives
     (``copies``: a ``grad_all_reduce``'s copy, then a slice of it): each step holds its input and
-    its output, beside the operands already redistributed (see :func:`_chain_peak`)."""
+    its output, beside the operands already redistributed (see :func:`_chain_peak`). An in-place
+    op made out-of-place holds its output beside its operand (:func:`allocates_beside`)."""
     layouts = laid.layouts
     nodes = list(laid.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -293,6 +294,10 @@ def _forward_peak(
                     alive(at, end if item.key in kept else at, item.nbytes)
             spikes[at] = max(spikes[at], _chain_peak(chain, kept, ready))
             ready += chain[-1].nbytes if chain else 0.0
+        if allocates_beside(node):  # its output, beside the operand it reads as one buffer
+            v = tensor_value(node, 0)
+            fraction = local_fraction(_out_layout(layouts[node], 0), laid.mesh)
+            spikes[at] = max(spikes[at], ready + v.numel() * v.element_size() * fraction)
         for j, key, nbytes in _outputs(laid, node):
             covered.add(key)
             alive(at, end if key in kept else _last_use(laid, node, j, position), nbytes)

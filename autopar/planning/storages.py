@@ -61,6 +61,18 @@ def viewed_operand(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def allocates_beside(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an in-place op the capture made out-of-place
+    (:mod:`autopar.capture.functionalize`): its fake value shares the storage it wrote, so it reads
+    as a view of its operand (one buffer, its operand's, lives on as its output), but the program
+    runs the out-of-place op, which allocates its output while the operand is alive: one more
+    buffer for the moment of the op. Its schema, unlike a view's, declares no alias."""
+    if viewed_operand(node) is None or str(node.target) == "aten.dropout.default":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is None
+
+
 def computes_nothing(node: torch.fx.Node) -> bool:
     """Whether an op hands back its operand's own memory whole, forward and backward, so that its
     only cost is its dispatch: a dropout that returns its input, or a view (:func:`viewed_operand`)

@@ -253,7 +253,7 @@ def _without_stack_traces() -> Iterator[None]:
     """Export without a Python stack trace on every node: taking and symbolizing one per op is
     a fifth of capturing a Llama-3-8B (about 1 s of 5), and nothing in autopar reads
     ``node.meta["stack_trace"]`` (errors name modules, from ``nn_module_stack``).
-    ``tests/test_capture.py`` fails if torch drops the switch."""
+    ``tests/test_planner.py`` fails if torch drops the switch."""
     before = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:

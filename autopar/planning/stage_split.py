@@ -148,7 +148,7 @@ def _split_within(table: _StageTable, stages: int, limit: float) -> tuple[float,
                 if table.past(i, j, s, limit):
                     break
                 t, mem = table.seconds(i, j), table.memory(i, j, s)
-                if t > limit or mem > table.stage_bytes:
+                if t > limit:  # with the cuts at both ends (past() checked the memory)
                     continue
                 cand = (total + t, max(peak, mem), [*cuts, j])
                 if j not in row or cand[:2] < row[j][:2]:

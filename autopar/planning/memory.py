@@ -271,7 +271,9 @@ def _forward_peak(
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
     delta = [0.0] * (end + 2)
-    spikes = [0.0] * (end + 2)  # the most a chain adds before its op, above what was alive before it
+    # the most alive at each op above what was alive before it, while its operands' chains run or
+    # beside an in-place op's operand; never negative, so the peak is the most alive plus it
+    spikes = [0.0] * (end + 2)
     covered: set[tuple] = set()
 
     def alive(first: int, last: int, nbytes: float) -> None:
@@ -295,17 +297,15 @@ def _forward_peak(
             spikes[at] = max(spikes[at], _chain_peak(chain, kept, ready))
             ready += chain[-1].nbytes if chain else 0.0
         if allocates_beside(node):  # its output, beside the operand it reads as one buffer
-            v = tensor_value(node, 0)
-            fraction = local_fraction(_out_layout(layouts[node], 0), laid.mesh)
-            spikes[at] = max(spikes[at], ready + v.numel() * v.element_size() * fraction)
+            spikes[at] = max(spikes[at], ready + local_bytes(node, _out_layout(layouts[node], 0), laid.mesh))
         for j, key, nbytes in _outputs(laid, node):
             covered.add(key)
             alive(at, end if key in kept else _last_use(laid, node, j, position), nbytes)
     for key, nbytes in kept.items():
         if key not in covered:
             alive(owner[key], end, nbytes)
-    levels = list(itertools.accumulate(delta, initial=0.0))  # levels[i]: alive before position i
-    return max(_max_prefix(delta), max(level + spike for level, spike in zip(levels, spikes)))
+    levels = itertools.accumulate(delta, initial=0.0)  # alive before each position
+    return max(level + spike for level, spike in zip(levels, spikes))
 
 
 def _chain_peak(chain: list[Saved], kept: Mapping[tuple, float], ready: float) -> float:
@@ -349,14 +349,6 @@ def _outputs(laid: LaidOutGraph, node: torch.fx.Node) -> Iterator[tuple[int, tup
         storage, nbytes = storage_of(node, j)
         fraction = local_fraction(_out_layout(laid.layouts[node], j), laid.mesh)
         yield j, (storage, fraction), nbytes * fraction
-
-
-def _max_prefix(delta: list[float]) -> float:
-    peak = running = 0.0
-    for d in delta:
-        running += d
-        peak = max(peak, running)
-    return peak
 
 
 def returned_values(laid: LaidOutGraph) -> list[Saved]:

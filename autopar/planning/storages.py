@@ -70,7 +70,13 @@ def allocates_beside(node: torch.fx.Node) -> bool:
     if viewed_operand(node) is None or str(node.target) == "aten.dropout.default":
         return False
     schema = getattr(node.target, "_schema", None)
-    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is None
+    return schema is not None and bool(schema.returns) and _returned_alias(node) is None
+
+
+def _returned_alias(node: torch.fx.Node) -> object | None:
+    """What the schema of ``node``'s op says its first result aliases (None: nothing, or no schema)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema.returns[0].alias_info if schema is not None and schema.returns else None
 
 
 def computes_nothing(node: torch.fx.Node) -> bool:
@@ -83,8 +89,7 @@ def computes_nothing(node: torch.fx.Node) -> bool:
     viewed = viewed_operand(node)
     if viewed is None or str(node.target) == "aten.dropout.default":
         return viewed is not None
-    schema = getattr(node.target, "_schema", None)
-    alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+    alias = _returned_alias(node)
     out = node.meta["val"]
     whole = isinstance(out, torch.Tensor) and out.numel() == viewed.meta["val"].numel()
     return alias is not None and not alias.is_write and whole

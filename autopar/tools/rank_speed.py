@@ -110,7 +110,9 @@ def _one_product_seconds(n: int, dtype: torch.dtype, device: str) -> float:
 
 
 def memory_bandwidth(device: str = "cpu") -> float:
-    x, y, out = (torch.rand(_MEMORY_NUMEL, device=device) for _ in range(3))
+    # filled, not random: an add's speed does not depend on its values, and drawing 3 x 2^25
+    # random numbers took 0.8 s of each call on one core (calibrate calls it 11 times per rank)
+    x, y, out = (torch.ones(_MEMORY_NUMEL, device=device) for _ in range(3))
     # add reads two buffers and writes one
     return 3 * x.nbytes / together_seconds(lambda: torch.add(x, y, out=out), 11, device)
 

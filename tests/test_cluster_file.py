@@ -321,7 +321,8 @@ def _check_calibrated(path: Path, devices_per_node: int, threads: int) -> None:
     # dispatch and hooks, some 10 plain ops
     assert cluster.recompute_unit_s > cluster.op_overhead_s and not cluster.asynchronous
     # measured (its order against the policy's figure holds on a steady host: the one-device test;
-    # 4 ranks of 2 threads on 2 cores read it above, the paired calls' waits for a core dominating)
+    # 4 ranks of 2 threads on 2 cores read it above, the paired calls' waits for a core dominating,
+    # as ranks outnumbering cores may)
     assert cluster.checkpoint_unit_s > 0
     _check_attention(cluster)
     timed = {*TIMED_FUNCTIONS, *(f"{name}_backward" for name in TIMED_BACKWARD)}
@@ -414,9 +415,10 @@ def test_calibrate_under_torchrun_measures_each_node_level(tmp_path: Path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            # each rank computes on the threads the launch gives it, as the training run would,
-            # not on calibrate's share of the cores (one each for 2 ranks on this 2-core machine)
-            env={**os.environ, "OMP_NUM_THREADS": "2"},
+            # one thread a rank, as torchrun gives several ranks per node by default: 4 ranks of 2
+            # threads on 2 cores took 95 s here, 40 of them in the recompute regions' small ops
+            # (that calibrate keeps the launch's threads: the test after this one)
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for k in (0, 1)
     ]
@@ -425,4 +427,20 @@ def test_calibrate_under_torchrun_measures_each_node_level(tmp_path: Path):
     assert f"cluster written to {path}" in out0 and "not measured" not in out0
     assert "intra_node, groups of 2" in out0 and "inter_node, groups of 2" in out0
     assert out1 == ""  # ranks other than 0 exit quietly
-    _check_calibrated(path, 2, 2)
+    _check_calibrated(path, 2, 1)
+
+
+def test_calibrate_under_torchrun_computes_on_the_launchs_threads(monkeypatch):
+    """Each rank times what it computes on the threads the launch gave it (OMP_NUM_THREADS), as
+    the training run it launches the same way computes, not on calibrate's share of the cores."""
+    from autopar.tools import calibrate
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    measured = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(calibrate, "init_restartable_process_group", lambda backend: None)
+    monkeypatch.setattr(calibrate.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(calibrate, "_measure_world", lambda *given: measured.append(given))
+    calibrate._measured_under_torchrun()
+    assert measured == [(2, 3)] and threads_per_rank(2) != 3

@@ -62,11 +62,9 @@ def _train(name: str, mesh: object, on_first_call: bool, recompute: str | None =
     for block in repeated_blocks(model) if recompute else ():
         autopar.recompute(block, recompute)
     if on_first_call:
-        dmodel = autopar.compile(model, mesh, cluster="fast-links", time_limit=10)
+        dmodel = autopar.compile(model, mesh, cluster="fast-links", time_limit=4)
     else:
-        dmodel = autopar.compile(
-            model, mesh, args, example_kwargs=kwargs, cluster="fast-links", time_limit=10
-        )
+        dmodel = autopar.compile(model, mesh, args, example_kwargs=kwargs, cluster="fast-links", time_limit=4)
     if name in _DIVERGENCE_CHECKED:  # the numerics tool finds no difference where there is none
         assert first_divergence(dmodel, reference, *args, **kwargs) is None, name
     opt, ref_opt = None, torch.optim.SGD(reference.parameters(), lr=0.05)

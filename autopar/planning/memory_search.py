@@ -91,12 +91,8 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
     # under a pipeline the ILP's estimate is the share of a rank with stages about equal, which a
-    # split balancing memory can beat: no choice is skipped by it, but when the plan of least
-    # estimated memory of the choice holding least (the most ZeRO and recompute) does not fit,
-    # none is searched
+    # split balancing memory can beat: no choice is skipped by it
     pipelined = search.setting.pipeline is not None
-    if pipelined and _least_of(search, choices[-1]).peak_memory_bytes > search.setting.budget:
-        return None, True
     left = [c for c in choices if pipelined or search.terms.least_bytes(c) <= search.setting.budget]
     # what the ILP's estimate leaves out of the fastest plan's exact figure (values alive only
     # for a while in the forward): a constrained solve first leaves that much of the budget free
@@ -122,6 +118,8 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         solved = search.unlimited[choices[0].key]
         if solved is not None:
             ordered.sort(key=lambda t: search.terms.bytes_at(t[1], solved.assignment))
+        if _hopeless(search, ordered[0][1], choices[-1]):
+            return None, True
     best = _fastest_fitting(search, ordered, not pipelined, margin)
     if best is None and pipelined:
         best = _fastest_fitting(search, ordered, True, 0.0)
@@ -131,6 +129,17 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         least = _least_of(search, choices[-1])
         return (least if least.peak_memory_bytes <= search.setting.budget else None), True
     return best.plan, True
+
+
+def _hopeless(search: Search, likeliest: MemoryChoice, least: MemoryChoice) -> bool:
+    """Under a pipeline, whether no choice can fit: neither the fastest plan of the choice
+    ``likeliest`` to fit (solved first, kept for the search) nor the plan of least estimated
+    memory of the choice holding ``least`` (the most ZeRO and recompute) fits. The second takes
+    a solve and an assembly of its own (5 s on the 405B shape), spent only where the first fails."""
+    found = _solve_choice(search, likeliest, constrained=False)
+    if found is not None and _fits(search, found):
+        return False
+    return _least_of(search, least).peak_memory_bytes > search.setting.budget
 
 
 def _fastest_fitting(

@@ -118,7 +118,7 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         solved = search.unlimited[choices[0].key]
         if solved is not None:
             ordered.sort(key=lambda t: search.terms.bytes_at(t[1], solved.assignment))
-        if _hopeless(search, ordered[0][1], choices[-1]):
+        if _hopeless(search, ordered[0][1], choices[-1], ways=len(ordered)):
             return None, True
     best = _fastest_fitting(search, ordered, not pipelined, margin)
     if best is None and pipelined:
@@ -131,12 +131,13 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     return best.plan, True
 
 
-def _hopeless(search: Search, likeliest: MemoryChoice, least: MemoryChoice) -> bool:
+def _hopeless(search: Search, likeliest: MemoryChoice, least: MemoryChoice, ways: int) -> bool:
     """Under a pipeline, whether no choice can fit: neither the fastest plan of the choice
-    ``likeliest`` to fit (solved first, kept for the search) nor the plan of least estimated
-    memory of the choice holding ``least`` (the most ZeRO and recompute) fits. The second takes
-    a solve and an assembly of its own (5 s on the 405B shape), spent only where the first fails."""
-    found = _solve_choice(search, likeliest, constrained=False)
+    ``likeliest`` to fit (solved first with a ``ways``-th of the time left, as the search would,
+    and kept for it) nor the plan of least estimated memory of the choice holding ``least`` (the
+    most ZeRO and recompute) fits. The second takes a solve and an assembly of its own (5 s on
+    the 405B shape), spent only where the first fails."""
+    found = _solve_choice(search, likeliest, constrained=False, ways=ways)
     if found is not None and _fits(search, found):
         return False
     return _least_of(search, least).peak_memory_bytes > search.setting.budget

@@ -86,7 +86,7 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     estimate. When nothing faster is found, the plan of least estimated memory is the plan if it fits.
     """
     first = _solve_choice(search, choices[0], constrained=False)
-    if first is not None and _fits(search, first):
+    if first is not None and _fits(search, first.plan):
         return first.plan, False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
@@ -127,7 +127,7 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         # the plan of least estimated memory (the error's candidate) is a plan too, when it fits:
         # the solves of faster ones may have run out of time, or their estimates missed a stage's
         least = _least_of(search, choices[-1])
-        return (least if least.peak_memory_bytes <= search.setting.budget else None), True
+        return (least if _fits(search, least) else None), True
     return best.plan, True
 
 
@@ -138,9 +138,9 @@ def _hopeless(search: Search, likeliest: MemoryChoice, least: MemoryChoice, ways
     most ZeRO and recompute) fits. The second takes a solve and an assembly of its own (5 s on
     the 405B shape), spent only where the first fails."""
     found = _solve_choice(search, likeliest, constrained=False, ways=ways)
-    if found is not None and _fits(search, found):
+    if found is not None and _fits(search, found.plan):
         return False
-    return _least_of(search, least).peak_memory_bytes > search.setting.budget
+    return not _fits(search, _least_of(search, least))
 
 
 def _fastest_fitting(
@@ -158,7 +158,7 @@ def _fastest_fitting(
         # shares as if every choice were solved: what a skipped one leaves goes to the later ones,
         # and a solve whose plan overflows the budget can be solved again (see _solve_choice)
         found = _solve_choice(search, choice, constrained, ways=len(ordered) - i, margin=max(0.0, margin))
-        if found is None or not _fits(search, found):
+        if found is None or not _fits(search, found.plan):
             continue
         if best is None or found.plan.step_time_s < best.plan.step_time_s:
             best = found
@@ -221,7 +221,7 @@ def _solve_choice(
             continue
         if solved is None:
             return None
-        if isinstance(solved, _Solved) and _fits(search, solved):
+        if isinstance(solved, _Solved) and _fits(search, solved.plan):
             return solved
         peak = _peak(solved)
         if peak >= least:  # a lower limit did not lower the exact figure: another will not either
@@ -233,8 +233,9 @@ def _solve_choice(
     return None
 
 
-def _fits(search: Search, solved: _Solved) -> bool:
-    return solved.plan.peak_memory_bytes <= search.setting.budget
+def _fits(search: Search, plan: Plan) -> bool:
+    """Whether ``plan``'s exact bytes per device (its largest stage's under a pipeline) fit the budget."""
+    return plan.peak_memory_bytes <= search.setting.budget
 
 
 def _peak(solved: _Solved | _Unfit) -> float:
@@ -272,7 +273,7 @@ def _solve_within(
         search.unassembled.append((choice, assignment, report))
         return _Unfit(assignment, error.least_bytes)
     result.alternatives = alternatives(g, ilp.node_costs, ilp.pair_costs, assignment)
-    if result.peak_memory_bytes > setting.budget:
+    if not _fits(search, result):
         search.tried.append((result, choice))
     return _Solved(result, stats, assignment)
 

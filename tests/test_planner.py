@@ -441,3 +441,25 @@ def test_capture_records_no_stack_traces_and_restores_the_switch():
         .graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)[0]
         .meta.get("stack_trace")
     )
+
+
+def test_a_cutoff_skips_the_memory_search_of_a_mesh_that_cannot_beat_it():
+    """The automatic mesh tells each candidate the best step found so far: where the first solve's
+    bound is not below it, the memory choices (which only add seconds) are not searched."""
+    model, (idx, _) = gpt.build(device="meta", batch_size=8)
+    mesh = MeshSpec.of({"dp": 2})
+    captured = capture_for(model, (idx,), None, mesh, None)
+    search = {"cluster": "fast-links"}
+    fastest = plan_captured(captured, mesh, **search)
+    budget = 0.9 * fastest.peak_memory_bytes  # the fastest plan does not fit: the choices are searched
+    search["memory_budget"] = budget
+    searched = plan_captured(captured, mesh, **search)
+    assert searched.peak_memory_bytes <= budget < fastest.peak_memory_bytes
+    with pytest.raises(autopar.PlanError, match=r"no plan on mesh dp=2 beats .* ms, a step another plan"):
+        plan_captured(
+            captured, mesh, cluster="fast-links", memory_budget=budget, cutoff_s=fastest.step_time_s / 2
+        )
+    kept = plan_captured(
+        captured, mesh, cluster="fast-links", memory_budget=budget, cutoff_s=2 * searched.step_time_s
+    )
+    assert kept.step_time_s == searched.step_time_s

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from autopar.capture.export import Captured, repeated_blocks
-from autopar.ir.errors import MemoryFitError
+from autopar.ir.errors import MemoryFitError, PlanError
 from autopar.ir.options import FULL, SELECTIVE, Memory
 from autopar.ir.plan import Plan, SolverReport
 from autopar.planning.assemble import PlanSetting, alternatives, assemble_plan
@@ -53,6 +53,8 @@ class Search:
     terms: MemoryTerms
     clock: SolverClock
     seed: int
+    # a step another plan reaches (the automatic mesh's best so far): none slower is wanted
+    cutoff_s: float = math.inf
     tried: list[tuple[Plan, MemoryChoice]] = field(default_factory=list)  # plans that did not fit
     # solves whose split into pipeline stages did not fit, assembled without a budget if needed
     unassembled: list[tuple[MemoryChoice, dict[str, int], SolverReport]] = field(default_factory=list)
@@ -90,6 +92,11 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         return first.plan, False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
+    if base >= search.cutoff_s:  # every choice's objective is at least base
+        raise PlanError(
+            f"no plan on mesh {search.setting.mesh} beats {search.cutoff_s * 1e3:.1f} ms, a step another "
+            f"plan reaches: the least its ILP's objective can be is {base * 1e3:.1f} ms"
+        )
     # under a pipeline the ILP's estimate is the share of a rank with stages about equal, which a
     # split balancing memory can beat: no choice is skipped by it
     pipelined = search.setting.pipeline is not None

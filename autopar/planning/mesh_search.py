@@ -17,8 +17,11 @@ Pruned
     candidates are planned in the order of a lower bound of their step: the whole model's
     compute spread perfectly over every device, times the pipeline's
     ``(m + (pp − 1) / v) / m`` for a pipeline of ``m`` microbatches and ``v`` stages per
-    rank (its bubble). A candidate
+    rank (its bubble); at equal bounds, the least data parallelism first. A candidate
     whose bound is not below the best predicted step found is not planned: it cannot win.
+    One planned after a step was found gets that step as its cutoff: when its first ILP
+    solve's bound is not below it, its memory choices are not searched (the least its
+    objective can be is already slower), and its outcome says so.
 Decided by the ILP
     for each candidate planned, every op's layout on its mesh (which axis splits the batch,
     the sequence, heads or hidden), the ZeRO stage and recompute under the memory budget
@@ -52,7 +55,8 @@ from autopar.planning.forked import ForkedCalls
 from autopar.planning.strategy_graph import build_strategy_graph
 
 Capture = Callable[[MeshSpec, Pipeline | None], Captured]
-PlanCaptured = Callable[[Captured, MeshSpec, Pipeline | None, float], Plan]
+# (capture, mesh, pipeline, time_limit, cutoff: the best step found so far or None) -> plan
+PlanCaptured = Callable[[Captured, MeshSpec, Pipeline | None, float, float | None], Plan]
 
 
 @dataclass(frozen=True)
@@ -175,19 +179,21 @@ def search_meshes(
         )
     candidates = sorted(
         (MeshCandidate(sizes, p, compute / devices * _bubble(sizes, p, cluster)) for sizes, p in meshes),
-        key=lambda c: c.bound_s,
+        # at equal bounds the least data parallelism first: it holds the least state per device,
+        # likeliest to fit without a memory search, and its step then cuts the others' short
+        key=lambda c: (c.bound_s, c.sizes.get("dp", 1)),
     )
     rows: list[dict[str, Any]] = [{"mesh": c.describe(), "bound_s": c.bound_s} for c in candidates]
     captures: dict[int | None, Captured] = {None: whole}
 
-    def planning(c: MeshCandidate) -> Callable[[], Plan]:
+    def planning(c: MeshCandidate, cutoff: float | None) -> Callable[[], Plan]:
         # captured here, in this process, so that every later candidate of the same microbatch
         # shape reuses it; the plan may be made in another
         key = None if c.pipeline is None else c.pipeline.microbatches
         mesh = MeshSpec.of(c.sizes)
         if not reuse or key not in captures:
             captures[key] = capture(mesh, c.pipeline)
-        return functools.partial(plan_captured, captures[key], mesh, c.pipeline, time_limit)
+        return functools.partial(plan_captured, captures[key], mesh, c.pipeline, time_limit, cutoff)
 
     with ForkedCalls(workers) as calls:
         chosen = _plan_in_order(candidates, rows, calls, planning)
@@ -218,11 +224,12 @@ def _plan_in_order(
     candidates: list[MeshCandidate],
     rows: list[dict[str, Any]],
     calls: ForkedCalls,
-    planning: Callable[[MeshCandidate], Callable[[], Plan]],
+    planning: Callable[[MeshCandidate, float | None], Callable[[], Plan]],
 ) -> tuple[Plan, int] | None:
-    """Plan ``candidates`` in their order on ``calls`` (``planning`` gives each one's call), each
-    only while its bound is below the best step found; the fastest plan and its index (of
-    equally fast ones the first), each candidate's outcome written on its row of ``rows``."""
+    """Plan ``candidates`` in their order on ``calls`` (``planning`` gives each one's call, told
+    the best step found so far as its cutoff), each only while its bound is below the best step
+    found; the fastest plan and its index (of equally fast ones the first), each candidate's
+    outcome written on its row of ``rows``."""
     best: tuple[Plan, int] | None = None
     left = list(range(len(candidates)))
     while left or calls.running:
@@ -233,7 +240,7 @@ def _plan_in_order(
                 rows[i]["outcome"] = f"not planned: its bound {bound * 1e3:.1f} ms is not below the best step"
                 continue
             try:
-                calls.submit(i, planning(candidates[i]))
+                calls.submit(i, planning(candidates[i], None if best is None else best[0].step_time_s))
             except (PlanError, AnnotationError) as e:  # its capture: this mesh cannot run the annotations
                 _record(rows[i], e)
         if calls.running:

@@ -14,6 +14,7 @@ compiled.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -100,7 +101,9 @@ def plan(
         return with_update(synchronous, update)
     if isinstance(mesh, int) and not isinstance(mesh, bool):
 
-        def plan_one(captured: Captured, spec: MeshSpec, p: Pipeline | None, limit: float) -> Plan:
+        def plan_one(
+            captured: Captured, spec: MeshSpec, p: Pipeline | None, limit: float, cutoff: float | None
+        ) -> Plan:
             return plan_captured(
                 captured,
                 spec,
@@ -110,6 +113,7 @@ def plan(
                 pipeline=p,
                 memory=memory,
                 memory_budget=memory_budget,
+                cutoff_s=cutoff,
             )
 
         return search_meshes(
@@ -200,6 +204,7 @@ def plan_captured(
     memory: Memory | None = None,
     memory_budget: float | None = None,
     deterministic: bool = False,
+    cutoff_s: float | None = None,
 ) -> Plan:
     """:func:`plan` for a model captured by :func:`capture_for` (``autopar.compile`` captures once).
 
@@ -211,7 +216,10 @@ def plan_captured(
     compiled for a model's outputs takes them as they come). The budget is
     ``memory_budget`` or the cluster's memory. The fastest plan of the first candidate of
     :func:`memory_choices` wins if it fits; otherwise every candidate is solved with the
-    memory constraint and the fastest plan that fits wins, the earlier on a tie.
+    memory constraint and the fastest plan that fits wins, the earlier on a tie. ``cutoff_s``
+    is a step another plan already reaches (the automatic mesh's best so far): where the first
+    solve's bound is not below it, no plan here can be faster, and a :class:`PlanError` says so
+    rather than searching the memory choices.
     """
     if not isinstance(cluster, Cluster):
         cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
@@ -252,6 +260,7 @@ def plan_captured(
         terms=MemoryTerms(g, memory, stage_shares(pipeline, mesh)),
         clock=SolverClock.starting(time_limit, deterministic),
         seed=seed,
+        cutoff_s=math.inf if cutoff_s is None else cutoff_s,
     )
     build_s = time.perf_counter() - t1
     choices = memory_choices(captured, memory)

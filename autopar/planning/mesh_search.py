@@ -186,17 +186,33 @@ def search_meshes(
     rows: list[dict[str, Any]] = [{"mesh": c.describe(), "bound_s": c.bound_s} for c in candidates]
     captures: dict[int | None, Captured] = {None: whole}
 
-    def planning(c: MeshCandidate, cutoff: float | None) -> Callable[[], Plan]:
+    attempted: set[int | None] = set()  # shapes captured ahead, or tried
+
+    def captured(c: MeshCandidate) -> Captured:
         # captured here, in this process, so that every later candidate of the same microbatch
         # shape reuses it; the plan may be made in another
         key = None if c.pipeline is None else c.pipeline.microbatches
-        mesh = MeshSpec.of(c.sizes)
         if not reuse or key not in captures:
-            captures[key] = capture(mesh, c.pipeline)
-        return functools.partial(plan_captured, captures[key], mesh, c.pipeline, time_limit, cutoff)
+            captures[key] = capture(MeshSpec.of(c.sizes), c.pipeline)
+        return captures[key]
+
+    def planning(c: MeshCandidate, cutoff: float | None) -> Callable[[], Plan]:
+        mesh = MeshSpec.of(c.sizes)
+        return functools.partial(plan_captured, captured(c), mesh, c.pipeline, time_limit, cutoff)
+
+    def ahead(c: MeshCandidate) -> None:
+        # a shape the next candidates need is captured while the children plan (a capture here
+        # when a worker is free leaves its core idle: 5 s a shape for Llama-3-8B), where reused
+        key = None if c.pipeline is None else c.pipeline.microbatches
+        if reuse and key not in attempted:
+            attempted.add(key)
+            try:
+                captured(c)
+            except (PlanError, AnnotationError):  # raised again when the candidate is submitted
+                pass
 
     with ForkedCalls(workers) as calls:
-        chosen = _plan_in_order(candidates, rows, calls, planning)
+        chosen = _plan_in_order(candidates, rows, calls, planning, ahead)
     if chosen is None and not any("least_bytes" in r for r in rows):
         raise PlanError(
             f"no mesh of {devices} devices has a plan: "
@@ -225,11 +241,13 @@ def _plan_in_order(
     rows: list[dict[str, Any]],
     calls: ForkedCalls,
     planning: Callable[[MeshCandidate, float | None], Callable[[], Plan]],
+    ahead: Callable[[MeshCandidate], None],
 ) -> tuple[Plan, int] | None:
     """Plan ``candidates`` in their order on ``calls`` (``planning`` gives each one's call, told
     the best step found so far as its cutoff), each only while its bound is below the best step
     found; the fastest plan and its index (of equally fast ones the first), each candidate's
-    outcome written on its row of ``rows``."""
+    outcome written on its row of ``rows``. While every worker is busy, ``ahead`` prepares the
+    next candidate waiting (its capture)."""
     best: tuple[Plan, int] | None = None
     left = list(range(len(candidates)))
     while left or calls.running:
@@ -243,6 +261,10 @@ def _plan_in_order(
                 calls.submit(i, planning(candidates[i], None if best is None else best[0].step_time_s))
             except (PlanError, AnnotationError) as e:  # its capture: this mesh cannot run the annotations
                 _record(rows[i], e)
+        waiting = candidates[left[0]] if left else None
+        busy = calls.running >= calls.workers > 1
+        if busy and waiting and (best is None or waiting.bound_s < best[0].step_time_s):
+            ahead(waiting)
         if calls.running:
             i, (ok, found) = calls.next_done()
             _record(rows[i], found)

@@ -67,6 +67,11 @@ class MeshCandidate:
     pipeline: Pipeline | None
     bound_s: float
 
+    @property
+    def shape(self) -> int | None:
+        """What a reused capture of the model depends on: its microbatches (None: no pipeline)."""
+        return None if self.pipeline is None else self.pipeline.microbatches
+
     def describe(self) -> str:
         mesh = "×".join(f"{a}={n}" for a, n in self.sizes.items())
         if self.pipeline is None:
@@ -191,10 +196,9 @@ def search_meshes(
     def captured(c: MeshCandidate) -> Captured:
         # captured here, in this process, so that every later candidate of the same microbatch
         # shape reuses it; the plan may be made in another
-        key = None if c.pipeline is None else c.pipeline.microbatches
-        if not reuse or key not in captures:
-            captures[key] = capture(MeshSpec.of(c.sizes), c.pipeline)
-        return captures[key]
+        if not reuse or c.shape not in captures:
+            captures[c.shape] = capture(MeshSpec.of(c.sizes), c.pipeline)
+        return captures[c.shape]
 
     def planning(c: MeshCandidate, cutoff: float | None) -> Callable[[], Plan]:
         mesh = MeshSpec.of(c.sizes)
@@ -203,9 +207,8 @@ def search_meshes(
     def ahead(c: MeshCandidate) -> None:
         # a shape the next candidates need is captured while the children plan (a capture here
         # when a worker is free leaves its core idle: 5 s a shape for Llama-3-8B), where reused
-        key = None if c.pipeline is None else c.pipeline.microbatches
-        if reuse and key not in attempted:
-            attempted.add(key)
+        if reuse and c.shape not in attempted:
+            attempted.add(c.shape)
             try:
                 captured(c)
             except (PlanError, AnnotationError):  # raised again when the candidate is submitted

@@ -212,14 +212,12 @@ def plan_captured(
     planning the same program apart get the same plan; otherwise the wall clock limits it too
     (:class:`~autopar.planning.solver.SolverClock`).
 
-    ``fixed_inputs`` pins the layouts of user inputs by placeholder name (a loss
-    compiled for a model's outputs takes them as they come). The budget is
-    ``memory_budget`` or the cluster's memory. The fastest plan of the first candidate of
-    :func:`memory_choices` wins if it fits; otherwise every candidate is solved with the
-    memory constraint and the fastest plan that fits wins, the earlier on a tie. ``cutoff_s``
-    is a step another plan already reaches (the automatic mesh's best so far): where the first
-    solve's bound is not below it, no plan here can be faster, and a :class:`PlanError` says so
-    rather than searching the memory choices.
+    ``fixed_inputs`` pins the layouts of user inputs by placeholder name (a loss compiled for a
+    model's outputs takes them as they come). The budget is ``memory_budget`` or the cluster's
+    memory. The fastest plan of the first candidate of :func:`memory_choices` wins if it fits;
+    otherwise the memory search (:func:`memory_search`) finds the fastest that fits, or a
+    :class:`PlanError` where its first solve is bounded at or above ``cutoff_s``, a step
+    another plan reaches (the automatic mesh's best so far).
     """
     if not isinstance(cluster, Cluster):
         cluster = get_cluster("cpu-gloo" if cluster is None else cluster)

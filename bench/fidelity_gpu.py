@@ -19,7 +19,9 @@ training loop runs them (the median of ``--steps`` after two warm-ups), and agai
 taking turns one step each, which leaves each step's host caches cold: on an H100 host the
 launch-bound fp32 b16 step took 14.8 ms in a row and 21.7 ms in turns. The host's per-op cost is
 timed again before and after the steps (it moved 2x within seconds on such hosts, and with it
-every launch-bound step) and printed beside the calibration's. Each plan's predicted step
+every launch-bound step) and printed beside the calibration's; it is also timed after each
+round of a plan's steps, and the plan predicted again with every figure the host's dispatch sets
+scaled to it (:func:`at_host_speed`). Each plan's predicted step
 under the measured cluster and under the ``h100`` preset (vendor peaks) is printed beside the
 measured steps, with the ratios and the Spearman rank correlation, and its first loss beside the
 plain model's on the same device (the compiled program must compute what the model does).
@@ -36,6 +38,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -100,13 +103,38 @@ def _build(name: str, cluster: Cluster, device: str) -> dict[str, Any]:
         optimizer.zero_grad()
         return float(loss)
 
+    def predict(at: Cluster) -> float:
+        fresh, _ = model_and_batch()
+        return autopar.plan(fresh, (idx, targets), {"dp": 1}, cluster=at, **options).step_time_s
+
     first = step()
     return {
         "predicted": dmodel.plan.step_time_s,
         "preset": preset,
         "losses": (plain_loss, first),
         "step": step,
+        "predict": predict,
     }
+
+
+def at_host_speed(cluster: Cluster, op_s: float) -> Cluster:
+    """``cluster`` with the host as fast as an op of ``op_s`` seconds says: every figure the host's
+    dispatch sets (an op's overhead, a recompute region's unit, an optimizer tensor's, the host's own
+    op) scaled by ``op_s`` over the calibrated op."""
+    speed = op_s / cluster.op_overhead_s
+
+    def scaled(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * speed
+
+    return replace(
+        cluster,
+        op_overhead_s=op_s,
+        recompute_op_s=scaled(cluster.recompute_op_s),
+        recompute_unit_s=scaled(cluster.recompute_unit_s),
+        checkpoint_unit_s=scaled(cluster.checkpoint_unit_s),
+        optimizer_tensor_s=scaled(cluster.optimizer_tensor_s),
+        host_op_overhead_s=scaled(cluster.host_op_overhead_s),
+    )
 
 
 def _plain_loss(
@@ -135,13 +163,19 @@ def _world(device: str, names: list[str], steps: int) -> dict[str, Any]:
     # the host dispatches ops at a pace that moves 2x within seconds on some hosts: its op timed
     # again around the plans' steps says how far from the calibration's the steps ran
     before = rank_speed.op_overhead(device)
-    alone = {name: _median_steps([plan["step"]], steps, device)[0] for name, plan in built.items()}
-    in_turns = _median_steps([plan["step"] for plan in built.values()], steps, device)
+    alone = {name: _median_steps([plan["step"]], steps, device, beside=True) for name, plan in built.items()}
+    in_turns, _ = _median_steps([plan["step"] for plan in built.values()], steps, device)
     host_op_s = (before, rank_speed.op_overhead(device))
-    rows = {
-        name: {**{k: v for k, v in plan.items() if k != "step"}, "measured": alone[name], "in_turns": turns}
-        for (name, plan), turns in zip(built.items(), in_turns)
-    }
+    rows = {}
+    for (name, plan), turns in zip(built.items(), in_turns):
+        (measured,), op_s = alone[name]
+        rows[name] = {
+            **{k: v for k, v in plan.items() if k not in ("step", "predict")},
+            "measured": measured,
+            "in_turns": turns,
+            "host_op_s": op_s,
+            "at_host_speed": plan["predict"](at_host_speed(cluster, op_s)),
+        }
     return {
         "cluster": cluster.to_dict(),
         "calibration_s": timed,
@@ -151,10 +185,14 @@ def _world(device: str, names: list[str], steps: int) -> dict[str, Any]:
     }
 
 
-def _median_steps(steps: list[Callable[[], float]], rounds: int, device: str) -> list[float]:
+def _median_steps(
+    steps: list[Callable[[], float]], rounds: int, device: str, beside: bool = False
+) -> tuple[list[float], float]:
     """The median seconds of each of ``steps`` over ``rounds`` rounds, each round running every
-    step once in order, after two rounds of warm-up."""
+    step once in order, after two rounds of warm-up; and where ``beside``, the median of the host's
+    op (:func:`rank_speed.op_overhead`) timed after each round, else 0."""
     times: list[list[float]] = [[] for _ in steps]
+    ops: list[float] = []
     for round_ in range(rounds + 2):
         for timed, step in zip(times, steps):
             rank_speed.synchronize(device)
@@ -162,7 +200,9 @@ def _median_steps(steps: list[Callable[[], float]], rounds: int, device: str) ->
             step()  # float(loss) waits for the device
             if round_ >= 2:
                 timed.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+        if beside and round_ >= 2:
+            ops.append(rank_speed.op_overhead(device))
+    return [statistics.median(t) for t in times], statistics.median(ops) if ops else 0.0
 
 
 def main() -> None:
@@ -187,19 +227,27 @@ def _print(found: dict[str, Any], device: str) -> None:
         f"{cluster['name']} on {device}, timed in {found['calibration_s']:.0f} s: TFLOP/s {flops}; memory "
         f"{cluster['memory_bandwidth_Bps'] / 1e9:.0f} GB/s; {cluster['op_overhead_s'] * 1e6:.1f} us per op"
     )
-    print("| plan | predicted ms | h100 preset ms | measured ms | ratio | to preset | in turns ms | losses |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| plan | predicted ms | h100 preset ms | measured ms | ratio | to preset | in turns ms | losses "
+        "| host's op beside µs | predicted at that speed ms | ratio |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = found["plans"]
     for name, row in rows.items():
-        p, h, m = row["predicted"], row["preset"], row["measured"]
+        p, h, m, at = row["predicted"], row["preset"], row["measured"], row["at_host_speed"]
         plain, compiled = row["losses"]
         print(
             f"| {name} | {p * 1e3:.2f} | {h * 1e3:.2f} | {m * 1e3:.2f} | {m / p:.2f} | {m / h:.2f} "
-            f"| {row['in_turns'] * 1e3:.2f} | {plain:.4f}, {compiled:.4f} |"
+            f"| {row['in_turns'] * 1e3:.2f} | {plain:.4f}, {compiled:.4f} | {row['host_op_s'] * 1e6:.1f} "
+            f"| {at * 1e3:.2f} | {m / at:.2f} |"
         )
     if len(rows) > 1:
-        pred = [r["predicted"] for r in rows.values()]
-        print(f"Spearman rank correlation: {spearman(pred, [r['measured'] for r in rows.values()]):.2f}")
+        measured = [r["measured"] for r in rows.values()]
+        calibrated = spearman([r["predicted"] for r in rows.values()], measured)
+        beside = spearman([r["at_host_speed"] for r in rows.values()], measured)
+        print(
+            f"Spearman rank correlation: {calibrated:.2f}; at the host's speed beside the steps: {beside:.2f}"
+        )
     before, after = (t * 1e6 for t in found["host_op_s"])
     print(f"the host's op: {before:.1f} us before the plans' steps, {after:.1f} after (calibrated above)")
     for name, why in found["failed"].items():

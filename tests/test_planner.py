@@ -463,3 +463,19 @@ def test_a_cutoff_skips_the_memory_search_of_a_mesh_that_cannot_beat_it():
         captured, mesh, cluster="fast-links", memory_budget=budget, cutoff_s=2 * searched.step_time_s
     )
     assert kept.step_time_s == searched.step_time_s
+
+
+def test_a_cutoff_assumes_the_choices_hide_as_much_of_the_objective_as_the_fastest():
+    """A step can hide what the ILP's objective counts in full (gradient sums under backward): the
+    cutoff scales the bound by the share of the objective the fastest plan takes, at most 1."""
+    from types import SimpleNamespace
+
+    from autopar.planning.memory_search import _hidden_share
+
+    def solved(step: float, objective: float) -> SimpleNamespace:
+        plan, stats = SimpleNamespace(step_time_s=step), SimpleNamespace(objective=objective)
+        return SimpleNamespace(plan=plan, stats=stats)
+
+    assert _hidden_share(solved(0.294, 0.353)) == pytest.approx(0.294 / 0.353)
+    assert _hidden_share(solved(0.700, 0.100)) == 1.0  # a pipeline's objective is one microbatch's
+    assert _hidden_share(None) == 1.0

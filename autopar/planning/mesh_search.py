@@ -20,8 +20,9 @@ Pruned
     rank (its bubble); at equal bounds, the least data parallelism first. A candidate
     whose bound is not below the best predicted step found is not planned: it cannot win.
     One planned after a step was found gets that step as its cutoff: when its first ILP
-    solve's bound is not below it, its memory choices are not searched (the least its
-    objective can be is already slower), and its outcome says so.
+    solve's bound, scaled by the share of the objective that solve's plan takes as its step
+    (at most 1: a step hides some of what the objective counts), is not below it, its memory
+    choices are not searched (already slower), and its outcome says so.
 Decided by the ILP
     for each candidate planned, every op's layout on its mesh (which axis splits the batch,
     the sequence, heads or hidden), the ZeRO stage and recompute under the memory budget

@@ -88,10 +88,14 @@ def _build(name: str, cluster: Cluster, device: str) -> dict[str, Any]:
                 autopar.recompute(block, "full")
         return model, batch_
 
+    def predict(at: Cluster | str) -> float:
+        fresh, _ = model_and_batch()
+        return autopar.plan(fresh, (idx, targets), {"dp": 1}, cluster=at, **options).step_time_s
+
     model, (idx, targets) = model_and_batch()
     plain_loss = _plain_loss(model, idx, targets, device, options.get("precision"))
+    preset = predict("h100")
     model, _ = model_and_batch()
-    preset = autopar.plan(model, (idx, targets), {"dp": 1}, cluster="h100", **options).step_time_s
     mesh = init_device_mesh(torch.device(device).type, (1,), mesh_dim_names=("dp",))
     dmodel = autopar.compile(model, mesh, (idx, targets), cluster=cluster, **options)
     optimizer = dmodel.optimizer(torch.optim.AdamW, lr=1e-3)
@@ -102,10 +106,6 @@ def _build(name: str, cluster: Cluster, device: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         return float(loss)
-
-    def predict(at: Cluster) -> float:
-        fresh, _ = model_and_batch()
-        return autopar.plan(fresh, (idx, targets), {"dp": 1}, cluster=at, **options).step_time_s
 
     first = step()
     return {

@@ -92,11 +92,12 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         return first.plan, False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
-    if base * _hidden_share(first) >= search.cutoff_s:  # every choice's objective is at least base
+    least_step = base * _hidden_share(first)  # every choice's objective is at least base
+    if least_step >= search.cutoff_s:
         raise PlanError(
             f"no plan on mesh {search.setting.mesh} beats {search.cutoff_s * 1e3:.1f} ms, a step another "
             f"plan reaches: the least its ILP's objective can be is {base * 1e3:.1f} ms, a step of "
-            f"{base * _hidden_share(first) * 1e3:.1f} ms where its plans hide as much as its fastest"
+            f"{least_step * 1e3:.1f} ms where its plans hide as much as its fastest"
         )
     # under a pipeline the ILP's estimate is the share of a rank with stages about equal, which a
     # split balancing memory can beat: no choice is skipped by it

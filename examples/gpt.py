@@ -241,8 +241,10 @@ def main() -> None:
     ``torchrun --nproc-per-node 4 examples/gpt.py`` trains :data:`DEMO` on a 2 x 2
     mesh ("dp", "tp") of gloo ranks and prints the plan and the losses. A mesh with a
     ``pp`` axis first pipelines the model (``--mesh pp=2,dp=2 --schedule 1f1b
-    --microbatches 4``). Run without ``torchrun``, it prints the parameter count and
-    the plan only (no ranks needed).
+    --microbatches 4``); a device count (``--mesh 4``) lets the planner choose the mesh and
+    pipeline too (``docs/automatic_mesh.md``). ``--cluster`` prices the plan with a preset or
+    with the file ``autopar calibrate`` wrote for this machine. Run without ``torchrun``, it
+    prints the parameter count and the plan only (no ranks needed).
     """
     import argparse
     import os
@@ -251,7 +253,10 @@ def main() -> None:
     from autopar.tools.telemetry import StepMeter
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    parser.add_argument("--mesh", default="dp=2,tp=2", help="e.g. dp=4, dp=2,tp=2 or pp=2,dp=2")
+    parser.add_argument(
+        "--mesh", default="dp=2,tp=2", help="e.g. dp=4, dp=2,tp=2, pp=2,dp=2, or 4: the planner chooses"
+    )
+    parser.add_argument("--cluster", help="a preset (cpu-gloo, h100, ...) or a file from `autopar calibrate`")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=4, help="with a pp axis: microbatches per step")
@@ -276,8 +281,11 @@ def main() -> None:
     if a.precision:
         precision = autopar.MixedPrecision({"bf16": torch.bfloat16, "fp16": torch.float16}[a.precision])
     planning = dict(pipeline=None, memory=memory, memory_budget=a.memory_budget, precision=precision)
-    axes = dict(item.split("=") for item in a.mesh.split(","))
-    mesh_sizes = {name: int(size) for name, size in axes.items()}
+    if a.cluster:
+        planning["cluster"] = a.cluster
+    devices = int(a.mesh) if a.mesh.isdigit() else None  # the planner searches the mesh
+    axes = [] if devices else [item.split("=") for item in a.mesh.split(",")]
+    mesh_sizes = {name: int(size) for name, size in axes}
     if "pp" in mesh_sizes:
         planning["pipeline"] = autopar.Pipeline(a.microbatches, a.schedule, a.virtual_stages)
     config = TINY if a.tiny else DEMO
@@ -290,14 +298,14 @@ def main() -> None:
     if os.environ.get("RANK", "0") == "0":
         print(f"GPT {config}: {n_params:,} parameters")
     if "RANK" not in os.environ:
-        print(autopar.plan(model, (idx,), mesh_sizes, **planning).summary())
+        print(autopar.plan(model, (idx,), devices or mesh_sizes, **planning).summary())
         return
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    mesh = init_device_mesh("cpu", tuple(mesh_sizes.values()), mesh_dim_names=tuple(mesh_sizes))
+    mesh = devices or init_device_mesh("cpu", tuple(mesh_sizes.values()), mesh_dim_names=tuple(mesh_sizes))
     if a.plan:  # a saved plan brings its pipeline and memory plan
         dmodel = autopar.compile(model, mesh, (idx,), plan=autopar.load_plan(a.plan))
     else:

@@ -72,6 +72,20 @@ def test_script_prints_the_parameter_count(
         assert "autopar plan on mesh dp=2×tp=2" in out and "blocks.0.mlp.fc" in out
 
 
+def test_gpt_script_searches_the_mesh_for_a_device_count(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    """``--mesh 4`` gives the planner a device count: it prints the meshes it searched, priced
+    with the cluster ``--cluster`` names."""
+    script = importlib.import_module("examples.gpt")
+    monkeypatch.setattr("sys.argv", [script.__file__, "--tiny", "--mesh", "4", "--cluster", "fast-links"])
+    monkeypatch.delenv("RANK", raising=False)
+    runpy.run_path(script.__file__, run_name="__main__")
+    out = capsys.readouterr().out
+    assert "(fast-links)" in out and "meshes searched (the device count given)" in out
+    assert "dp=2×tp=2" in out and "dp=4" in out and "chosen" in out
+
+
 def test_mlp_widths_and_output(mlp: ModuleType):
     model, (x, target) = mlp.build(d_in=5, d_hidden=7, d_out=3, n_layers=4, batch_size=2)
     widths = [(layer.in_features, layer.out_features) for layer in model.layers]

@@ -185,6 +185,33 @@ def test_custom_ops_report_what_their_autograd_saves_or_the_worst_case():
     assert saved_as(node, [True, False]) == spec(inputs={0})
 
 
+def test_measured_saves_serve_every_plan_made_on_the_capture(monkeypatch: pytest.MonkeyPatch):
+    """The automatic mesh measures what a capture's ops save once, before forking the processes
+    that plan on it: a plan made afterwards measures no op's global spec again (only the pieces
+    one rank holds, which depend on the mesh)."""
+    from autopar.capture.export import gradient_flow
+    from autopar.ir.mesh import MeshSpec
+    from autopar.planning import saved_tensors
+    from autopar.planning.planner import capture_for, plan_captured
+
+    model, (idx, _) = gpt.build(device="meta", batch_size=8)
+    mesh = MeshSpec.of({"dp": 2, "tp": 2})
+    captured = capture_for(model, (idx,), None, mesh, None)
+    monkeypatch.setattr(saved_tensors, "_CACHE", {})  # nothing measured by other tests
+    saved_tensors.measure_saved(captured.graph, gradient_flow(captured))
+    assert saved_tensors._CACHE
+    measure, again = saved_tensors._measure, []
+
+    def recorded(node, call, flags, pieces):
+        if pieces is None:
+            again.append(node.name)
+        return measure(node, call, flags, pieces)
+
+    monkeypatch.setattr(saved_tensors, "_measure", recorded)
+    plan_captured(captured, mesh, cluster="fast-links")
+    assert again == []
+
+
 def test_wrong_number_of_flags_is_an_error():
     with pytest.raises(ValueError, match="2 tensor operands"):
         saved_by(call_node(aten.mm.default, meta(4, 8), meta(8, 3)), [True])

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.capture.constraint_op import parse_constraint_spec
-from autopar.capture.export import Captured, repeated_blocks
+from autopar.capture.export import Captured, gradient_flow, repeated_blocks
 from autopar.ir.errors import AnnotationError, MemoryFitError, OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import LAYOUT_CONSTRAINT
@@ -53,6 +53,7 @@ from autopar.ir.options import Pipeline
 from autopar.ir.plan import Plan
 from autopar.planning.cost import Cluster, CostModel
 from autopar.planning.forked import ForkedCalls
+from autopar.planning.saved_tensors import measure_saved
 from autopar.planning.strategy_graph import build_strategy_graph
 
 Capture = Callable[[MeshSpec, Pipeline | None], Captured]
@@ -190,7 +191,15 @@ def search_meshes(
         key=lambda c: (c.bound_s, c.sizes.get("dp", 1)),
     )
     rows: list[dict[str, Any]] = [{"mesh": c.describe(), "bound_s": c.bound_s} for c in candidates]
-    captures: dict[int | None, Captured] = {None: whole}
+
+    def shared(made: Captured) -> Captured:
+        # a capture every candidate of its shape plans on: what its ops save is measured here
+        # once, before the children fork (each child's cache dies with it)
+        if reuse:
+            measure_saved(made.graph, gradient_flow(made))
+        return made
+
+    captures: dict[int | None, Captured] = {None: shared(whole)}
 
     attempted: set[int | None] = set()  # shapes captured ahead, or tried
 
@@ -198,7 +207,7 @@ def search_meshes(
         # captured here, in this process, so that every later candidate of the same microbatch
         # shape reuses it; the plan may be made in another
         if not reuse or c.shape not in captures:
-            captures[c.shape] = capture(MeshSpec.of(c.sizes), c.pipeline)
+            captures[c.shape] = shared(capture(MeshSpec.of(c.sizes), c.pipeline))
         return captures[c.shape]
 
     def planning(c: MeshCandidate, cutoff: float | None) -> Callable[[], Plan]:

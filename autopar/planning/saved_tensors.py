@@ -21,7 +21,7 @@ docstring says where the two can differ.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,17 @@ def saved_by(node: torch.fx.Node, grad_operands: Sequence[bool]) -> SavedSpec:
         saved = frozenset(i for i, flag in enumerate(flags) if flag)
         return SavedSpec(saved, packed=len(saved))
     return spec
+
+
+def measure_saved(graph: torch.fx.Graph, flows: Mapping[torch.fx.Node, bool]) -> None:
+    """:func:`saved_by` for every op of ``graph``, gradients flowing where ``flows`` says (a
+    capture's :func:`~autopar.capture.export.gradient_flow`), into this process's cache. The
+    automatic mesh calls it on each capture before forking the processes that plan on it: each
+    would otherwise measure the same ops again (143 of them, 0.6 s, for a microbatch of
+    Llama-3-8B), its cache lost when it exits."""
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            saved_by(node, [bool(flows.get(a)) for a in OpCall.of(node).operands])
 
 
 def saved_locally(

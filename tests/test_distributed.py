@@ -88,7 +88,7 @@ def _build(name: str):
     return _hf_gpt2(batch_size=1) if name == "hf-gpt2-seq" else _hf_gpt2()
 
 
-def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> dict:
+def _run_case(model_name: str, mesh_shape: tuple | int, names: tuple | None, mode: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.runtime import collectives
@@ -104,7 +104,9 @@ def _run_case(model_name: str, mesh_shape: tuple, names: tuple, mode: str) -> di
         autopar.shard(model, in_strategy=(("dp", None), ("dp", None)))
     elif mode != "auto":
         gpt.annotate(model, mode)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    mesh = mesh_shape  # a device count: the planner chooses the mesh, compile builds it over the job
+    if not isinstance(mesh_shape, int):
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     dmodel = autopar.compile(model, mesh, args, example_kwargs=kwargs, cluster="fast-links")
     assert set(dmodel.state_dict()) == set(model.state_dict())
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
@@ -379,6 +381,7 @@ WORLD_4 = [
     ("mlp", (2, 2), ("dp", "tp"), "auto"),
     ("hf-gpt2", (2, 2), ("dp", "tp"), "auto"),
     ("hf-gpt2-seq", (4,), ("tp",), "auto"),
+    ("gpt", 4, None, "auto"),
 ]
 
 

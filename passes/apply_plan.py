@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.capture.export import module_path
 from autopar.ir.errors import PlanError
 from autopar.ir.layout import parse_layout
-from autopar.ir.meta import STAGE, NodeLayouts, write_layouts
+from autopar.ir.meta import STAGE, NodeLayouts, module_path, write_layouts
 from autopar.passes.context import PassContext
 
 

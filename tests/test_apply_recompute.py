@@ -352,8 +352,9 @@ def test_batch_norm_statistics_are_updated_outside_every_region() -> None:
     """A checkpoint keeps its inputs and refuses one changed in place since (a buffer's
     ``num_batches_tracked``), and a replayed update would apply twice: the ops writing into a
     buffer stay out of the recomputed module's region, every other op of it is in."""
-    from autopar.capture.export import capture, module_stack
+    from autopar.capture.export import capture
     from autopar.ir.mesh import MeshSpec
+    from autopar.ir.meta import module_stack
     from autopar.planning.recompute import module_regions, updates_state
 
     class Block(nn.Module):

@@ -12,7 +12,6 @@ and every ``constrain`` call appears in the graph as an
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -30,7 +29,7 @@ from autopar.capture.hooks import annotation_hooks, check_strategies_ran
 from autopar.capture.precision import cast_parameters, traced_in
 from autopar.ir.errors import AnnotationError, CaptureError
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import output_values
+from autopar.ir.meta import module_path, module_stack, output_values
 from autopar.ir.options import MixedPrecision
 
 
@@ -62,21 +61,6 @@ class Captured:
         return self.program.graph_module.graph
 
 
-def module_path(node: torch.fx.Node) -> str:
-    """The innermost module a node came from ("" for the root or none)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return _clean_path(path)
-
-
-def module_stack(node: torch.fx.Node) -> list[str]:
-    """Module paths from outermost to innermost."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return [_clean_path(v[0]) for v in stack.values()]
-
-
 # A numbered child is one of a list's repeated blocks: ``blocks.3`` of a ModuleList, or ``3`` of a
 # root Sequential. The one definition of a block: free layout points at capture, tied strategies,
 # pipeline units and memory-search candidates all use it.
@@ -91,13 +75,6 @@ def block_of(node: torch.fx.Node) -> str | None:
 def repeated_blocks(graph: torch.fx.Graph) -> list[str]:
     """The outermost repeated blocks the ops of ``graph`` run in, in execution order."""
     return list(dict.fromkeys(b for n in graph.nodes if n.op == "call_function" and (b := block_of(n))))
-
-
-@functools.cache  # a large model asks for its few thousand paths millions of times
-def _clean_path(path: str) -> str:
-    # strict-mode style paths look like L['self'].h[0].attn; normalise to h.0.attn
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path)
 
 
 _HINTS = (

@@ -18,6 +18,7 @@ Only passes write them (the planner returns layouts as data, see
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -151,3 +152,25 @@ def per_node(fn: Callable[[torch.fx.Node], T]) -> Callable[[torch.fx.Node], T]:
 def storage_ref(t: torch.Tensor) -> StorageWeakRef:
     """A weak reference naming the storage ``t`` lives in (equal for a tensor and its views)."""
     return StorageWeakRef(t.untyped_storage())
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module a node came from ("" for the root or none)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_path(path)
+
+
+def module_stack(node: torch.fx.Node) -> list[str]:
+    """Module paths from outermost to innermost."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [_clean_path(v[0]) for v in stack.values()]
+
+
+@functools.cache  # a large model asks for its few thousand paths millions of times
+def _clean_path(path: str) -> str:
+    # strict-mode style paths look like L['self'].h[0].attn; normalise to h.0.attn
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path)

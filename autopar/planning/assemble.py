@@ -18,10 +18,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from autopar.capture.export import module_path
 from autopar.ir.layout import Layout, format_layout
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import NodeLayouts
+from autopar.ir.meta import NodeLayouts, module_path
 from autopar.ir.ops import is_selective_save
 from autopar.ir.options import FULL, Memory, Pipeline, uses_policy
 from autopar.ir.plan import (

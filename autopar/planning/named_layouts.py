@@ -17,10 +17,10 @@ from collections.abc import Mapping
 
 import torch
 
-from autopar.capture.export import Captured, module_path
+from autopar.capture.export import Captured
 from autopar.ir.layout import is_uneven, pieces_of
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import NodeLayouts
+from autopar.ir.meta import NodeLayouts, module_path
 from autopar.ir.strided import is_split, parts_of
 from autopar.rules import OpCall, shape_of, spec_of, split_lookups
 from autopar.rules.embedding import table_source

@@ -21,8 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from autopar.capture.export import module_stack
-from autopar.ir.meta import NodeLayouts
+from autopar.ir.meta import NodeLayouts, module_stack
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_autopar_op, written_operand
 from autopar.ir.options import SELECTIVE
 from autopar.rules import OpCall

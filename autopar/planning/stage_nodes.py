@@ -9,9 +9,10 @@ from collections.abc import Mapping
 
 import torch
 
-from autopar.capture.export import BLOCK_PATH, Captured, block_of, module_stack
+from autopar.capture.export import BLOCK_PATH, Captured, block_of
 from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.meta import module_stack
 from autopar.ir.options import Pipeline
 from autopar.planning.stage_split import UnitCosts, partition
 

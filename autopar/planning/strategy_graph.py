@@ -33,11 +33,11 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture.constraint_op import parse_constraint_spec
-from autopar.capture.export import Captured, gradient_flow, module_path
+from autopar.capture.export import Captured, gradient_flow
 from autopar.ir.errors import AnnotationError
 from autopar.ir.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
 from autopar.ir.mesh import AxisGroups, MeshSpec, each_axis, grouped_product, refine_groups
-from autopar.ir.meta import NodeLayouts, output_values
+from autopar.ir.meta import NodeLayouts, module_path, output_values
 from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
 from autopar.ir.plan import ChoiceKind
 from autopar.ir.strided import is_split, parts_of, strided

@@ -12,6 +12,7 @@ from autopar.passes import (
     insert_redistributions,
     localize_lookups,
     localize_shapes,
+    localize_views,
     lower_collectives,
     mark_recompute,
     place_on_device,
@@ -29,6 +30,7 @@ PIPELINE = (
     drop_layout_constraints,  # pinned layouts are in place: the constraints are identities now
     localize_shapes,  # size arguments -> local sizes; split means rescaled
     localize_lookups,  # lookups into a split dim: this rank's block, the rest masked
+    localize_views,  # views -> reshapes: a rank's pieces may have strides one device's values lacked
     verify_layouts,  # every edge: producer layout == consumer expectation
     mark_recompute,  # the ops recomputed in backward: recompute modules, ZeRO-3 gathers
     apply_recompute,  # each recompute region -> one checkpointed submodule

@@ -1,5 +1,6 @@
 """Shape ops: view/reshape, transpose/permute, (un)squeeze, expand, repeat(_interleave),
-slice/select, split/chunk/unbind, cat/stack, pad, diff, cumsum, flip, tril/triu.
+slice/select, split/chunk/unbind, cat/stack, pad, diff, cumsum, flip, tril/triu, complex numbers as
+pairs of reals (view_as_complex, view_as_real).
 
 All move data without arithmetic, so all are linear: a Partial operand passes through.
 """
@@ -287,3 +288,15 @@ def pad(call: OpCall) -> DimSpec:
     mode = call.arg("mode", "constant")
     linear = LINEAR if mode == "constant" and value == 0 else frozenset()
     return DimSpec(spec.operands, spec.outputs, whole=spec.whole, linear=linear, flops=math.prod(src))
+
+
+@rule(aten.view_as_complex.default, aten.view_as_real.default)
+def complex_pairs(call: OpCall) -> DimSpec:
+    # a complex number is the pair of reals in the last dim of the real side: that pair stays
+    # whole, every other dim is the same dim on both sides (rotary embeddings as complex numbers)
+    src, dst = call.shapes[0], call.out_shapes[0]
+    labels = fresh(max(len(src), len(dst)))
+    shared, pair = tuple(labels[:-1]), labels[-1]
+    real, complex_ = (*shared, pair), shared
+    operand, out = (real, complex_) if len(src) > len(dst) else (complex_, real)
+    return DimSpec((operand,), (out,), whole=frozenset({pair}), linear=LINEAR)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tests.handwritten_models import HANDWRITTEN
+
 BATCH, SEQ, VOCAB, IMAGE = 4, 8, 128, 32
 
 _DECODER = dict(
@@ -257,6 +259,7 @@ ZOO: dict[str, Callable[[], tuple]] = {
         depth_multiplier=0.25,
     ),
     "small-resnet": _small_resnet,
+    **HANDWRITTEN,
 }
 
 

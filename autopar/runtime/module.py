@@ -46,6 +46,7 @@ from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import as_dtensor, distributed_copy, local_piece
 from autopar.runtime.optimizer import ZeroShard, held_bytes, make_optimizer
 from autopar.runtime.pipeline_runtime import PipelineRuntime, device_of
+from autopar.runtime.program_errors import naming_the_source
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # loss_fn(output, target) -> a scalar loss
 
@@ -303,7 +304,7 @@ class DistributedModule(torch.nn.Module):
             )
         inputs = self.program_inputs(args, kwargs)
         offload = self.memory.offload_activations
-        with self.activations_to_host(inputs) if offload else contextlib.nullcontext():
+        with self.activations_to_host(inputs) if offload else contextlib.nullcontext(), naming_the_source():
             outs = self._program(*inputs)
         leaves = [outs[i] for i in self._user_outputs]
         for i in self._lowered.number_outputs:  # whole on every rank: the plan reduced them

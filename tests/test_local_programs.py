@@ -1,0 +1,68 @@
+"""Per-rank programs of hand-written code: valid on every rank's pieces, and errors that name the user's code.
+
+Runs on torch's fake process group (collectives answer without communicating), so the programs
+compute on real local pieces; numerics against one device are the model zoo's (4 gloo ranks,
+``tests/test_model_zoo.py``, which trains these hand-written models too).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.passes import localize_views
+from autopar.passes.context import PassContext
+from tests.handwritten_models import HANDWRITTEN
+
+
+def _heads_split_gpt() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    model, args, _ = HANDWRITTEN["mini-gpt (heads over tp)"]()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return autopar.compile(model, mesh, args, cluster="fast-links"), args
+
+
+def test_a_view_of_heads_a_rank_lays_out_otherwise_runs_as_a_reshape(fake_process_group):
+    # one device's attention output is token-major, so `.transpose(1, 2).contiguous().view(...)`
+    # recorded no copy; a rank's attention over its own heads returns them head-major
+    dmodel, args = _heads_split_gpt()
+    local_args, _ = dmodel.shard_inputs(*args)
+    logits, loss = dmodel(*local_args)
+    assert logits.shape[1:] == (8, 128) and loss.shape == ()
+    targets = {n.target for n in dmodel._program.graph.nodes}
+    assert torch.ops.aten.view.default not in targets and torch.ops.aten.reshape.default in targets
+
+
+def test_a_view_whose_storage_is_written_in_place_stays_a_view():
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    base = graph.call_function(torch.ops.aten.clone.default, (x,))
+    viewed = graph.call_function(torch.ops.aten.view.default, (base, [8]))
+    written = graph.call_function(torch.ops.aten.add_.Tensor, (viewed, 1.0))
+    other = graph.call_function(torch.ops.aten.view.default, (y, [8]))
+    graph.output((base, written, other))
+    x.meta["val"], y.meta["val"] = torch.zeros(2, 4), torch.zeros(2, 4)
+    base.meta["val"] = torch.zeros(2, 4)
+    viewed.meta["val"] = written.meta["val"] = base.meta["val"].view(8)
+    other.meta["val"] = y.meta["val"].view(8)
+    localize_views.run(torch.fx.GraphModule(torch.nn.Module(), graph), PassContext.__new__(PassContext))
+    assert viewed.target is torch.ops.aten.view.default  # a copy would lose the write into base
+    assert other.target is torch.ops.aten.reshape.default
+
+
+def test_an_error_raised_inside_the_program_names_the_users_module_and_forward(fake_process_group):
+    dmodel, args = _heads_split_gpt()
+    program = dmodel._program
+    broken = next(n for n in program.graph.nodes if n.target is torch.ops.aten.reshape.default)
+    broken.target, broken.args = torch.ops.aten.view.default, (broken.args[0], [7, 7])
+    program.recompile()
+    try:
+        dmodel(*dmodel.shard_inputs(*args)[0])
+    except RuntimeError as e:
+        (note,) = e.__notes__
+    else:
+        raise AssertionError("the broken view ran")
+    assert f"raised by {broken.name} = aten.view.default in the per-rank program" in note
+    assert "from module 'transformer.h.0.attn' (FusedSelfAttention.forward (" in note
+    assert "tests/handwritten_models.py:" in note

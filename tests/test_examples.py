@@ -188,3 +188,17 @@ def test_recommender_script_plans_the_user_table_in_chosen_rows(
     out = capsys.readouterr().out
     assert "no sharding rule" not in out
     assert "manual users.weight: dim 0 (1000) over tp in rows of 700, 300 (ManualSplit)" in out
+
+
+def test_handwritten_script_plans_the_reference_llama_by_heads(
+    capsys: pytest.CaptureFixture[str], monkeypatch
+):
+    """Without torchrun, examples/handwritten.py prints its plan: q, k, v by heads, rotary pairs with them."""
+    script = importlib.import_module("examples.handwritten")
+    monkeypatch.setattr("sys.argv", [script.__file__])
+    monkeypatch.delenv("RANK", raising=False)
+    runpy.run_path(script.__file__, run_name="__main__")
+    out = capsys.readouterr().out
+    assert "autopar plan on mesh dp=2×tp=2" in out and "no sharding rule" not in out
+    assert re.search(r"│ model\.layers\.0\.attention\.wq\.weight +│ RS\(0\) ", out)
+    assert re.search(r"│ view_as_real +│ S\(0\)S\(2\) ", out)  # the rotary pairs split with the heads

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.passes import localize_views
 from autopar.passes.context import PassContext
-from tests.handwritten_models import HANDWRITTEN
+from examples.handwritten import HANDWRITTEN
 
 
 def _heads_split_gpt() -> tuple[torch.nn.Module, tuple]:
@@ -65,4 +65,4 @@ def test_an_error_raised_inside_the_program_names_the_users_module_and_forward(f
         raise AssertionError("the broken view ran")
     assert f"raised by {broken.name} = aten.view.default in the per-rank program" in note
     assert "from module 'transformer.h.0.attn' (FusedSelfAttention.forward (" in note
-    assert "tests/handwritten_models.py:" in note
+    assert "examples/handwritten.py:" in note

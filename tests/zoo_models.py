@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tests.handwritten_models import HANDWRITTEN
+from examples.handwritten import HANDWRITTEN
 
 BATCH, SEQ, VOCAB, IMAGE = 4, 8, 128, 32
 

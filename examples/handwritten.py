@@ -9,8 +9,11 @@ buffer every layer reads; grouped-query attention repeating keys and values by `
 the layers in an ``nn.ModuleDict``). These models follow those styles, so that autopar meets
 the view and complex ops such code records; nothing here is copied from either codebase.
 
-``build(name)`` returns ``(model, args, kwargs)`` as ``tests/zoo_models.py`` does, which lists
-these models in its zoo.
+:data:`HANDWRITTEN` builds each as ``(model, args, kwargs)``, as ``tests/zoo_models.py`` does
+(its zoo trains them on 4 gloo ranks against one device). Run as a script under
+``torchrun --nproc-per-node 4 examples/handwritten.py``, it compiles the reference Llama on a
+``dp=2 x tp=2`` mesh with its attention split by heads over ``tp`` and trains it for a few
+steps; without ``torchrun`` it prints that plan.
 """
 
 from __future__ import annotations
@@ -303,3 +306,37 @@ HANDWRITTEN = {
     "reference-llama": _reference_llama,
     "reference-llama (heads over tp)": functools.partial(_reference_llama, "tp"),
 }
+
+
+def main() -> None:
+    """The demo: ``torchrun --nproc-per-node 4 examples/handwritten.py`` (see the module docstring)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model, (tokens, labels), _ = HANDWRITTEN["reference-llama (heads over tp)"]()
+    mesh_sizes = {"dp": 2, "tp": 2}
+    if "RANK" not in os.environ:
+        print(autopar.plan(model, (tokens, labels), mesh_sizes, cluster="fast-links").summary())
+        return
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", tuple(mesh_sizes.values()), mesh_dim_names=tuple(mesh_sizes))
+    dmodel = autopar.compile(model, mesh, cluster="fast-links")  # compiled on its first call
+    optimizer = None
+    for step in range(5):
+        torch.manual_seed(step)  # the same global batch on every rank
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+        loss = dmodel(tokens, tokens)
+        loss.backward()
+        optimizer = optimizer or torch.optim.AdamW(dmodel.parameters(), lr=1e-3)  # parameters exist now
+        optimizer.step()
+        optimizer.zero_grad()
+        if dist.get_rank() == 0:
+            print(f"step {step}: loss {loss.item():.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,7 @@ ranks (see :func:`main`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -235,6 +236,19 @@ def demo(batch_size: int = 16) -> tuple[GPT, tuple[torch.Tensor]]:
     return model, (idx,)
 
 
+def _say_where_predictions_come_from(cluster: str | None, mesh: int | dict[str, int]) -> None:
+    """Under a preset (``cluster`` None is ``cpu-gloo``), print that its figures are not this host's
+    and how to measure them for the ranks of ``mesh`` (a device count or axis sizes); nothing for a
+    cluster file (``autopar calibrate``'s)."""
+    preset = cluster or "cpu-gloo"
+    if not preset.endswith(".json"):
+        ranks = mesh if isinstance(mesh, int) else math.prod(mesh.values())
+        print(
+            f"predictions use the {preset} preset, not this host's figures, so measured steps differ: "
+            f"run `autopar calibrate --ranks {ranks} -o cluster.json` and pass --cluster cluster.json"
+        )
+
+
 def main() -> None:
     """The demo: compile and train the GPT on every rank of a ``torchrun`` job.
 
@@ -297,6 +311,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     if os.environ.get("RANK", "0") == "0":
         print(f"GPT {config}: {n_params:,} parameters")
+        _say_where_predictions_come_from(a.cluster, devices or mesh_sizes)
     if "RANK" not in os.environ:
         print(autopar.plan(model, (idx,), devices or mesh_sizes, **planning).summary())
         return

@@ -77,7 +77,7 @@ def test_a_transformers_llama_traces_in_bf16():
     plan = autopar.plan(model, (), {"dp": 2, "tp": 2}, example_kwargs=kwargs, precision=BF16)
     # Llama's RMSNorm computes in fp32 and casts back to its input's dtype: bf16 under the policy
     assert "dtype=torch.float32" in plan.code and "dtype=torch.bfloat16" in plan.code
-    assert not plan.warnings
+    assert not [w for w in plan.warnings if not w.startswith("the plan splits no tensor")]
 
 
 def test_bad_precision_options_are_refused():

@@ -314,6 +314,17 @@ class Plan:
         return self.prediction.memory_bytes
 
     @property
+    def splits_nothing(self) -> bool:
+        """Whether the mesh layouts refer to has more than one device and every node's output,
+        parameter and input is whole (``R``) over all its axes: every rank computes everything."""
+        layouts = [
+            *(lay for n in self.nodes for lay in n.outputs),
+            *self.parameters.values(),
+            *self.inputs.values(),
+        ]
+        return self.mesh_spec.size > 1 and all(set(lay) <= {"R"} for lay in layouts)
+
+    @property
     def parameter_casts(self) -> dict[str, str]:
         """Under mixed precision, each cast of a parameter to the compute dtype: node -> placeholder."""
         return {

@@ -134,8 +134,7 @@ def _print_axes(console: Console, plan: Plan) -> None:
     for name, size in plan.mesh.items():
         role = plan.axis_roles.get(name, "")
         console.print(f"axis {name} ({size}): {role}; moves {_format_bytes(moved.get(name, 0))} per rank")
-    layouts = [lay for n in plan.nodes for lay in n.outputs] + list(plan.parameters.values())
-    if plan.mesh_spec.size > 1 and all(set(lay) <= {"R"} for lay in layouts):
+    if plan.splits_nothing:
         console.print(
             "every op runs whole on every rank: at this size splitting would cost more in "
             "communication than it saves in compute (a larger batch or model changes that)"

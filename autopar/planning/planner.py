@@ -15,6 +15,7 @@ compiled.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -268,29 +269,39 @@ def plan_captured(
     if best is None:
         raise no_fit(search, choices)
     best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
-    if memory.zero and best.memory is not None and not best.memory.zero_splits:
-        best.warnings.append(
+    _warn(best, captured, search.setting, merged_axes(stage_mesh, g.axis_groups), time_limit)
+    return best
+
+
+def _warn(plan: Plan, captured: Captured, setting: PlanSetting, merged: list[str], time_limit: float) -> None:
+    """Add to ``plan.warnings`` what its user should know: options that did nothing, mesh axes
+    planned together (``merged``, to stay within ``time_limit``), outputs dropped, annotations not
+    applied, and what tells its figures from a run's (this host's ranks unlike the cluster's, a
+    plan that splits nothing, gradients summed in the compute dtype)."""
+    memory, cluster = setting.memory, setting.cluster
+    if memory.zero and plan.memory is not None and not plan.memory.zero_splits:
+        plan.warnings.append(
             f"Memory(zero={memory.zero}) splits nothing: no parameter of at least zero_threshold bytes has "
             "its gradient summed over a mesh axis of size > 1 (a data-parallel axis) to split it over"
         )
-    merged = merged_axes(stage_mesh, g.axis_groups)
     if merged:
-        best.warnings.append(
+        plan.warnings.append(
             f"mesh axes planned together to stay within time_limit={time_limit:g} s: {', '.join(merged)} "
             "(each op splits one dim over all axes of a group or none of them; a larger time_limit "
             "plans them apart)"
         )
-    if pipeline is None and captured.annotations.stages:
-        best.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
-    best.warnings.extend(
+    if setting.pipeline is None and captured.annotations.stages:
+        plan.warnings.append("pipeline_stage annotations are ignored: the plan has no pipeline")
+    plan.warnings.extend(
         f"{what} is not returned (None): a compiled program returns tensors and plain values"
         for what in captured.dropped_outputs
     )
-    best.warnings.extend(captured.unapplied)
-    best.warnings.extend(_threads_unlike(cluster))
+    plan.warnings.extend(captured.unapplied)
+    plan.warnings.extend(_threads_unlike(cluster))
+    plan.warnings.extend(_cores_shared(cluster))
+    plan.warnings.extend(_splits_nothing(plan, cluster))
     if captured.precision is not None:
-        best.warnings.extend(_sums_in_compute_dtype(best, captured.precision))
-    return best
+        plan.warnings.extend(_sums_in_compute_dtype(plan, captured.precision))
 
 
 def _threads_unlike(cluster: Cluster) -> list[str]:
@@ -305,6 +316,51 @@ def _threads_unlike(cluster: Cluster) -> list[str]:
         f"rank computes on {torch.get_num_threads()} (torch.get_num_threads()): its step is priced at "
         f"their rates; call torch.set_num_threads({threads}) on each rank before compiling, or "
         "calibrate with the ranks launched as the training run launches them"
+    ]
+
+
+def _cores_shared(cluster: Cluster) -> list[str]:
+    """Say so where this host runs more ranks per core than ``cluster.ranks_per_core`` prices:
+    ranks sharing cores take turns on them, and the figures are for ranks that did not. Only for
+    ranks computing on the host's cores (not a GPU cluster's), and only where this host's ranks
+    are known (:func:`_host_ranks`)."""
+    ranks = None if cluster.asynchronous else _host_ranks(cluster)
+    cores = os.cpu_count() or 1
+    if ranks is None or ranks / cores <= cluster.ranks_per_core:
+        return []
+    return [
+        f"cluster {cluster.name!r} prices ranks at {cluster.ranks_per_core:g} per core, and this host runs "
+        f"{ranks / cores:g} per core ({ranks} ranks, os.cpu_count() {cores}), taking turns on them, so steps "
+        "run slower than predicted; for predictions of this host run `autopar calibrate` with the ranks "
+        "launched as the training run launches them (docs/cost_model.md)"
+    ]
+
+
+def _host_ranks(cluster: Cluster) -> int | None:
+    """The ranks of this job on this host: torchrun's ``LOCAL_WORLD_SIZE`` (set before the process
+    group is), else in a process group its whole world where ``cluster`` puts it on one node
+    (``cpu-gloo``; ``autopar.tools.launch`` spawns ranks so). None where not known: off ranks
+    without torchrun a plan (``autopar plan``) may be for any hosts, and a fake process group
+    (:mod:`autopar.tools.fake_ranks`) is one process, whatever its world size."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return None
+    world = dist.get_world_size()
+    return world if world <= cluster.devices_per_node else None
+
+
+def _splits_nothing(plan: Plan, cluster: Cluster) -> list[str]:
+    """Say why where ``plan`` splits no tensor on a mesh of more than one device
+    (:attr:`Plan.splits_nothing`): every rank computes the whole model, its stage's under a pipeline."""
+    if not plan.splits_nothing:
+        return []
+    whole = "the whole of its stage" if plan.pipeline is not None else "the whole model"
+    return [
+        f"the plan splits no tensor over mesh {plan.mesh_spec}: every rank computes {whole}, since under "
+        f"the figures of cluster {cluster.name!r} every split was slower (at this size the collectives "
+        "cost more than the compute they save); a cluster with faster links (such as cluster='fast-links'), "
+        "a larger model or batch, or shard() annotations would change that"
     ]
 
 

@@ -17,6 +17,10 @@ Cases (``--case``):
   2048 x sequence 8192, pp=16 x dp=128 x tp=8 = 16,384 ranks, 1F1B with 16 microbatches.
   Target: 60 s.
 
+``--code reference`` plans the same shapes written as Llama's reference code rather than as
+transformers writes it (``examples/handwritten.py``: rotary embeddings as complex numbers, the
+rotary table a buffer every layer reads, the loss outside the model).
+
 Run: ``python bench/plan_scale.py --case llama-3-8b`` (``--layers`` for fewer layers).
 """
 
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +39,7 @@ import transformers
 import autopar
 
 transformers.logging.set_verbosity_error()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for --code reference
 
 # layers, hidden, heads, kv heads, FFN, vocabulary, dtype
 SHAPES: dict[str, tuple[int, int, int, int, int, int, torch.dtype]] = {
@@ -67,6 +74,28 @@ def llama(shape: str, layers: int | None = None, dtype: torch.dtype | None = Non
         return transformers.LlamaForCausalLM(config).to(dtype or built)
 
 
+def reference_llama(
+    shape: str, layers: int | None = None, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """The reference-style Llama of ``examples/handwritten.py`` at ``shape``, with its loss, on ``meta``."""
+    from examples.handwritten import LlamaArgs, LlamaWithLoss
+
+    n, hidden, heads, kv_heads, ffn, vocab, built = SHAPES[shape]
+    # its FFN is 8/3 of the hidden size rounded up to a multiple: rounded up to the shape's FFN
+    args = LlamaArgs(
+        dim=hidden,
+        n_layers=layers or n,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        vocab_size=vocab,
+        multiple_of=ffn,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    )
+    with torch.device("meta"):
+        return LlamaWithLoss(args).to(dtype or built)
+
+
 # the hand meshes of 64 devices the automatic mesh must match or beat (issue 16), 1F1B with 8 microbatches
 HAND_64: list[dict[str, int]] = [
     {"dp": 64},
@@ -83,23 +112,25 @@ def run_case(
     layers: int | None = None,
     dtype: torch.dtype | None = None,
     mesh: dict[str, int] | int | None = None,
+    code: str = "transformers",
     **options: Any,
 ) -> dict[str, Any]:
     """Plan ``case`` (a key of :data:`CASES`; the shape's dtype unless ``dtype``, the case's mesh
-    unless ``mesh``: a device count searches it); its figures as a dict. ``options`` go to
-    ``autopar.plan``."""
+    unless ``mesh``: a device count searches it) written as ``code`` (``"transformers"`` or
+    ``"reference"``); its figures as a dict. ``options`` go to ``autopar.plan``."""
     batch, seq, case_mesh, microbatches = CASES[case]
     mesh = case_mesh if mesh is None else mesh
     if isinstance(mesh, dict) and "pp" in mesh and microbatches is None:
         microbatches = 8
     t0 = time.perf_counter()
-    model = llama(case, layers, dtype)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    if code == "reference":
+        model, args, kwargs = reference_llama(case, layers, dtype), (ids, ids), {}
+    else:
+        model, args, kwargs = llama(case, layers, dtype), (), {"input_ids": ids, "labels": ids}
     if microbatches is not None and isinstance(mesh, dict) and "pp" in mesh:
         options.setdefault("pipeline", autopar.Pipeline(microbatches, "1f1b"))
-    plan = autopar.plan(
-        model, (), mesh, example_kwargs={"input_ids": ids, "labels": ids}, cluster="h100", **options
-    )
+    plan = autopar.plan(model, args, mesh, example_kwargs=kwargs, cluster="h100", **options)
     wall = time.perf_counter() - t0
     s, pp = plan.solver, plan.pipeline
     return {
@@ -134,11 +165,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="instead of the shape's")
     parser.add_argument("--devices", type=int, help="search the mesh for this many devices")
     parser.add_argument("--hand", action="store_true", help="plan the hand meshes of 64 devices too")
+    parser.add_argument("--code", choices=("transformers", "reference"), default="transformers")
     a = parser.parse_args()
     dtype = None if a.dtype is None else getattr(torch, a.dtype)
-    print(json.dumps(run_case(a.case, a.layers, dtype, a.devices), indent=1))
+    print(json.dumps(run_case(a.case, a.layers, dtype, a.devices, a.code), indent=1))
     for mesh in HAND_64 if a.hand else []:
-        row = run_case(a.case, a.layers, dtype, mesh)
+        row = run_case(a.case, a.layers, dtype, mesh, a.code)
         keys = ("mesh", "pipeline", "wall_s", "predicted_step_s", "peak_memory_GiB")
         print(json.dumps({k: row[k] for k in keys}))
 

@@ -9,43 +9,41 @@ wherever the strides allow one, and a copy where they do not, so it computes the
 numbers on every rank. A view whose storage some op writes in place stays a view: a copy
 there would lose the write.
 
-Reads: ``val``. Writes: the targets of ``aten.view.default`` nodes.
+Reads: ``val``. Writes: the targets of ``aten.view.default`` nodes, in the program and in the
+submodules export keeps (``torch.no_grad`` regions).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir.meta import storage_ref
+from autopar.ir.ops import written_operand
 from autopar.passes.context import PassContext
 
 _VIEW = torch.ops.aten.view.default
 
 
-def _written_storages(graph: torch.fx.Graph) -> set[StorageWeakRef]:
-    """The storages of every operand some op of ``graph`` writes in place (by its schema)."""
-    written = set()
-    for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        for i, argument in enumerate(schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            operand = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            value = operand.meta.get("val") if isinstance(operand, torch.fx.Node) else None
-            if isinstance(value, torch.Tensor):
-                written.add(storage_ref(value))
-    return written
+def _ops(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
+    """Every op of ``gm`` and of the submodules export keeps (a ``torch.no_grad`` region)."""
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            yield from (node for node in module.graph.nodes if node.op == "call_function")
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    written = _written_storages(gm.graph)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not _VIEW:
-            continue
+    written = {
+        storage_ref(w.meta["val"])
+        for w in map(written_operand, _ops(gm))
+        if w is not None and isinstance(w.meta.get("val"), torch.Tensor)
+    }
+    for node in _ops(gm):
         value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and storage_ref(value) not in written:
+        if node.target is _VIEW and isinstance(value, torch.Tensor) and storage_ref(value) not in written:
             node.target = torch.ops.aten.reshape.default
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule) and module is not gm:
+            module.recompile()
     return gm

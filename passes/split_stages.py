@@ -9,7 +9,8 @@ Stage ``s`` becomes a program ``forward(*received, *state) -> tuple(sent)``:
 ``received`` are the user inputs for stage 0, else what stage ``s - 1`` sends; ``sent``
 are the values later stages read (carried through stage ``s`` when only a later stage
 needs them), and for the last stage the model's user outputs; ``state`` are the
-parameters, buffers and constants the stage reads. Only tensors cross stages.
+parameters, buffers and constants the stage reads: a constant buffer several stages read (a
+rotary table, which the plan lets them share) is in the state of each. Only tensors cross stages.
 
 Reads: ``autopar.stage``, ``autopar.layouts``, ``val``. Writes: ``autopar.stage`` on
 every node; ``ctx.stages``, one :class:`~autopar.runtime.pipeline_runtime.StageProgram` per

@@ -27,13 +27,15 @@ some stage's values runs in the latest of those stages (user inputs count as sta
 a node computed from parameters, constants or nothing (``arange``, a transposed
 weight) runs in the first stage that uses it. A value needed beyond the next stage is
 carried through the stages in between. A parameter used in two stages (tied
-embeddings) is refused: stages hold disjoint parameters.
+embeddings) is refused: stages hold disjoint parameters. So is a buffer some op writes
+(batch norm's running statistics); a constant buffer (a rotary table every layer reads)
+is copied into each stage that reads it, and each stage's memory counts its copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,10 +53,11 @@ from autopar.planning.stage_nodes import (
     complete_stages,
     held_state,
     placed_units,
-    unit_bytes,
+    shared_constants,
+    unit_memory,
     unit_name,
 )
-from autopar.planning.stage_split import UnitCosts, partition
+from autopar.planning.stage_split import partition
 from autopar.planning.step_overheads import StepTerms, hidden_sends
 
 
@@ -233,7 +236,8 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
             )
     stage_of = complete_stages(captured, anchors, n_stages)
     cuts = _crossing_bytes(captured.graph, stage_of, n_stages, value_bytes)
-    stages = tuple(_stage_plan(inputs, costs, stage_of, cuts, s) for s in range(n_stages))
+    copies = shared_constants(captured, stage_of)
+    stages = tuple(_stage_plan(inputs, costs, stage_of, copies, cuts, s) for s in range(n_stages))
     # ranks sharing cores lend each other the time they wait: a rank's compute on the critical path
     # runs up to ranks_per_core times faster while others wait, but what it waits for itself (the
     # sends between stages, the slowest rank) passes no faster; and the step takes no less than
@@ -313,12 +317,10 @@ def _automatic_anchors(
     for node, i in placed.items():
         once = costs.grad_sums.get(node.name, (0.0, 0))[0] + inputs.terms.update_s.get(node.name, 0.0)
         seconds[i] += costs.seconds.get(node.name, 0.0) + once / m  # once a step: spread over microbatches
-    fixed_b, act = unit_bytes(placed, n, inputs.state_bytes, inputs.activation_bytes)
     cuts = _crossing_bytes(captured.graph, placed, n, value_bytes)
-    unit_costs = UnitCosts(
+    unit_costs = replace(
+        unit_memory(captured, placed, n, inputs.state_bytes, inputs.activation_bytes),
         seconds=seconds,
-        fixed_bytes=fixed_b,
-        activation_bytes=act,
         cut_seconds=[inputs.p2p_seconds(c) for c in cuts],
     )
     stage_of_unit = partition(unit_costs, pipeline, pipeline.size(inputs.mesh), inputs.memory_bytes)
@@ -329,13 +331,17 @@ def _stage_plan(
     inputs: PipelineInputs,
     costs: _NodeCosts,
     stage_of: Mapping[torch.fx.Node, int],
+    copies: Mapping[torch.fx.Node, tuple[int, ...]],
     cuts: list[Crossing],
     s: int,
 ) -> StagePlan:
-    """Stage ``s``: its nodes' costs and bytes, and what crosses its boundaries (``cuts``)."""
+    """Stage ``s``: its nodes' costs and bytes (a copy of each constant buffer it reads, from
+    ``copies``, included), and what crosses its boundaries (``cuts``)."""
     pipeline = inputs.pipeline
     p, n_stages = pipeline.size(inputs.mesh), len(cuts)
-    nodes = [node for node in inputs.captured.graph.nodes if stage_of.get(node) == s]
+    nodes = [
+        node for node in inputs.captured.graph.nodes if stage_of.get(node) == s or s in copies.get(node, ())
+    ]
     sent = [cuts[s] if s else Crossing(), cuts[s + 1] if s + 1 < n_stages else Crossing()]
     param_b, grad_b, optimizer_b = (sum(column) for column in zip(*map(inputs.held, nodes)))
     modules = list(dict.fromkeys(unit_name(n) for n in nodes if n.op == "call_function"))

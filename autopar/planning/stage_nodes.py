@@ -12,7 +12,8 @@ import torch
 from autopar.capture.export import BLOCK_PATH, Captured, block_of
 from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import module_stack
+from autopar.ir.meta import module_stack, storage_ref
+from autopar.ir.ops import written_operand
 from autopar.ir.options import Pipeline
 from autopar.planning.stage_split import UnitCosts, partition
 
@@ -70,13 +71,16 @@ def complete_stages(
     """Every placeholder's and op's stage, from the ``anchors`` (see the module docstring).
 
     Raises ``AnnotationError`` where a stage reads a value of a later stage or a
-    parameter is used in two stages, and ``PlanError`` where a stage is empty.
+    parameter (or a buffer some op writes) is used in two stages, and ``PlanError`` where a
+    stage is empty. A constant buffer read by several stages is not refused: each holds a copy
+    (:func:`shared_constants`); its position here is the first of them.
     """
     stage = place(captured, anchors)
     state = {**captured.params, **captured.buffers}
+    shared = shared_constants(captured, stage)
     for node, home in stage.items():
         used_in = sorted({stage[u] for u in node.users if u in stage})
-        if node.name in state and len(used_in) > 1:
+        if node.name in state and len(used_in) > 1 and node not in shared:
             users = ", ".join(sorted({_where(u) for u in node.users}))
             names = " = ".join(repr(a) for a in captured.aliases.get(state[node.name], [state[node.name]]))
             raise AnnotationError(
@@ -98,6 +102,45 @@ def complete_stages(
             f"in every stage, or use fewer stages"
         )
     return stage
+
+
+def constant_buffers(captured: Captured) -> set[str]:
+    """The placeholders of the buffers no op writes in place: not directly, not through a view, not
+    inside a region export keeps as a submodule (a ``torch.no_grad`` block). A write is told by the
+    storage it lands in, which a view shares with its base and a region's inputs with the values
+    passed in. Only parameters get gradients, so such a buffer (a rotary table) is a constant,
+    which any number of pipeline stages may read; batch norm's running statistics are not."""
+    written = {
+        storage_ref(target.meta["val"])
+        for module in captured.program.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function"
+        and (target := written_operand(node)) is not None
+        and isinstance(target.meta.get("val"), torch.Tensor)
+    }
+    return {
+        node.name
+        for node in captured.graph.nodes
+        if node.op == "placeholder"
+        and node.name in captured.buffers
+        and storage_ref(node.meta["val"]) not in written
+    }
+
+
+def shared_constants(
+    captured: Captured, stage: Mapping[torch.fx.Node, int]
+) -> dict[torch.fx.Node, tuple[int, ...]]:
+    """Each constant buffer (:func:`constant_buffers`) that ops of more than one stage (or unit) of
+    ``stage`` read, with those stages in order: every one of them holds a copy of it."""
+    constants = constant_buffers(captured)
+    shared = {}
+    for node in captured.graph.nodes:
+        if node.name in constants:
+            readers = tuple(sorted({stage[u] for u in node.users if u in stage}))
+            if len(readers) > 1:
+                shared[node] = readers
+    return shared
 
 
 def _where(node: torch.fx.Node) -> str:
@@ -159,9 +202,9 @@ def check_stage_memory(
     if captured.annotations.stages or memory_bytes == float("inf"):
         return
     n, _, placed = placed_units(captured)
-    fixed_b, act = unit_bytes(placed, n, state_bytes, activation_bytes)
-    zeros = [0.0] * n  # with no seconds every split is as fast: only whether one fits is asked
-    partition(UnitCosts(zeros, fixed_b, act, zeros), pipeline, pipeline.size(mesh), memory_bytes)
+    # with no seconds every split is as fast: only whether one fits is asked
+    costs = unit_memory(captured, placed, n, state_bytes, activation_bytes)
+    partition(costs, pipeline, pipeline.size(mesh), memory_bytes)
 
 
 def placed_units(
@@ -174,19 +217,29 @@ def placed_units(
     return len(cut_units), unit_of, place(captured, unit_of)
 
 
-def unit_bytes(
+def unit_memory(
+    captured: Captured,
     placed: Mapping[torch.fx.Node, int],
     n: int,
     state_bytes: Mapping[str, tuple[float, ...]],
     activation_bytes: Mapping[str, float],
-) -> tuple[list[float], list[float]]:
-    """Per unit, the bytes held whatever is in flight (parameters, gradients, optimizer state)
-    and the activation bytes of one microbatch."""
+) -> UnitCosts:
+    """The bytes of the ``n`` units (every node ``placed`` in one), and no seconds: per unit, the
+    bytes held whatever is in flight (parameters, gradients, optimizer state) and the activation
+    bytes of one microbatch; a constant buffer several units read, once per stage holding any
+    of them (:func:`shared_constants`)."""
+    shared = shared_constants(captured, placed)
     fixed, act = [0.0] * n, [0.0] * n
+    copied: dict[tuple[int, ...], float] = {}
     for node, i in placed.items():
-        fixed[i] += sum(held_state(state_bytes, node))
+        held = sum(held_state(state_bytes, node))
+        if node in shared:
+            copied[shared[node]] = copied.get(shared[node], 0.0) + held
+        else:
+            fixed[i] += held
         act[i] += activation_bytes.get(node.name, 0.0)
-    return fixed, act
+    zeros = [0.0] * n
+    return UnitCosts(zeros, fixed, act, zeros, copied_bytes=copied)
 
 
 def held_state(

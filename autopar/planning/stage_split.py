@@ -7,8 +7,10 @@ measures the units and plans the schedule around the split.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from autopar.ir.errors import PlanError
 from autopar.ir.options import Pipeline
@@ -28,12 +30,15 @@ class UnitCosts:
     """Per unit: seconds of one microbatch (forward and backward), bytes of memory
     that do not scale with microbatches in flight (parameters, gradients, optimizer
     state), and activation bytes of one microbatch; per cut ``i`` (before unit ``i``)
-    the seconds of sending what crosses it, forward and backward."""
+    the seconds of sending what crosses it, forward and backward. ``copied_bytes`` maps units
+    (in order) to bytes every stage holding any of them holds once: constant buffers those
+    units read, which each such stage has a copy of; they are in no unit's ``fixed_bytes``."""
 
     seconds: list[float]
     fixed_bytes: list[float]
     activation_bytes: list[float]
     cut_seconds: list[float]
+    copied_bytes: Mapping[tuple[int, ...], float] = field(default_factory=dict)
 
 
 def partition(costs: UnitCosts, pipeline: Pipeline, p: int, memory_bytes: float) -> list[int]:
@@ -108,8 +113,10 @@ class _StageTable:
 
     def __init__(self, costs: UnitCosts, pipeline: Pipeline, p: int, stage_bytes: float) -> None:
         self.n, self.stage_bytes = len(costs.seconds), stage_bytes
-        if min((*costs.seconds, *costs.fixed_bytes, *costs.activation_bytes), default=0.0) < 0:
+        values = (*costs.seconds, *costs.fixed_bytes, *costs.activation_bytes, *costs.copied_bytes.values())
+        if min(values, default=0.0) < 0:
             raise ValueError("a unit's seconds and bytes are never negative (past() relies on it)")
+        self.copies = _copies(costs.copied_bytes, self.n)
         self.prefix_t, self.prefix_f, self.prefix_a = ([0.0] for _ in range(3))
         for t, f, a in zip(costs.seconds, costs.fixed_bytes, costs.activation_bytes):
             self.prefix_t.append(self.prefix_t[-1] + t)
@@ -126,12 +133,28 @@ class _StageTable:
         return self.prefix_t[j] - self.prefix_t[i] + (self.cut[i] if i else 0.0) + self.cut[j]
 
     def memory(self, i: int, j: int, s: int) -> float:
-        return self.prefix_f[j] - self.prefix_f[i] + self.flight[s] * (self.prefix_a[j] - self.prefix_a[i])
+        held = self.prefix_f[j] - self.prefix_f[i] + (self.copies[i][j] if self.copies else 0.0)
+        return held + self.flight[s] * (self.prefix_a[j] - self.prefix_a[i])
 
     def past(self, i: int, j: int, s: int, limit: float) -> bool:
         """Whether stage ``s`` holding units ``[i, j)``, or any more after them, takes longer than
         ``limit`` or does not fit: its units' own seconds (cuts aside) and its bytes only grow with ``j``."""
         return self.prefix_t[j] - self.prefix_t[i] > limit or self.memory(i, j, s) > self.stage_bytes
+
+
+def _copies(copied_bytes: Mapping[tuple[int, ...], float], n: int) -> list[list[float]]:
+    """``table[i][j]``: the copied bytes (:attr:`UnitCosts.copied_bytes`) a stage holding units
+    ``[i, j)`` holds, each entry's once if any of its units is among them; no table without any."""
+    if not copied_bytes:
+        return []
+    table = []
+    for i in range(n + 1):
+        row = [0.0] * (n + 2)
+        for units, nbytes in copied_bytes.items():
+            first = min((u for u in units if u >= i), default=n)  # held from j = first + 1 on
+            row[first + 1] += nbytes
+        table.append(list(itertools.accumulate(row[: n + 1])))
+    return table
 
 
 def _split_within(table: _StageTable, stages: int, limit: float) -> tuple[float, float, list[int]] | None:

@@ -45,7 +45,9 @@ class StageProgram:
     ``received`` are the user inputs for stage 0, else what the previous stage sends;
     ``sent`` what later stages read (the model's user outputs for the last stage); only
     tensors cross stages. ``state`` names the placeholders of the whole per-rank program
-    (parameters, buffers, constants) the stage reads, in the order they are passed.
+    (parameters, buffers, constants) the stage reads, in the order they are passed. A constant
+    buffer may be in several stages' state: every rank running one of them holds a copy, and a
+    rank running two passes both the one tensor it holds (nothing writes it).
     """
 
     index: int

@@ -26,6 +26,7 @@ from torch.distributed.pipelining import (
 
 from autopar.ir.options import Pipeline
 from autopar.ir.printing import format_graph
+from autopar.runtime.program_errors import naming_the_source
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +72,8 @@ class _StageModule(torch.nn.Module):
         self.state = state  # plain local leaves, shared with the DTensor parameters
 
     def forward(self, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(self.program(*received, *self.state))
+        with naming_the_source():
+            return tuple(self.program(*received, *self.state))
 
 
 def device_of(device_type: str) -> torch.device:

@@ -299,10 +299,19 @@ def _reference_llama(heads_over: str | None = None) -> tuple:
     return model, (ids, ids), {}
 
 
+def _mini_gpt_five_heads() -> tuple:
+    """A MiniGPT of 5 heads given one long sequence: split by heads over 4 ranks, as DTensor splits
+    5 rows, the ranks hold 2, 2, 1 and no heads (GPT-2 XL's 25 heads over 8: 4, 4, 4, 4, 4, 4, 1, 0)."""
+    model = MiniGPT(MiniGPTConfig(n_head=5, n_embd=80, block_size=512))
+    ids = torch.randint(0, VOCAB, (1, 512))
+    return model, (ids, ids), {}
+
+
 #: The hand-written models, each as the solver plans it and with its heads split over ``tp``.
 HANDWRITTEN = {
     "mini-gpt": _mini_gpt,
     "mini-gpt (heads over tp)": functools.partial(_mini_gpt, "tp"),
+    "mini-gpt (5 heads)": _mini_gpt_five_heads,
     "reference-llama": _reference_llama,
     "reference-llama (heads over tp)": functools.partial(_reference_llama, "tp"),
 }

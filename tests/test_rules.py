@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from autopar.ir.layout import local_shape
+from autopar.ir.layout import local_shape, piece_size
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.strided import is_split, parts_of
 from autopar.rules import PASSTHROUGH, OpCall, build, enumerate_strategies, follow, lookup, split_counts
@@ -45,6 +45,12 @@ def make_node(op, args, kwargs) -> torch.fx.Node:
     return node
 
 
+def _chunks(t: torch.Tensor, dim: int, n: int) -> list[torch.Tensor]:
+    """``torch.chunk``'s pieces of ``t`` as DTensor gives them to ``n`` ranks, the empty ones too."""
+    size = t.shape[dim]
+    return [t.narrow(dim, min(c * piece_size(size, n), size), piece_size(size, n, c)) for c in range(n)]
+
+
 def split_value(t: torch.Tensor, layout, mesh: MeshSpec, gen: torch.Generator) -> dict[tuple, torch.Tensor]:
     """Per-rank pieces of ``t`` (keyed by mesh coordinate)."""
     pieces = {(): t}
@@ -53,7 +59,7 @@ def split_value(t: torch.Tensor, layout, mesh: MeshSpec, gen: torch.Generator) -
         nxt = {}
         for coord, v in pieces.items():
             if is_split(p):  # a rank owns its piece (of every part, for a strided shard)
-                pieces_of = [part.chunk(n, dim=p.dim) for part in v.chunk(parts_of(p), dim=p.dim)]
+                pieces_of = [_chunks(part, p.dim, n) for part in v.chunk(parts_of(p), dim=p.dim)]
                 parts = [torch.cat([each[r] for each in pieces_of], dim=p.dim) for r in range(n)]
             elif isinstance(p, Partial):
                 rand = [torch.randn(v.shape, generator=gen, dtype=v.dtype) for _ in range(n - 1)]
@@ -317,6 +323,29 @@ def test_rule_matches_single_device(op, args, kwargs, mesh):
             run_strategy(op, args, kwargs, node, spec, strategy, mesh)
         except AssertionError as e:
             raise AssertionError(f"{op} strategy {strategy.choices}: {e}") from None
+
+
+#: Dims that 4 ranks split as DTensor does with the last ranks holding nothing: 5 heads over 4
+#: (2, 2, 1, 0), as GPT-2 XL's 25 heads over 8 (4, 4, 4, 4, 4, 4, 1, 0)
+EMPTY_PIECES = [
+    (
+        aten.scaled_dot_product_attention.default,
+        (r(2, 5, 8, 4), r(2, 5, 8, 4), r(2, 5, 8, 4)),
+        {"is_causal": True},
+    ),
+    (aten.mm.default, (r(5, 8), r(8, 3)), {}),
+    (aten.linear.default, (r(2, 4, 8), r(5, 8), r(5)), {}),
+    (aten.transpose.int, (r(2, 8, 5, 4), 1, 2), {}),
+    (aten.embedding.default, (r(5, 4), torch.randint(0, 5, (2, 3))), {}),
+    (aten.sum.dim_IntList, (r(3, 5), [1]), {}),
+]
+
+
+@pytest.mark.parametrize(
+    "op,args,kwargs", EMPTY_PIECES, ids=[f"{c[0]}-{i}" for i, c in enumerate(EMPTY_PIECES)]
+)
+def test_a_rule_matches_single_device_where_ranks_hold_nothing(op, args, kwargs):
+    test_rule_matches_single_device(op, args, kwargs, MeshSpec(("x",), (4,)))
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=str)

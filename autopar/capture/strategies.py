@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.ir.errors import AnnotationError
-from autopar.ir.layout import REPLICATE, Layout, ManualRows, splits_unevenly
+from autopar.ir.layout import REPLICATE, Layout, ManualRows, every_rank_holds_a_row, splits_unevenly
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.strided import strided
 
@@ -266,7 +266,7 @@ def _what_works(size: int, parts: int, mesh: MeshSpec, uneven: bool) -> str:
     ragged = [
         f"{a}={n}"
         for a, n in zip(mesh.axis_names, mesh.axis_sizes)
-        if uneven and parts == 1 and n > 1 and splits_unevenly(size, n)
+        if uneven and parts == 1 and n > 1 and splits_unevenly(size, n) and every_rank_holds_a_row(size, n)
     ]
     options = [f"evenly over {', '.join(even)}"] if even else []
     options += [f"unevenly (DTensor's pieces) over {', '.join(ragged)}"] if ragged else []
@@ -310,7 +310,7 @@ def lower_strategy(
     consecutive mesh axes with that size (see ``docs/annotations.md``). ``where``
     starts every error message. Symbolic sizes are not checked for divisibility. With
     ``uneven`` (a parameter's plan), a dim split over one axis that does not divide it is
-    split as DTensor does (``autopar.ir.layout.splits_unevenly``: every rank holds a row).
+    split as DTensor does where every rank holds a row (``autopar.ir.layout.every_rank_holds_a_row``).
     A :class:`ManualSplit` item (allowed with ``manual``: a parameter's compute layout) lowers
     to ``Shard(d)`` on its axis; its rows are read with :func:`manual_rows`.
     """
@@ -324,7 +324,14 @@ def lower_strategy(
         parts = math.prod(mesh.axis_sizes[a] for a in axes) * k
         # A SymInt test would add a guard to the exported graph; leave those to run time.
         static = isinstance(shape[d], int)
-        ragged = uneven and static and len(axes) == 1 and k == 1 and splits_unevenly(shape[d], parts)
+        ragged = (
+            uneven
+            and static
+            and len(axes) == 1
+            and k == 1
+            and splits_unevenly(shape[d], parts)
+            and every_rank_holds_a_row(shape[d], parts)
+        )
         if static and shape[d] % parts and not ragged:
             what = f"{k} equal parts each split over" if k > 1 else "equal parts over"
             raise AnnotationError(

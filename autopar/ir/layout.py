@@ -124,9 +124,17 @@ def is_uneven(size: int, n: int) -> bool:
 
 
 def splits_unevenly(size: int, n: int) -> bool:
-    """Whether an uneven split of ``size`` rows over ``n`` ranks is offered: every rank holds at
-    least one row (``torch.chunk``'s pieces would otherwise leave a rank nothing)."""
-    return is_uneven(size, n) and piece_size(size, n) * (n - 1) < size
+    """Whether ``size`` rows split over ``n`` ranks as DTensor splits them leave pieces of different
+    sizes, the last ranks' perhaps empty (25 heads over 8 ranks: six pieces of 4, one of 1, one of
+    none; see :func:`every_rank_holds_a_row`)."""
+    return is_uneven(size, n)
+
+
+def every_rank_holds_a_row(size: int, n: int) -> bool:
+    """Whether each of ``n`` ranks holds at least one of ``size`` rows split as DTensor splits them
+    (``torch.chunk``'s pieces leave the last ranks nothing where ``ceil(size / n)`` takes them all
+    before: 25 over 8)."""
+    return piece_size(size, n) * (n - 1) < size
 
 
 def local_shape(

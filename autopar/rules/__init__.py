@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 from torch.distributed.tensor import Partial, Replicate
 
-from autopar.ir.layout import Layout, is_uneven, piece_size, splits_unevenly
+from autopar.ir.layout import Layout, every_rank_holds_a_row, is_uneven, piece_size, splits_unevenly
 from autopar.ir.mesh import AxisGroups, MeshSpec, grouped_product
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.rules.op_call import OpCall
@@ -297,12 +297,16 @@ def _splits_unevenly(
     spec: DimSpec | None, label: str, choices: Sequence[Choice], sizes: list[int], n: int
 ) -> bool:
     """Whether ``label`` may split unevenly, as DTensor does (``autopar.ir.layout.piece_size``):
-    plainly, over one axis, every dim carrying it of one size, each rank holding a row; not a
-    mean's items (a rank's share of the count would differ), nor a dim with extents, counts or
-    parts (a grouped convolution's groups, a fused projection's q, k and v)."""
+    plainly, over one axis, every dim carrying it of one size; not a mean's items (a rank's share
+    of the count would differ), nor a dim with extents, counts or parts (a grouped convolution's
+    groups, a fused projection's q, k and v). Where the last ranks' pieces are empty (25 heads
+    over 8), not a looked-up dim nor a partial maximum's (an empty piece has no row to read and no
+    maximum)."""
     if spec is None or choices.count(label) != 1 or len(set(sizes)) != 1:
         return False
     fixed = spec.mean_over | {lab for lab, _ in (*spec.extents, *spec.counts, *spec.parts)}
+    if not every_rank_holds_a_row(sizes[0], n):
+        fixed |= spec.max_over | {lab for lab, _ in spec.indexed}
     return label not in fixed and splits_unevenly(sizes[0], n)
 
 

@@ -81,8 +81,8 @@ def piece(x: torch.Tensor, dim: int, n: int, c: int, parts: int = 1, size: int =
     """Rank ``c``'s piece of ``x`` along ``dim`` split over ``n`` ranks (a view): its chunk of every
     part (``parts``), or, where ``size`` (the dim's rows) is given, its uneven piece."""
     if size:
-        block = piece_size(size, n)
-        return x.narrow(dim, c * block, piece_size(size, n, c))
+        start = min(c * piece_size(size, n), size)  # the last ranks' pieces may be empty
+        return x.narrow(dim, start, piece_size(size, n, c))
     x = rank_major(x, dim, parts, n)
     rows = x.shape[dim] // n
     return x.narrow(dim, c * rows, rows)

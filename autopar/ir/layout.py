@@ -159,7 +159,9 @@ def local_fraction(layout: Layout, mesh: MeshSpec) -> float:
 
 def is_valid_for(layout: Layout, shape: Sequence[int], mesh: MeshSpec, uneven: bool = False) -> bool:
     """True if every sharded dimension exists and divides evenly (each part of a strided one);
-    with ``uneven``, a dim split plainly over one axis may also split unevenly (``splits_unevenly``)."""
+    with ``uneven`` (a parameter's stored layout), a dim split plainly over one axis may also split
+    unevenly where every rank holds a row (``every_rank_holds_a_row``: a parameter is not stored in
+    empty pieces)."""
     if len(layout) != mesh.ndim:
         return False
     for p in layout:
@@ -173,7 +175,14 @@ def is_valid_for(layout: Layout, shape: Sequence[int], mesh: MeshSpec, uneven: b
         [n for p, n in zip(layout, mesh.axis_sizes) if is_split(p) and p.dim == d] for d in range(len(shape))
     ]
     return all(
-        s % c == 0 or (uneven and len(axes) == 1 and c == axes[0] and splits_unevenly(s, c))
+        s % c == 0
+        or (
+            uneven
+            and len(axes) == 1
+            and c == axes[0]
+            and splits_unevenly(s, c)
+            and every_rank_holds_a_row(s, c)
+        )
         for s, c, axes in zip(shape, counts, axes_of)
     )
 

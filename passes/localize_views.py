@@ -3,8 +3,9 @@
 A captured ``view`` was valid for the strides one device's tensors had at capture. A rank
 computes on pieces whose strides can differ: ``y.transpose(1, 2).contiguous().view(b, t, c)``
 after attention records no copy where one device's attention output was already laid out
-token-major (``contiguous()`` returned its operand), while a rank's attention over its own
-heads returns them head-major, where that view is impossible. ``reshape`` is the same view
+token-major (``contiguous()`` returned its operand), while a rank given its heads as the
+contiguous pieces a redistribution returns gets its attention output head-major, where that
+view is impossible. ``reshape`` is the same view
 wherever the strides allow one, and a copy where they do not, so it computes the same
 numbers on every rank. A view whose storage some op writes in place stays a view: a copy
 there would lose the write.
@@ -19,8 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from autopar.ir.meta import storage_ref
-from autopar.ir.ops import written_operand
+from autopar.ir.meta import storage_ref, written_storages
 from autopar.passes.context import PassContext
 
 _VIEW = torch.ops.aten.view.default
@@ -34,11 +34,7 @@ def _ops(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    written = {
-        storage_ref(w.meta["val"])
-        for w in map(written_operand, _ops(gm))
-        if w is not None and isinstance(w.meta.get("val"), torch.Tensor)
-    }
+    written = written_storages(gm)
     for node in _ops(gm):
         value = node.meta.get("val")
         if node.target is _VIEW and isinstance(value, torch.Tensor) and storage_ref(value) not in written:

@@ -28,6 +28,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.ir.layout import Layout
+from autopar.ir.ops import written_operand
 
 T = TypeVar("T")
 
@@ -152,6 +153,20 @@ def per_node(fn: Callable[[torch.fx.Node], T]) -> Callable[[torch.fx.Node], T]:
 def storage_ref(t: torch.Tensor) -> StorageWeakRef:
     """A weak reference naming the storage ``t`` lives in (equal for a tensor and its views)."""
     return StorageWeakRef(t.untyped_storage())
+
+
+def written_storages(gm: torch.fx.GraphModule) -> set[StorageWeakRef]:
+    """The storages some op of ``gm``, or of a submodule export keeps (a ``torch.no_grad``
+    region), writes in place: directly, through a view, or through a region's input."""
+    written = set()
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            target = written_operand(node) if node.op == "call_function" else None
+            if target is not None and isinstance(target.meta.get("val"), torch.Tensor):
+                written.add(storage_ref(target.meta["val"]))
+    return written
 
 
 def module_path(node: torch.fx.Node) -> str:

@@ -12,8 +12,7 @@ import torch
 from autopar.capture.export import BLOCK_PATH, Captured, block_of
 from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.meta import module_stack, storage_ref
-from autopar.ir.ops import written_operand
+from autopar.ir.meta import module_stack, storage_ref, written_storages
 from autopar.ir.options import Pipeline
 from autopar.planning.stage_split import UnitCosts, partition
 
@@ -110,15 +109,7 @@ def constant_buffers(captured: Captured) -> set[str]:
     storage it lands in, which a view shares with its base and a region's inputs with the values
     passed in. Only parameters get gradients, so such a buffer (a rotary table) is a constant,
     which any number of pipeline stages may read; batch norm's running statistics are not."""
-    written = {
-        storage_ref(target.meta["val"])
-        for module in captured.program.graph_module.modules()
-        if isinstance(module, torch.fx.GraphModule)
-        for node in module.graph.nodes
-        if node.op == "call_function"
-        and (target := written_operand(node)) is not None
-        and isinstance(target.meta.get("val"), torch.Tensor)
-    }
+    written = written_storages(captured.program.graph_module)
     return {
         node.name
         for node in captured.graph.nodes

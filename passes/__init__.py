@@ -8,6 +8,7 @@ graph plus a plan to the per-rank program. Each pass's docstring names the
 from autopar.passes import (
     apply_plan,
     apply_recompute,
+    check_local_program,
     drop_layout_constraints,
     insert_redistributions,
     localize_lookups,
@@ -32,6 +33,7 @@ PIPELINE = (
     localize_lookups,  # lookups into a split dim: this rank's block, the rest masked
     localize_views,  # views -> reshapes: a rank's pieces may have strides one device's values lacked
     verify_layouts,  # every edge: producer layout == consumer expectation
+    check_local_program,  # the program run once on fake tensors of this rank's pieces
     mark_recompute,  # the ops recomputed in backward: recompute modules, ZeRO-3 gathers
     apply_recompute,  # each recompute region -> one checkpointed submodule
     split_stages,  # under a pipeline: one program per stage, boundaries carried through

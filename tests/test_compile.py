@@ -71,6 +71,7 @@ def test_program_shows_every_collective_and_parameters_are_dtensors(mesh):
         "localize_lookups",
         "localize_views",
         "verify_layouts",
+        "check_local_program",
         "mark_recompute",
         "apply_recompute",
         "split_stages",

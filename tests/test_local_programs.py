@@ -7,10 +7,13 @@ compute on real local pieces; numerics against one device are the model zoo's (4
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
+from autopar import compiler
+from autopar.ir.fake import fake_mode
 from autopar.passes import localize_views
 from autopar.passes.context import PassContext
 from examples.handwritten import HANDWRITTEN
@@ -66,3 +69,26 @@ def test_an_error_raised_inside_the_program_names_the_users_module_and_forward(f
     assert f"raised by {broken.name} = aten.view.default in the per-rank program" in note
     assert "from module 'transformer.h.0.attn' (FusedSelfAttention.forward (" in note
     assert "examples/handwritten.py:" in note
+
+
+def test_a_lowering_that_leaves_an_impossible_op_fails_at_compile_time_naming_it(
+    fake_process_group, monkeypatch
+):
+    # without localize_views, the recorded view of the attention output cannot run on a rank
+    without = tuple(p for p in compiler.PIPELINE if p is not localize_views)
+    monkeypatch.setattr(compiler, "PIPELINE", without)
+    with pytest.raises(autopar.CompileError) as e:
+        _heads_split_gpt()
+    message = str(e.value)
+    assert "the per-rank program at mesh coordinates (0, 0) fails at view_3 = aten.view.default" in message
+    assert "an op recorded from module 'transformer.h.0.attn': ValueError: Cannot view a tensor" in message
+    assert "as a tensor with shape (2, 8, 32)" in message  # the rank's strides allow no such view
+
+
+def test_fake_mode_makes_tensors_that_hold_no_memory():
+    # the one adapter onto torch's private fake tensors (autopar.ir.fake)
+    with fake_mode():
+        huge = torch.empty(2**40, dtype=torch.float32)
+        doubled = huge * 2
+    assert doubled.shape == (2**40,) and doubled.dtype == torch.float32
+    assert type(doubled).__name__ == "FakeTensor"

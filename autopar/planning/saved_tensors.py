@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.ir.fake import fake_mode
 from autopar.ir.meta import per_node, storage_ref
 from autopar.ir.ops import is_selective_save
 from autopar.rules import OpCall
@@ -200,7 +200,7 @@ def _measure(node: torch.fx.Node, call: OpCall, flags: tuple[bool, ...], pieces:
     for i, (a, flag) in enumerate(zip(call.operands, flags)):
         requires[a] = requires.get(a, False) or flag
         piece_of.setdefault(a, None if pieces is None else pieces[i])
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad():
+    with fake_mode(), torch.enable_grad():
         fakes = {a: _fake_operand(a.meta["val"], device, rg, piece_of[a]) for a, rg in requires.items()}
         args, kwargs = pytree.tree_map(
             lambda x: (fakes[x] if x in fakes else x.meta.get("val")) if isinstance(x, torch.fx.Node) else x,

@@ -149,6 +149,18 @@ def _gpt2() -> tuple:
     return model, (), {"input_ids": ids, "labels": ids, "use_cache": False, "return_dict": True}
 
 
+def _phi3_gqa_fused() -> tuple:
+    """Phi-3 with 8 heads and 2 kv heads: q, k and v in one projection of unequal parts (512, 128,
+    128 features), given one sequence long enough that its attention splits by heads."""
+    import transformers
+
+    wide = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, max_position_embeddings=128)
+    config = _config("Phi3Config", **{**_DECODER, **wide}, pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(config)
+    ids = torch.randint(0, VOCAB, (1, 128))
+    return model, (), {"input_ids": ids, "labels": ids, "use_cache": False, "return_dict": True}
+
+
 def _small_resnet() -> tuple:
     from examples import cnn
 
@@ -165,6 +177,7 @@ ZOO: dict[str, Callable[[], tuple]] = {
     "qwen2": _causal("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": _causal("Qwen3ForCausalLM", "Qwen3Config", head_dim=16),
     "phi3": _causal("Phi3ForCausalLM", "Phi3Config", pad_token_id=0),
+    "phi3 (fused q, k, v of unequal parts)": _phi3_gqa_fused,
     "gemma2": _causal("Gemma2ForCausalLM", "Gemma2Config", head_dim=16),
     "olmo2": _causal("Olmo2ForCausalLM", "Olmo2Config"),
     "gpt-neox": _causal("GPTNeoXForCausalLM", "GPTNeoXConfig"),

@@ -25,6 +25,7 @@ from autopar.capture.annotations import ModelAnnotations, unclaimed_annotations
 from autopar.capture.constraint_op import constraint_spec, layout_constraint
 from autopar.capture.exact_means import ExactMeans
 from autopar.capture.functionalize import functionalize
+from autopar.capture.fused_parts import split_fused_projections
 from autopar.capture.hooks import annotation_hooks, check_strategies_ran
 from autopar.capture.precision import cast_parameters, traced_in
 from autopar.ir.errors import AnnotationError, CaptureError
@@ -286,6 +287,7 @@ def capture(
         cast_parameters(program, model, dtypes, precision)
     _refuse_data_dependent_shapes(program.graph, type(model).__name__)
     functionalize(program.graph_module)  # in-place ops on temporaries, as out-of-place ones where exact
+    split_fused_projections(program.graph_module)  # a projection cut into unequal parts: one per part
     sig = program.graph_signature
     params = dict(sig.inputs_to_parameters)
     buffers = dict(sig.inputs_to_buffers)

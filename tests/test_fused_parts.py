@@ -7,6 +7,7 @@ its attention split by heads (``tests/test_model_zoo.py``).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -70,3 +71,36 @@ def test_a_gqa_fused_projection_splits_by_heads():
     assert [n.outputs for n in parts] == [("S(2)",)] * 3  # q, k and v, each by its own heads
     attention = next(n for n in layer if "scaled_dot_product" in n.op)
     assert attention.operands[:3] == ("S(1)",) * 3  # q heads on the rank of the kv heads they share
+
+
+def test_a_parameter_plan_gives_a_gqa_projection_its_parts_split_by_heads():
+    import transformers
+
+    from tests.zoo_models import build
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model, _, kwargs = build("phi3 (fused q, k, v of unequal parts)")  # 8 heads, 2 kv heads of 64
+    qkv = autopar.Parts("tp", (512, 128, 128))
+    for layer in model.model.layers:
+        autopar.shard(layer.self_attn, parameter_plan={"qkv_proj.weight": (qkv, None)})
+    # the cpu-gloo preset alone would keep a model this small whole on every rank
+    plan = autopar.plan(model, (), {"tp": 2}, example_kwargs=kwargs)
+    parts = [n for n in plan.nodes if n.module == "model.layers.0.self_attn.qkv_proj" and "linear" in n.op]
+    assert [n.operands[1] for n in parts] == ["S(0)"] * 3  # each part's weight slice by its rows
+
+
+def test_unequal_parts_that_do_not_fit_are_refused_naming_the_parameter():
+    model = _FusedQKV(q=8, kv=4)
+    mesh = MeshSpec(("tp",), (2,))
+    for parts, words in [
+        ((8, 4, 2), "add up to 14"),
+        ((9, 3, 4), "do not split evenly over mesh axis 'tp'"),
+        ((4, 8, 4), r"no projection \(linear\) reads it with its output cut"),
+    ]:
+        autopar.shard(model.qkv, parameter_plan={"weight": (autopar.Parts("tp", parts), None)})
+        with pytest.raises(autopar.AnnotationError, match=words):
+            capture(model, (torch.randn(2, 3, 16),), {}, mesh)
+    autopar.shard(model.qkv, in_strategy=((None, None, autopar.Parts("tp", (8, 4, 4))),))
+    with pytest.raises(autopar.AnnotationError, match="only a parameter_plan takes"):
+        capture(model, (torch.randn(2, 3, 16),), {}, mesh)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+import autopar
 from examples.handwritten import HANDWRITTEN
 
 BATCH, SEQ, VOCAB, IMAGE = 4, 8, 128, 32
@@ -161,6 +162,15 @@ def _phi3_gqa_fused() -> tuple:
     return model, (), {"input_ids": ids, "labels": ids, "use_cache": False, "return_dict": True}
 
 
+def _phi3_gqa_annotated() -> tuple:
+    """The GQA Phi-3 above with its q, k and v parts split over tp by a ``parameter_plan``."""
+    model, args, kwargs = _phi3_gqa_fused()
+    qkv = autopar.Parts("tp", (512, 128, 128))
+    for layer in model.model.layers:
+        autopar.shard(layer.self_attn, parameter_plan={"qkv_proj.weight": (qkv, None)})
+    return model, args, kwargs
+
+
 def _small_resnet() -> tuple:
     from examples import cnn
 
@@ -178,6 +188,7 @@ ZOO: dict[str, Callable[[], tuple]] = {
     "qwen3": _causal("Qwen3ForCausalLM", "Qwen3Config", head_dim=16),
     "phi3": _causal("Phi3ForCausalLM", "Phi3Config", pad_token_id=0),
     "phi3 (fused q, k, v of unequal parts)": _phi3_gqa_fused,
+    "phi3 (unequal parts given over tp)": _phi3_gqa_annotated,
     "gemma2": _causal("Gemma2ForCausalLM", "Gemma2Config", head_dim=16),
     "olmo2": _causal("Olmo2ForCausalLM", "Olmo2Config"),
     "gpt-neox": _causal("GPTNeoXForCausalLM", "GPTNeoXConfig"),

@@ -25,14 +25,17 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 from autopar.capture.strategies import (
+    Parts,
     Strategy,
     check_strategy_form,
     is_plain_int,
     lower_strategy,
     manual_rows,
     strategy_axes,
+    unequal_parts,
 )
 from autopar.ir.errors import AnnotationError
 from autopar.ir.layout import Layout, ManualRows, format_layout
@@ -250,6 +253,8 @@ class ModelAnnotations:
     recompute: Mapping[str, RecomputePolicy]  # module path -> policy
     # fqn -> the rows per rank of its ManualSplit
     parameter_rows: Mapping[str, ManualRows] = field(default_factory=lambda: MappingProxyType({}))
+    # fqn -> the dim and Parts of unequal sizes its parameter_plan gives (each part's slice laid out)
+    parameter_parts: Mapping[str, tuple[int, Parts]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def describe_module(path: str, module: nn.Module) -> str:
@@ -286,6 +291,7 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
     layouts: dict[str, Layout] = {}
     layout_origin: dict[str, str] = {}
     rows: dict[str, ManualRows] = {}
+    parts: dict[str, tuple[int, Parts]] = {}
     computed_with: set[str] = set()
     stages: dict[str, int] = {}
     recomputed: dict[str, RecomputePolicy] = {}
@@ -305,12 +311,15 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
                 param = _parameter(module, name, desc)
                 if strategy is None:
                     continue
-                if computed:
-                    computed_with.add(fqn_of[id(param)])
                 where = f"{desc} parameter {name!r}"
                 layout = lower_strategy(
                     strategy, tuple(param.shape), mesh, where=where, uneven=True, manual=computed
                 )
+                if unequal_parts(strategy) is not None:
+                    parts[fqn_of[id(param)]] = _parts_alone(strategy, layout, where)
+                    continue
+                if computed:
+                    computed_with.add(fqn_of[id(param)])
                 fqn, manual = fqn_of[id(param)], manual_rows(strategy)
                 if fqn in layouts and rows.get(fqn) != manual:
                     raise AnnotationError(
@@ -345,7 +354,20 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
         stages=MappingProxyType(stages),
         recompute=MappingProxyType(recomputed),
         parameter_rows=MappingProxyType(rows),
+        parameter_parts=MappingProxyType(parts),
     )
+
+
+def _parts_alone(strategy: Strategy, layout: Layout, where: str) -> tuple[int, Parts]:
+    """The dim and :class:`Parts` of unequal sizes of a parameter's ``strategy``, which must split
+    nothing else (its ``layout`` otherwise whole)."""
+    d, item = unequal_parts(strategy)
+    if any(not isinstance(p, Replicate) for p in layout):
+        raise AnnotationError(
+            f"{where}: {item!r} on dim {d} lays out each part's slice, so the strategy splits no other "
+            f"dim; got {strategy!r}"
+        )
+    return d, item
 
 
 def _check_stages(stages: dict[str, int], modules: dict[str, nn.Module]) -> None:

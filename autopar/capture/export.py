@@ -287,9 +287,14 @@ def capture(
         cast_parameters(program, model, dtypes, precision)
     _refuse_data_dependent_shapes(program.graph, type(model).__name__)
     functionalize(program.graph_module)  # in-place ops on temporaries, as out-of-place ones where exact
-    split_fused_projections(program.graph_module)  # a projection cut into unequal parts: one per part
     sig = program.graph_signature
     params = dict(sig.inputs_to_parameters)
+    annotated = {
+        name: (fqn, *annotations.parameter_parts[fqn])
+        for name, fqn in params.items()
+        if fqn in annotations.parameter_parts
+    }
+    split_fused_projections(program.graph_module, mesh, annotated)  # unequal parts: one projection each
     buffers = dict(sig.inputs_to_buffers)
     inputs = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.name in set(sig.user_inputs)]
     named = dict(model.named_parameters(remove_duplicate=False))

@@ -13,12 +13,23 @@ part's projection then splits by its own heads like any linear (column-parallel)
 theirs, so q heads and the kv heads they share meet on one rank.
 
 Only a projection whose every use is a plain slice of its last dim (step 1), the slices tiling
-it without overlap, is rewritten; equal parts are left to the strided shard.
+it without overlap, is rewritten; equal parts are left to the strided shard. A
+``parameter_plan`` giving the weight ``Parts(axis, sizes)`` of those sizes pins each part's
+weight slice split over ``axis`` (a ``layout_constraint``), Megatron's split of a GQA projection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+from torch.distributed.tensor import Shard
+
+from autopar.capture.constraint_op import constraint_spec
+from autopar.capture.strategies import Parts
+from autopar.ir.errors import AnnotationError
+from autopar.ir.layout import REPLICATE, Layout
+from autopar.ir.mesh import MeshSpec
 
 aten = torch.ops.aten
 
@@ -58,11 +69,41 @@ def _sliced(graph: torch.fx.Graph, value: torch.fx.Node, start: int, end: int, m
     return piece
 
 
-def split_fused_projections(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+def _parameter_of(value: torch.fx.Node) -> torch.fx.Node:
+    """The placeholder ``value`` is, or is a cast of (a projection's weight under mixed precision)."""
+    while value.op == "call_function" and value.args and isinstance(value.args[0], torch.fx.Node):
+        source = value.args[0]
+        if tuple(source.meta["val"].shape) != tuple(value.meta["val"].shape):
+            break
+        value = source
+    return value
+
+
+def _constrained(graph: torch.fx.Graph, piece: torch.fx.Node, layout: Layout, origin: str) -> torch.fx.Node:
+    """``piece`` through a ``layout_constraint`` pinning ``layout`` (what ``autopar.constrain`` records)."""
+    spec = constraint_spec(layout, origin)
+    op = torch.ops.autopar.layout_constraint.default
+    pinned = graph.call_function(op, (piece, spec))
+    pinned.meta = {**piece.meta, "val": op(piece.meta["val"], spec)}
+    return pinned
+
+
+def _part_layout(mesh: MeshSpec, item: Parts) -> Layout:
+    """A part's weight slice split by its rows (its output features) over ``item.axis``."""
+    return tuple(Shard(0) if name == item.axis else REPLICATE for name in mesh.axis_names)
+
+
+def split_fused_projections(
+    gm: torch.fx.GraphModule, mesh: MeshSpec, annotated: Mapping[str, tuple[str, int, Parts]]
+) -> list[torch.fx.Node]:
     """Rewrite each projection cut into unequal parts as one projection per part (see the module
-    docstring), in place, recompiling ``gm``; returns the projections rewritten."""
+    docstring), in place, recompiling ``gm``; returns the projections rewritten. ``annotated`` maps
+    a weight's placeholder to its fqn and the dim and :class:`Parts` of unequal sizes its
+    ``parameter_plan`` gives: each part's weight slice is then pinned split over that axis.
+
+    Raises ``AnnotationError`` for such a weight that no projection so cut reads."""
     graph = gm.graph
-    rewritten = []
+    rewritten, laid_out = [], set()
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default or node.kwargs:
             continue
@@ -71,10 +112,19 @@ def split_fused_projections(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             continue
         x, weight = node.args[:2]
         bias = node.args[2] if len(node.args) > 2 else None
+        pinned = annotated.get(_parameter_of(weight).name)
+        sizes = tuple(end - start for _, start, end in sorted(parts, key=lambda part: part[1]))
+        if pinned is not None and (pinned[1], pinned[2].parts) == (0, sizes):
+            laid_out.add(_parameter_of(weight).name)
+        else:
+            pinned = None
         meta = {k: v for k, v in node.meta.items() if k != "val"}
         for user, start, end in parts:
             with graph.inserting_before(user):
                 w = _sliced(graph, weight, start, end, meta)
+                if pinned is not None:
+                    origin = f"parameter_plan of {pinned[0]!r}: {pinned[2]!r}, rows {start}-{end}"
+                    w = _constrained(graph, w, _part_layout(mesh, pinned[2]), origin)
                 b = _sliced(graph, bias, start, end, meta) if isinstance(bias, torch.fx.Node) else bias
                 part = graph.call_function(aten.linear.default, (x, w, b))
             values = (x.meta["val"], w.meta["val"], None if b is None else b.meta["val"])
@@ -83,6 +133,13 @@ def split_fused_projections(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             graph.erase_node(user)
         graph.erase_node(node)
         rewritten.append(node)
+    for name in set(annotated) - laid_out:
+        fqn, d, item = annotated[name]
+        raise AnnotationError(
+            f"parameter_plan of {fqn!r}: {item!r} on dim {d}, but no projection (linear) reads it with "
+            f"its output cut by slices of its last dim into parts of sizes {item.parts} (with dim 0 of "
+            "the weight made of those parts); give equal parts, or leave it to the planner"
+        )
     if rewritten:
         graph.lint()
         gm.recompile()

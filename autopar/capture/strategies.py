@@ -26,10 +26,28 @@ class Parts:
     """A named strategy item: the dim is made of ``parts`` equal parts (a fused projection's q, k
     and v), each split over mesh axis ``axis``; a rank holds its piece of every part (a strided
     shard, ``S(d)xk``). ``parameter_plan={"c_attn.weight": (None, Parts("tp", 3))}`` splits
-    GPT-2's fused attention projection by heads."""
+    GPT-2's fused attention projection by heads.
+
+    ``parts`` may give the parts' sizes instead, in order: parts of unequal sizes (a grouped-query
+    projection's q, k and v, ``Parts("tp", (4096, 1024, 1024))``) are no placement DTensor has, so
+    in a ``parameter_plan`` they pin the layout each part's projection computes with (its slice
+    of the weight split over ``axis``; ``autopar.capture.fused_parts``), and the solver chooses
+    how the whole weight is stored."""
 
     axis: str
-    parts: int
+    parts: int | tuple[int, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...] | None:
+        """The parts' sizes where they are given and not all equal (None: ``count`` equal parts)."""
+        if isinstance(self.parts, tuple) and len(set(self.parts)) > 1:
+            return self.parts
+        return None
+
+    @property
+    def count(self) -> int:
+        """How many parts the dim is made of."""
+        return len(self.parts) if isinstance(self.parts, tuple) else self.parts
 
 
 @dataclass(frozen=True)
@@ -94,9 +112,13 @@ def check_strategy_form(strategy: object, *, where: str) -> bool:
                     f"names, got {item!r}"
                 )
         elif isinstance(item, Parts):
-            if not isinstance(item.axis, str) or not is_plain_int(item.parts) or item.parts < 2:
+            sizes = item.parts if isinstance(item.parts, tuple) else (1,) * item.parts
+            if not isinstance(item.axis, str) or not all(is_plain_int(n) and n > 0 for n in sizes):
+                sizes = ()
+            if len(sizes) < 2:
                 raise AnnotationError(
-                    f"{where}: dim {d}: {item!r} needs a mesh axis name and at least 2 parts"
+                    f"{where}: dim {d}: {item!r} needs a mesh axis name and at least 2 parts (a count, "
+                    "or the parts' sizes as a tuple of ints >= 1)"
                 )
         elif isinstance(item, ManualSplit):
             rows = item.rows
@@ -293,6 +315,32 @@ def manual_rows(strategy: Strategy | None) -> ManualRows | None:
     return next((ManualRows(d, item.rows) for d, item in items if isinstance(item, ManualSplit)), None)
 
 
+def unequal_parts(strategy: Strategy | None) -> tuple[int, Parts] | None:
+    """The dim and item of ``strategy``'s :class:`Parts` of unequal sizes, if it has one."""
+    items = enumerate(strategy or ())
+    return next(((d, item) for d, item in items if isinstance(item, Parts) and item.sizes), None)
+
+
+def _check_unequal_parts(item: Parts, d: int, size: int, n: int, manual: bool, where: str) -> None:
+    """``item``'s sizes add up to dim ``d`` (of ``size``) and each splits evenly over its axis (of
+    ``n`` ranks); such an item is for a parameter's compute layout (``manual``) only."""
+    if not manual:
+        raise AnnotationError(
+            f"{where}: dim {d}: {item!r} gives parts of unequal sizes, which only a parameter_plan takes "
+            "(each part's projection computes with its slice split); give equal parts or a count"
+        )
+    if sum(item.parts) != size:
+        raise AnnotationError(
+            f"{where}: dim {d} has size {size}, but the parts of {item!r} add up to {sum(item.parts)}"
+        )
+    uneven = [p for p in item.parts if p % n]
+    if uneven:
+        raise AnnotationError(
+            f"{where}: dim {d}: parts of sizes {uneven} of {item!r} do not split evenly over mesh axis "
+            f"{item.axis!r} of {n} ranks"
+        )
+
+
 def lower_strategy(
     strategy: Strategy,
     shape: Sequence[int],
@@ -312,7 +360,9 @@ def lower_strategy(
     ``uneven`` (a parameter's plan), a dim split over one axis that does not divide it is
     split as DTensor does where every rank holds a row (``autopar.ir.layout.every_rank_holds_a_row``).
     A :class:`ManualSplit` item (allowed with ``manual``: a parameter's compute layout) lowers
-    to ``Shard(d)`` on its axis; its rows are read with :func:`manual_rows`.
+    to ``Shard(d)`` on its axis; its rows are read with :func:`manual_rows`. A :class:`Parts` item
+    of unequal sizes (``manual`` too) leaves its dim whole here: each part's slice is laid out
+    (:func:`unequal_parts`, ``autopar.capture.fused_parts``).
     """
     layout = [REPLICATE] * mesh.ndim
     for d, axes in enumerate(strategy_axes(strategy, mesh, where=where, shape=shape, manual=manual)):
@@ -320,7 +370,10 @@ def lower_strategy(
             _check_manual(strategy[d], d, shape[d], mesh, where)
             layout[axes[0]] = strided(d, 1)
             continue
-        k = strategy[d].parts if isinstance(strategy[d], Parts) else 1
+        if isinstance(strategy[d], Parts) and strategy[d].sizes:  # each part's slice is laid out, not it
+            _check_unequal_parts(strategy[d], d, shape[d], mesh.axis_sizes[axes[0]], manual, where)
+            continue
+        k = strategy[d].count if isinstance(strategy[d], Parts) else 1
         parts = math.prod(mesh.axis_sizes[a] for a in axes) * k
         # A SymInt test would add a guard to the exported graph; leave those to run time.
         static = isinstance(shape[d], int)

@@ -123,7 +123,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     model = materialize(model, seed)
     t0 = time.perf_counter()
     precision = _precision_of(plan, precision)
-    captured = capture_for(model, example_args, example_kwargs, spec, pipeline, precision)
+    captured = capture_for(model, example_args, example_kwargs, spec, pipeline, precision, stack_traces=True)
     captured.unapplied[:0] = unapplied
     if plan is None:
         solving = {"cluster": cluster, "time_limit": time_limit, "seed": seed, "pipeline": pipeline}

@@ -18,7 +18,7 @@ import torch
 from autopar.ir.errors import CompileError
 from autopar.ir.fake import fake_mode
 from autopar.ir.layout import local_shape
-from autopar.ir.meta import GraphLayouts, module_path
+from autopar.ir.meta import GraphLayouts, module_path, recorded_at
 from autopar.passes.context import PassContext
 
 
@@ -65,10 +65,11 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
             node = interpreter.node
             where = (module_path(node) or "<root>") if node is not None else "<unknown>"
             first_line = str(e).splitlines()[0] if str(e) else ""
+            line = recorded_at(node) if node is not None else None
             raise CompileError(
                 f"the per-rank program at mesh coordinates {ctx.coordinates} fails at "
                 f"{getattr(node, 'name', '?')} = {getattr(node, 'target', '?')}, an op recorded from "
-                f"module '{where}': {type(e).__name__}: {first_line} (a bug of autopar's lowering: "
-                "please report it with the plan)"
+                f"module '{where}'{f' at {line}' if line else ''}: {type(e).__name__}: {first_line} "
+                "(a bug of autopar's lowering: please report it with the plan)"
             ) from e
     return gm

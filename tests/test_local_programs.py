@@ -69,6 +69,8 @@ def test_an_error_raised_inside_the_program_names_the_users_module_and_forward(f
     assert f"raised by {broken.name} = aten.view.default in the per-rank program" in note
     assert "from module 'transformer.h.0.attn' (FusedSelfAttention.forward (" in note
     assert "examples/handwritten.py:" in note
+    # compile captures with stack traces: the user's line that recorded the op
+    assert note.endswith("in forward: k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)")
 
 
 def test_a_lowering_that_leaves_an_impossible_op_fails_at_compile_time_naming_it(
@@ -81,7 +83,8 @@ def test_a_lowering_that_leaves_an_impossible_op_fails_at_compile_time_naming_it
         _heads_split_gpt()
     message = str(e.value)
     assert "the per-rank program at mesh coordinates (0, 0) fails at view_3 = aten.view.default" in message
-    assert "an op recorded from module 'transformer.h.0.attn': ValueError: Cannot view a tensor" in message
+    assert "an op recorded from module 'transformer.h.0.attn' at File " in message
+    assert "in forward: y = y.transpose(1, 2).contiguous().view(B, T, C): ValueError: Cannot view" in message
     assert "as a tensor with shape (2, 8, 32)" in message  # the rank's strides allow no such view
 
 

@@ -227,13 +227,14 @@ def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 @contextmanager
-def _without_stack_traces() -> Iterator[None]:
-    """Export without a Python stack trace on every node: taking and symbolizing one per op is
-    a fifth of capturing a Llama-3-8B (about 1 s of 5), and nothing in autopar reads
-    ``node.meta["stack_trace"]`` (errors name modules, from ``nn_module_stack``).
+def _stack_traces(kept: bool) -> Iterator[None]:
+    """Export with a Python stack trace on every node only where ``kept``: taking and symbolizing
+    one per op is a fifth of capturing a Llama-3-8B (about 1 s of 5); planning reads none of them
+    (it names modules, from ``nn_module_stack``), while a compiled program's errors name the line
+    of the user's code that recorded the failing op from them.
     ``tests/test_planner.py`` fails if torch drops the switch."""
     before = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    torch.fx.config.do_not_emit_stack_traces = not kept
     try:
         yield
     finally:
@@ -246,9 +247,12 @@ def capture(
     kwargs: Mapping[str, Any] | None,
     mesh: MeshSpec,
     precision: MixedPrecision | None = None,
+    stack_traces: bool = False,
 ) -> Captured:
     """Export ``model(*args, **kwargs)`` with annotations recorded; see module docstring. Under
-    ``precision`` the model is traced in its compute dtype (:mod:`autopar.capture.precision`)."""
+    ``precision`` the model is traced in its compute dtype (:mod:`autopar.capture.precision`);
+    with ``stack_traces`` each node keeps the user's stack where it was recorded (a compiled
+    program's errors name the line; planning needs none)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"autopar plans an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
@@ -261,7 +265,7 @@ def capture(
         _returnable_outputs(model) as (dropped, numbers),
         ExactMeans(),
         traced_in(model, precision) as dtypes,
-        _without_stack_traces(),
+        _stack_traces(stack_traces),
     ):
         try:
             program = torch.export.export(model, args, kwargs, strict=False)

@@ -178,6 +178,15 @@ def module_path(node: torch.fx.Node) -> str:
     return _clean_path(path)
 
 
+def recorded_at(node: torch.fx.Node) -> str | None:
+    """The line of the user's code that recorded ``node``, as ``File "...", line N, in f: code``
+    (the innermost frame of its stack trace; None where capture kept none)."""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    if len(lines) < 2:
+        return None
+    return f"{lines[-2].strip()}: {lines[-1].strip()}"
+
+
 def module_stack(node: torch.fx.Node) -> list[str]:
     """Module paths from outermost to innermost."""
     stack = node.meta.get("nn_module_stack") or {}

@@ -171,9 +171,11 @@ def capture_for(
     mesh: MeshSpec,
     pipeline: Pipeline | None,
     precision: MixedPrecision | None = None,
+    stack_traces: bool = False,
 ) -> Captured:
     """Capture ``model`` for planning on ``mesh``: one microbatch of the example under a pipeline,
-    traced in ``precision``'s compute dtype when given."""
+    traced in ``precision``'s compute dtype when given, each node with the user's stack where
+    ``stack_traces`` (a program to compile: its errors name the line)."""
     if isinstance(example_args, list):
         raise OptionError(
             "example_args is a list: give the positional inputs as a tuple, such as (ids, labels), "
@@ -189,7 +191,7 @@ def capture_for(
     kwargs = dict(example_kwargs or {})
     if pipeline is not None:
         args, kwargs = microbatch(args, kwargs, pipeline.microbatches)
-    return capture(model, args, kwargs, layout_mesh(mesh, pipeline), precision)
+    return capture(model, args, kwargs, layout_mesh(mesh, pipeline), precision, stack_traces)
 
 
 def plan_captured(

@@ -112,10 +112,11 @@ def split_fused_projections(
             continue
         x, weight = node.args[:2]
         bias = node.args[2] if len(node.args) > 2 else None
-        pinned = annotated.get(_parameter_of(weight).name)
+        source = _parameter_of(weight).name
+        pinned = annotated.get(source)
         sizes = tuple(end - start for _, start, end in sorted(parts, key=lambda part: part[1]))
-        if pinned is not None and (pinned[1], pinned[2].parts) == (0, sizes):
-            laid_out.add(_parameter_of(weight).name)
+        if pinned is not None and (pinned[1], pinned[2].sizes) == (0, sizes):
+            laid_out.add(source)
         else:
             pinned = None
         meta = {k: v for k, v in node.meta.items() if k != "val"}

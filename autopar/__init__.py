@@ -20,7 +20,9 @@ from autopar.ir.errors import (
     AutoparError,
     CaptureError,
     CheckpointError,
+    CollectiveMismatchError,
     CompileError,
+    IndexRangeError,
     InitializationError,
     MemoryFitError,
     OptionError,
@@ -34,6 +36,7 @@ from autopar.ir.updates import Async, Hybrid, ParameterServer
 from autopar.planning.cost import Cluster, LinkSpec, get_cluster
 from autopar.planning.planner import plan
 from autopar.runtime.async_updates import rejoin_mesh, worker_mesh
+from autopar.runtime.checkpoint_files import latest_checkpoint
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.training_state import load_checkpoint, save_checkpoint
 
@@ -48,7 +51,9 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "Cluster",
+    "CollectiveMismatchError",
     "CompileError",
+    "IndexRangeError",
     "InitializationError",
     "OptionError",
     "LinkSpec",
@@ -66,6 +71,7 @@ __all__ = [
     "compile",
     "constrain",
     "get_cluster",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_plan",
     "pipeline_stage",

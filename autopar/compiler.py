@@ -15,6 +15,7 @@ The runtime never plans: a loss function given to ``dmodel.train_step`` is compi
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,8 +25,9 @@ import torch.distributed as dist
 
 from autopar.capture.annotations import unclaimed_annotations
 from autopar.capture.export import Captured, capture
+from autopar.ir.arguments import check_bool
 from autopar.ir.errors import CompileError, PlanError
-from autopar.ir.mesh import MeshSpec
+from autopar.ir.mesh import MeshSpec, check_in_world
 from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan
 from autopar.ir.printing import format_graph
@@ -61,6 +63,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     memory_budget: float | None = None,
     precision: MixedPrecision | None = None,
     update: Update | None = None,
+    check_ids: bool = True,
 ) -> torch.nn.Module:
     """Compile ``model`` for ``mesh`` (a ``DeviceMesh`` with axis names); see the module docstring.
 
@@ -81,11 +84,13 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     ``update`` (:mod:`autopar.ir.updates`) replaces the data-parallel gradient sums by parameter
     servers: ``mesh`` is the workers' (``autopar.worker_mesh``; a worker restarted alone passes
     ``autopar.rejoin_mesh``), a server rank gets a ``ServerRank`` to ``serve()`` (docs/update_modes.md).
+    ``check_ids=False`` lets vocab-parallel lookups skip their ``IndexRangeError`` checks (docs/op_rules.md).
     """
+    check_bool(check_ids, "compile(check_ids=...)")
     if update is not None:
         options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, precision=precision)
         return _compile_for_update(
-            model, mesh, example_args, example_kwargs, update, pipeline, memory, options
+            model, mesh, example_args, example_kwargs, update, pipeline, memory, options, check_ids
         )
     if isinstance(mesh, int) and not isinstance(mesh, bool) and example_args is not _ON_FIRST_CALL:
         options = dict(cluster=cluster, time_limit=time_limit, seed=seed, pipeline=pipeline, memory=memory)
@@ -97,12 +102,14 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             "autopar.compile needs a DeviceMesh with axis names (init_device_mesh(..., mesh_dim_names=...)); "
             "to plan without ranks use autopar.plan"
         )
+    if hasattr(mesh, "get_group"):
+        check_in_world(mesh)  # a mesh of ranks the world does not have
     if example_args is _ON_FIRST_CALL:
         if example_kwargs is not None:
             raise CompileError("example_kwargs were given without example_args: pass example_args=() too")
         options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, pipeline=pipeline)
         more = {"memory": memory, "memory_budget": memory_budget, "precision": precision}
-        return CompiledOnFirstCall(model, mesh, {**options, **more})
+        return CompiledOnFirstCall(model, mesh, {**options, **more, "check_ids": check_ids})
     spec = MeshSpec.of(mesh)
     if plan is not None and plan.pipeline is not None:
         saved = plan.pipeline
@@ -139,7 +146,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             f"the plan is for mesh {plan.device_mesh_spec}, but the module is compiled for {spec}"
         )
     check_plan_fits(plan, captured)
-    return build_module(model, mesh, stage_mesh, captured, plan, pipeline)
+    return build_module(model, mesh, stage_mesh, captured, plan, pipeline, check_ids=check_ids)
 
 
 def _compile_for_update(
@@ -151,6 +158,7 @@ def _compile_for_update(
     pipeline: Pipeline | None,
     memory: Memory | None,
     options: dict[str, Any],
+    check_ids: bool,
 ) -> Any:
     """``compile`` under an update mode: each unit compiled on its own mesh for its share of the
     batch, without ZeRO (the optimizer state lives on the servers)."""
@@ -176,7 +184,7 @@ def _compile_for_update(
         example_args,
         example_kwargs,
         lambda unit_mesh, args, kwargs: compile(
-            model, unit_mesh, args, example_kwargs=kwargs, memory=memory, **options
+            model, unit_mesh, args, example_kwargs=kwargs, memory=memory, check_ids=check_ids, **options
         ),
     )
 
@@ -220,10 +228,13 @@ def _plan_once(mesh: Any | None, make_plan: Callable[[bool], Plan]) -> Plan:
     return Plan.from_dict(box[0])
 
 
-def lower(captured: Captured, plan: Plan, stage_mesh: Any) -> tuple[torch.fx.GraphModule, PassContext]:
+def lower(
+    captured: Captured, plan: Plan, stage_mesh: Any, *, check_ids: bool = True
+) -> tuple[torch.fx.GraphModule, PassContext]:
     """The per-rank program: ``autopar.passes.PIPELINE`` run on ``captured`` under ``plan``.
 
-    ``stage_mesh`` is the ``DeviceMesh`` layouts refer to (one stage's under a pipeline).
+    ``stage_mesh`` is the ``DeviceMesh`` layouts refer to (one stage's under a pipeline);
+    ``check_ids`` is :func:`compile`'s.
     Needs no weights: a model captured on ``meta`` lowers as well (``autopar show``).
     """
     ctx = PassContext(
@@ -234,6 +245,7 @@ def lower(captured: Captured, plan: Plan, stage_mesh: Any) -> tuple[torch.fx.Gra
         captured=captured,
         axis_keys=collectives.register_mesh(stage_mesh),
         coordinates=tuple(stage_mesh.get_local_rank(a) for a in range(stage_mesh.ndim)),
+        check_ids=check_ids,
     )
     gm = captured.program.graph_module
     for p in PIPELINE:
@@ -252,13 +264,16 @@ def build_module(
     captured: Captured,
     plan: Plan,
     pipeline: Pipeline | None = None,
+    *,
+    check_ids: bool = True,
 ) -> DistributedModule:
     """Lower ``captured`` under ``plan`` (:func:`lower`) and wrap the program in a ``DistributedModule``.
 
     ``stage_mesh`` is the ``DeviceMesh`` layouts refer to: ``mesh`` itself, or this
-    rank's slice of it without the pipeline axis.
+    rank's slice of it without the pipeline axis. ``check_ids`` is :func:`compile`'s, for this
+    program and the losses the module's ``train_step`` compiles.
     """
-    gm, ctx = lower(captured, plan, stage_mesh)
+    gm, ctx = lower(captured, plan, stage_mesh, check_ids=check_ids)
     lowered = LoweredProgram(
         program=gm,
         plan=ctx.plan,
@@ -270,8 +285,9 @@ def build_module(
         snapshots=ctx.snapshots,
         number_outputs=ctx.captured.number_outputs,
     )
+    losses = functools.partial(compile_loss, check_ids=check_ids)
     return DistributedModule(
-        model, mesh, lowered, compile_loss=compile_loss, stage_mesh=stage_mesh, pipeline=pipeline
+        model, mesh, lowered, compile_loss=losses, stage_mesh=stage_mesh, pipeline=pipeline
     )
 
 
@@ -287,15 +303,15 @@ class _Loss(torch.nn.Module):
 
 
 def compile_loss(
-    module: DistributedModule, loss_fn: LossFn, output: Any, target: torch.Tensor
+    module: DistributedModule, loss_fn: LossFn, output: Any, target: torch.Tensor, *, check_ids: bool = True
 ) -> DistributedModule:
     """``loss_fn(output, target)`` compiled for ``module``'s outputs (the runtime's ``LossCompiler``).
 
     ``output`` and ``target`` are ``meta`` examples of one microbatch. The loss is
     captured and planned on ``module``'s plan's mesh and cluster with the outputs' layouts
     fixed to ``module.output_layouts`` (the target's is the solver's choice), then built
-    on ``module``'s stage mesh. ``DistributedModule.train_step`` calls this on first use
-    of a loss function and caches the result.
+    on ``module``'s stage mesh, checking ids as the module does (``check_ids``: :func:`compile`'s).
+    ``DistributedModule.train_step`` calls this on first use of a loss function and caches the result.
     """
     spec = module.plan.mesh_spec
     loss = _Loss(loss_fn)
@@ -304,7 +320,7 @@ def compile_loss(
     cluster = Cluster.from_dict(module.plan.cluster)
     # every rank plans its loss apart: the deterministic limit alone makes their plans agree
     plan = plan_captured(captured, spec, cluster=cluster, fixed_inputs=fixed, deterministic=True)
-    return build_module(loss, module.stage_mesh, module.stage_mesh, captured, plan)
+    return build_module(loss, module.stage_mesh, module.stage_mesh, captured, plan, check_ids=check_ids)
 
 
 def _searched_mesh(

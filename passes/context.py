@@ -30,6 +30,8 @@ class PassContext:
     # this rank's coordinate on each mesh axis: the pieces of dims split unevenly differ per rank
     # (None: the largest piece, as the planner prices)
     coordinates: tuple[int, ...] | None = None
+    # lookups into a split dim check their ids' range first (localize_lookups, autopar.check_ids)
+    check_ids: bool = True
     grad_reductions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param placeholder -> axes
     snapshots: dict[str, str] = field(default_factory=dict)  # pass name -> graph printed after it
     stages: list[StageProgram] | None = None  # under a pipeline: one per stage (split_stages)

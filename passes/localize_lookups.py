@@ -8,7 +8,10 @@ block of the looked-up rows on each rank, while its indices are global. The op t
     out    = where(autopar.in_block(index, ...), op(..., index'), 0)
 
 so each rank contributes the rows it holds and zeros elsewhere: the partial sum the plan's
-layout (``Partial`` on those axes) promises. The gradient follows: masked rows receive
+layout (``Partial`` on those axes) promises. An id outside the whole dim would then look up
+zeros where one device raises ``IndexError``: unless ``ctx.check_ids`` is off, the ids first pass
+through ``autopar.check_ids`` (``autopar/runtime/lookups.py``), which raises on every rank
+together, and the two ops above read its output. The gradient follows: masked rows receive
 zero. An embedding's ``padding_idx`` (a row that gets no gradient) is global too; it is
 dropped from the op and the padded positions' results are detached instead.
 
@@ -16,9 +19,10 @@ A parameter split by ``ManualSplit`` (``plan.manual_rows``) gives each rank its 
 of rows; the blocks then begin where those rows do.
 
 Reads: ``autopar.layouts``, ``val``, ``autopar.stage``, ``nn_module_stack``;
-``plan.manual_rows``. Writes: the index argument of those ops and ``autopar.masked_by`` on
-them; new ``block_index``, ``in_block``, ``where`` (and for a padding index ``eq``,
-``unsqueeze``, ``detach``) nodes with ``autopar.layouts`` and the op's stage and module.
+``plan.manual_rows``, ``ctx.check_ids``. Writes: the index argument of those ops and
+``autopar.masked_by`` on them; new ``check_ids``, ``block_index``, ``in_block``, ``where`` (and
+for a padding index ``eq``, ``unsqueeze``, ``detach``) nodes with ``autopar.layouts`` and the
+op's stage and module.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ import math
 
 import torch
 
-import autopar.runtime.lookups  # noqa: F401  (registers torch.ops.autopar.block_index, in_block)
+import autopar.runtime.lookups  # noqa: F401  (registers torch.ops.autopar.block_index, in_block, check_ids)
 from autopar.ir.errors import CompileError
 from autopar.ir.layout import Layout, pieces_of, row_starts
-from autopar.ir.meta import MASKED_BY, GraphLayouts, NodeLayouts, place_beside, write_layouts
+from autopar.ir.meta import MASKED_BY, GraphLayouts, NodeLayouts, module_path, place_beside, write_layouts
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes.context import PassContext
 from autopar.rules import OpCall, SplitLookup, spec_of, split_lookups
@@ -45,7 +49,7 @@ def _shifted(layout: Layout, by: int) -> Layout:
 
 
 class _Inserter:
-    """Adds nodes next to ``op`` that share its stage and module."""
+    """Adds nodes next to ``op`` that share its stage, its module and the user's line that recorded it."""
 
     def __init__(self, op: torch.fx.Node) -> None:
         self.op = op
@@ -54,6 +58,8 @@ class _Inserter:
         node = self.op.graph.call_function(target, args)
         node.meta["val"] = val
         place_beside(node, self.op)
+        if "stack_trace" in self.op.meta:  # an error the node raises names the user's line
+            node.meta["stack_trace"] = self.op.meta["stack_trace"]
         write_layouts(node, NodeLayouts(operands=operands, outputs=(output,)))
         return node
 
@@ -79,7 +85,27 @@ def _localize(node: torch.fx.Node, layouts: NodeLayouts, ctx: PassContext) -> No
             raise CompileError(f"{node.name}: a lookup into a strided dimension is not planned")
         keys = ",".join(ctx.axis_keys[ctx.mesh.axis_names[a]] for a in lookup.axes)
         labels = (spec.outputs[0], spec.operands[lookup.index])
-        _mask_lookup(node, call, labels, lookup.index, layouts, keys, _row_starts(call, lookup, ctx))
+        starts = _row_starts(call, lookup, ctx)
+        check = _id_check(node, call, lookup, layouts, starts[-1], ctx) if ctx.check_ids else None
+        _mask_lookup(node, call, labels, lookup.index, layouts, keys, starts, check)
+
+
+def _id_check(
+    node: torch.fx.Node, call: OpCall, lookup: SplitLookup, layouts: NodeLayouts, size: int, ctx: PassContext
+) -> tuple[int, str, str]:
+    """``autopar.check_ids``'s arguments but the ids for ``lookup``: the whole dim's size, the keys
+    of the axes that split the ids (their ranks hold other ids), and words naming the lookup."""
+    index_layout = layouts.operands[lookup.index] or ()
+    names = ctx.mesh.axis_names
+    keys = ",".join(ctx.axis_keys[names[a]] for a, p in enumerate(index_layout) if is_split(p))
+    param = ctx.captured.params.get(table_source(call.operands[lookup.table]).name)
+    source = f" of parameter '{param}'" if param else ""
+    over = ("mesh axis " if len(lookup.axes) == 1 else "mesh axes ") + ", ".join(
+        repr(names[a]) for a in lookup.axes
+    )
+    op = node.target.overloadpacket.__name__
+    where = f"{op} '{node.name}' of module '{module_path(node) or '<root>'}'"
+    return size, keys, f"{where} (dim {lookup.dim}{source}, split over {over})"
 
 
 def _mask_lookup(
@@ -90,8 +116,10 @@ def _mask_lookup(
     layouts: NodeLayouts,
     keys: str,
     starts: list[int],
+    check: tuple[int, str, str] | None,
 ) -> None:
-    """Shift ``node``'s index operand into the block and mask its result (module docstring)."""
+    """Shift ``node``'s index operand into the block and mask its result (module docstring); the
+    ids pass through ``autopar.check_ids`` with the arguments ``check`` first, unless it is None."""
     out_labels, index_labels = labels
     index = call.operands[index_slot]
     index_layout, out_layout = layouts.operands[index_slot], layouts.output
@@ -104,9 +132,12 @@ def _mask_lookup(
     mask_layout = _shifted(index_layout, leading)
     at = _Inserter(node)
     with node.graph.inserting_before(node):
-        shift = (index, keys, starts)
+        ids = index
+        if check is not None:
+            ids = at.add(ops.check_ids.default, (index, *check), index_val, (index_layout,), index_layout)
+        shift = (ids, keys, starts)
         local = at.add(ops.block_index.default, shift, index_val, (index_layout,), index_layout)
-        in_block = (index, keys, starts, leading, trailing)
+        in_block = (ids, keys, starts, leading, trailing)
         mask = at.add(ops.in_block.default, in_block, mask_val, (index_layout,), mask_layout)
     node.replace_input_with(index, local)
     # a zero of the looked-up values' dtype: a float zero would promote integer rows to float

@@ -105,7 +105,7 @@ def test_each_rank_looks_up_its_own_rows(rank):
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dmodel = autopar.compile(model, mesh, inputs, cluster="fast-links")
-        assert "autopar.block_index(user, 'tp', [0, 700, 1000])" in dmodel.code
+        assert "autopar.block_index(check_ids_default, 'tp', [0, 700, 1000])" in dmodel.code
         users = dmodel.users.weight
         assert tuple(users.shape) == (1400, 16) and tuple(users.to_local().shape) == (700, 16)
         tp = rank % 2

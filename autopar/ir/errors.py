@@ -42,6 +42,12 @@ class ShapeError(AutoparError, ValueError):
     structure, or a training step without what it needs (a target, a loss)."""
 
 
+class IndexRangeError(AutoparError, IndexError, RuntimeError):
+    """A lookup into a dimension split across ranks (a vocab-parallel embedding, a cross entropy's
+    target logit) was given ids outside the whole dimension: raised on every rank where one device
+    raises ``IndexError`` (``RuntimeError`` for ``gather``)."""
+
+
 class InitializationError(AutoparError, ValueError):
     """A model built on ``meta`` has a tensor whose initial value nothing in the model defines,
     or one of its initializers failed: the message names each tensor and what to do."""
@@ -54,3 +60,8 @@ class OptionError(AutoparError, ValueError, TypeError):
 
 class CheckpointError(AutoparError, RuntimeError):
     """A checkpoint cannot be read back into this module and optimizer (``autopar.load_checkpoint``)."""
+
+
+class CollectiveMismatchError(AutoparError, RuntimeError):
+    """A call every rank must make together (``StepMeter.step()``) was not made by every rank
+    within its timeout: the message names the call, the step and the ranks missing where known."""

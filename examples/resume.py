@@ -5,9 +5,10 @@ trains the small GPT of ``examples/gpt.py`` with Adam on ``dp=2`` gloo ranks, sa
 whole training state (``autopar.save_checkpoint``: parameters, optimizer state, step, RNG
 states, plan) every ``--every`` steps. With ``--kill-at N`` the last rank kills itself with
 SIGKILL at step ``N`` of the first attempt; torchrun then restarts every rank, each loads
-the last complete checkpoint (``autopar.load_checkpoint``) and training goes on from its
-step. Rank 0 appends ``step loss`` lines to ``--losses``, so the steps redone after the
-restart appear twice (the later line counts); their losses equal an uninterrupted run's.
+the last complete checkpoint (``autopar.latest_checkpoint``: a save cut short is skipped;
+``autopar.load_checkpoint``) and training goes on from its step. Rank 0 appends ``step loss``
+lines to ``--losses``, so the steps redone after the restart appear twice (the later line
+counts); their losses equal an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -26,12 +27,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of step ``step``: token ids and their targets, the same on every rank and attempt."""
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g)
-
-
-def last_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint in ``folder`` (DCP writes ``.metadata`` last)."""
-    done = [p for p in folder.glob("step-*") if (p / ".metadata").is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
 def main() -> None:
@@ -55,7 +50,7 @@ def main() -> None:
     dmodel = autopar.compile(model, mesh, batch(0), cluster="fast-links")
     optimizer = dmodel.optimizer(torch.optim.Adam, lr=0.01)
     folder = Path(a.checkpoints)
-    found = last_checkpoint(folder)
+    found = autopar.latest_checkpoint(folder)
     step = autopar.load_checkpoint(found, dmodel, optimizer) if found else 0
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     while step < a.steps:

@@ -134,8 +134,3 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     want = _one_device_losses(6)
     for step, loss in last.items():
         assert loss == pytest.approx(want[step], abs=1e-5), step
-
-
-def test_loading_a_missing_checkpoint_is_a_checkpoint_error(tmp_path):
-    with pytest.raises(autopar.CheckpointError, match="no checkpoint at .*nowhere: save_checkpoint writes"):
-        autopar.load_checkpoint(tmp_path / "nowhere", object())

@@ -88,7 +88,7 @@ def test_bad_cluster_files_are_refused(tmp_path: Path):
                 tmp_path / "kind.json",
                 intra_node={**_LINK, "collectives": {"broadcast": _LINK}},
             ),
-            "is malformed: missing or bad field link collectives are among",
+            "is malformed: missing or bad field intra_node.collectives: unknown key 'broadcast'",
         ),
     ]
     for path, message in cases:
@@ -199,7 +199,7 @@ def test_files_written_before_the_step_figures_load_with_their_defaults():
     ):
         with pytest.raises(OptionError):
             replace(cluster, **bad)
-    with pytest.raises(OptionError, match="attention rates need flop_scale > 0"):
+    with pytest.raises(OptionError, match="AttentionRates flop_scale must be a number above 0"):
         AttentionRates(flop_scale=0.0, score_s=1e-9, causal_block=0.0)
 
 

@@ -300,7 +300,7 @@ def test_the_loss_scaler_skips_overflowing_steps_backs_off_and_grows():
     assert restored.state_dict() == scaler.state_dict()
     with pytest.raises(OptionError, match="update\\(\\) before step\\(\\)"):
         restored.update()
-    with pytest.raises(OptionError, match="0 < backoff_factor < 1"):
+    with pytest.raises(OptionError, match="backoff_factor=...\\) must be a number above 0 and below 1"):
         autopar.LossScaler(backoff_factor=2.0)
-    with pytest.raises(OptionError, match="growth_interval=...\\) must be a positive int"):
+    with pytest.raises(OptionError, match="growth_interval=...\\) must be an int >= 1"):
         autopar.LossScaler(growth_interval=0)

@@ -9,10 +9,15 @@ each other; ``docs/update_modes.md`` states the semantics. Plain frozen data, ch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
 
 from autopar.ir.arguments import check_int, is_int
-from autopar.ir.errors import OptionError
+from autopar.ir.errors import OptionError, ShapeError
 from autopar.ir.mesh import MeshSpec
 
 
@@ -109,6 +114,7 @@ def check_update(
     pipeline: object = None,
     zero: int | None = None,
     offload: bool = False,
+    example: Mapping[str, Any] | None = None,
 ) -> Update:
     """``update`` if it can run on ``mesh`` (the workers' mesh) with the other options.
 
@@ -116,6 +122,8 @@ def check_update(
     Raises :class:`OptionError` naming the option for anything else: not a mode, no such axis,
     replicas not divisible into groups, servers beyond the job's ranks, or a pipeline schedule,
     ZeRO or optimizer offload (state lives on the servers, and the workers run whole steps apart).
+    ``example`` names the example inputs (``{"example_args": ...}``): a batch the units cannot
+    share equally is a :class:`ShapeError` (:func:`check_unit_batch`).
     """
     if not isinstance(update, UPDATES):
         raise OptionError(
@@ -135,6 +143,8 @@ def check_update(
             f"Hybrid(groups={units}) cuts the {replicas} replicas of axis {update.axis!r} into equal groups: "
             f"use a divisor of {replicas}"
         )
+    if example is not None:
+        check_unit_batch(example, units)
     if world is not None and mesh.size + update.servers != world:
         raise OptionError(
             f"{name}(servers={update.servers}): the job has {world} ranks, so the workers' mesh must hold "
@@ -155,3 +165,19 @@ def check_update(
             "Memory(zero=0) without offload, or more servers"
         )
     return update
+
+
+def check_unit_batch(named: Mapping[str, Any], units: int) -> None:
+    """Raise :class:`ShapeError` unless every tensor in ``named``'s values (inputs by name) has a
+    dim 0, the batch, that ``units`` units share equally, at least one sample each: each unit runs
+    its share."""
+    for name, tree in named.items():
+        for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, torch.Tensor) and (
+                leaf.dim() == 0 or leaf.shape[0] % units or not leaf.shape[0]
+            ):
+                raise ShapeError(
+                    f"under an update mode every input's dim 0 is the batch, cut among {units} units: "
+                    f"{name}{pytree.keystr(path)} has shape {tuple(leaf.shape)}; give a batch that {units} "
+                    "units share equally, at least one sample each"
+                )

@@ -7,19 +7,41 @@ with these figures; ``autopar calibrate`` (:mod:`autopar.tools.calibrate`) measu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
+from autopar.ir.arguments import check_bool, check_instance, check_int, check_keys, check_number
 from autopar.ir.errors import OptionError
+from autopar.ir.options import dtype_name
 from autopar.ir.plan import CollectiveKind
+from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 
 # Dtypes without an entry of their own in ``Cluster.peak_flops`` are priced as this one.
 FALLBACK_DTYPE = "float32"
 
 # ``Cluster.devices_per_node`` when all ranks share one host (cpu-gloo): no mesh axis ever crosses a node.
 ONE_HOST = 1 << 20
+
+# The keys ``Cluster.peak_flops`` takes: torch's dtype names. Other names in use for them (torch's
+# aliases such as ``half``, and the short forms ``bf16``, ``fp16``...) are refused, naming the dtype,
+# as a misspelt key would otherwise price its dtype at the fallback's peak without a word. TF32 is
+# no dtype: the float32 products a GPU runs on its TF32 units.
+DTYPES = frozenset(dtype_name(d) for d in vars(torch).values() if isinstance(d, torch.dtype))
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "tf32": "float32",
+    "fp64": "float64",
+    **{alias: dtype_name(d) for alias, d in vars(torch).items() if isinstance(d, torch.dtype)},
+}
+# The keys ``Cluster.function_rates`` takes: the functions calibrate times, forward and backward.
+FUNCTIONS = frozenset(TIMED_FUNCTIONS) | {f"{name}_backward" for name in TIMED_BACKWARD}
 
 
 @dataclass(frozen=True)
@@ -37,13 +59,10 @@ class LinkSpec:
     collectives: Mapping[CollectiveKind, LinkSpec] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if self.latency_s < 0 or self.bandwidth_Bps <= 0:
-            raise OptionError(f"link needs latency >= 0 and bandwidth > 0, got {self}")
-        try:
-            kinds = {CollectiveKind(k): v for k, v in self.collectives.items()}
-        except ValueError:
-            names = sorted(k.value for k in CollectiveKind)
-            raise OptionError(f"link collectives are among {names}, not {list(self.collectives)}") from None
+        check_number(self.latency_s, "LinkSpec latency_s", unit="seconds per message", inclusive=True)
+        check_number(self.bandwidth_Bps, "LinkSpec bandwidth_Bps", unit="bytes per second, one direction")
+        check_keys(self.collectives, "LinkSpec collectives", _KINDS)
+        kinds = {CollectiveKind(k): v for k, v in self.collectives.items()}
         if any(not isinstance(v, LinkSpec) or v.collectives for v in kinds.values()):
             raise OptionError(f"a link's per-collective figures must be plain LinkSpecs, got {kinds}")
         object.__setattr__(self, "collectives", MappingProxyType(kinds))
@@ -61,9 +80,12 @@ class LinkSpec:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LinkSpec:
-        kinds = {k: cls.from_dict(v) for k, v in data.get("collectives", {}).items()}
-        return cls(float(data["latency_s"]), float(data["bandwidth_Bps"]), kinds)
+    def from_dict(cls, data: Mapping[str, Any], where: str = "link") -> LinkSpec:
+        """The link :meth:`to_dict` wrote; every error names ``where`` it was read (``intra_node``)."""
+        check_keys(data, where, _fields(cls), required=_required(cls))
+        collectives = check_keys(data.get("collectives", {}), f"{where}.collectives", _KINDS)
+        kinds = {k: cls.from_dict(v, f"{where}.collectives.{k}") for k, v in collectives.items()}
+        return _built(cls, where, {**data, "collectives": kinds})
 
 
 @dataclass(frozen=True)
@@ -87,10 +109,9 @@ class AttentionRates:
     causal_block: float
 
     def __post_init__(self) -> None:
-        if self.flop_scale <= 0 or self.score_s < 0 or self.causal_block < 0:
-            raise OptionError(
-                f"attention rates need flop_scale > 0, score_s and causal_block >= 0, got {self}"
-            )
+        check_number(self.flop_scale, "AttentionRates flop_scale", unit="times the products' time")
+        check_number(self.score_s, "AttentionRates score_s", unit="seconds per score", inclusive=True)
+        check_number(self.causal_block, "AttentionRates causal_block", unit="keys", inclusive=True)
 
     def seconds(self, flops: float, scores: float, causal_length: int, peak: float, grad: bool) -> float:
         """Seconds of one attention call: forward and backward where ``grad``, else the forward (a
@@ -111,16 +132,18 @@ class AttentionRates:
         return {"flop_scale": self.flop_scale, "score_s": self.score_s, "causal_block": self.causal_block}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> AttentionRates:
-        return cls(float(data["flop_scale"]), float(data["score_s"]), float(data["causal_block"]))
+    def from_dict(cls, data: Mapping[str, Any], where: str = "attention") -> AttentionRates:
+        """The rates :meth:`to_dict` wrote; every error names ``where`` they were read."""
+        check_keys(data, where, _fields(cls), required=_required(cls))
+        return _built(cls, where, data)
 
 
 @dataclass(frozen=True)
 class Cluster:
     """The hardware the plan runs on; every per-device figure is for one rank.
 
-    ``peak_flops`` maps dtype names (see :func:`dtype_name`) to FLOP/s and must hold
-    ``"float32"``, the fallback for dtypes it does not list. It is stored read-only;
+    ``peak_flops`` maps torch's dtype names (``"bfloat16"``, not ``"bf16"``: see :func:`dtype_name`)
+    to FLOP/s and must hold ``"float32"``, the fallback for dtypes it does not list. It is stored read-only;
     it is left out of the hash (equality still compares it) so a Cluster can key caches.
 
     ``op_overhead_s`` is what one executed op costs besides its roofline time (launch and
@@ -172,6 +195,10 @@ class Cluster:
     it (``torch.get_num_threads()``): its rates hold for ranks computing on as many, and a plan
     made on a rank computing on another number says so; None where not recorded (presets, one
     device's file, ranks that differed).
+
+    Every field is checked as given, nothing converted: a count is an int (not a bool or a float),
+    a figure a finite int or float in its range, a flag a bool, a table's keys known ones; anything
+    else is an :class:`~autopar.ir.errors.OptionError` naming the cluster, the field and what it takes.
     """
 
     name: str
@@ -200,30 +227,31 @@ class Cluster:
     attention: AttentionRates | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
-        object.__setattr__(self, "function_rates", MappingProxyType(dict(self.function_rates)))
-        if any(rate <= 0 for rate in self.function_rates.values()):
-            raise OptionError(f"cluster {self.name!r}: function_rates must be positive")
+        check_instance(self.name, str, "a cluster's name", "a string")
+        owner = f"cluster {self.name!r}"
+        check_keys(self.peak_flops, f"{owner}: peak_flops", DTYPES, aliases=DTYPE_ALIASES)
+        check_keys(self.function_rates, f"{owner}: function_rates", FUNCTIONS)
+        for table, unit in (("peak_flops", "FLOP/s"), ("function_rates", "values per second")):
+            for key, rate in getattr(self, table).items():
+                check_number(rate, f"{owner}: {table}[{key!r}]", unit=unit)
+            object.__setattr__(self, table, MappingProxyType(dict(getattr(self, table))))
         if FALLBACK_DTYPE not in self.peak_flops:
-            raise OptionError(f"cluster {self.name!r}: peak_flops must have a {FALLBACK_DTYPE!r} entry")
-        if min(self.peak_flops.values()) <= 0 or self.memory_bandwidth_Bps <= 0:
-            raise OptionError(f"cluster {self.name!r}: peak FLOP/s and memory bandwidth must be positive")
-        if self.memory_bytes <= 0 or self.devices_per_node < 1:
-            raise OptionError(f"cluster {self.name!r}: memory_bytes and devices_per_node must be positive")
-        host = (self.host_link_Bps, self.host_memory_bandwidth_Bps, self.transcendentals_per_s)
-        optimizer, recompute = self.optimizer_tensor_s or 0.0, self.recompute_op_s or 0.0
-        overheads = (self.op_overhead_s, optimizer, recompute, self.host_op_overhead_s or 0.0)
-        overheads += (self.recompute_unit_s or 0.0, self.checkpoint_unit_s or 0.0)
-        overheads += (self.straggler_s, self.straggler_base_s)
-        if min(overheads) < 0 or any(b is not None and b <= 0 for b in host):
-            raise OptionError(
-                f"cluster {self.name!r}: the ops' overheads, optimizer_tensor_s and the straggler figures "
-                "must be >= 0, host bandwidths and transcendentals_per_s positive"
-            )
-        if self.ranks_per_core < 1:
-            raise OptionError(f"cluster {self.name!r}: ranks_per_core must be at least 1")
-        if self.threads_per_rank is not None and self.threads_per_rank < 1:
-            raise OptionError(f"cluster {self.name!r}: threads_per_rank must be at least 1")
+            raise OptionError(f"{owner}: peak_flops must have a {FALLBACK_DTYPE!r} entry")
+        for name, (unit, minimum, inclusive, optional) in _FIGURES.items():
+            if getattr(self, name) is not None or not optional:
+                check_number(
+                    getattr(self, name), f"{owner}: {name}", unit=unit, minimum=minimum, inclusive=inclusive
+                )
+        check_int(self.memory_bytes, f"{owner}: memory_bytes (bytes per device)", minimum=1)
+        check_int(self.devices_per_node, f"{owner}: devices_per_node", minimum=1)
+        if self.threads_per_rank is not None:
+            check_int(self.threads_per_rank, f"{owner}: threads_per_rank (or None)", minimum=1)
+        check_instance(self.measured_on, str, f"{owner}: measured_on", "a host name (a string)")
+        check_bool(self.asynchronous, f"{owner}: asynchronous")
+        for link in ("intra_node", "inter_node"):
+            check_instance(getattr(self, link), LinkSpec, f"{owner}: {link}", "an autopar.LinkSpec")
+        if self.attention is not None:
+            check_instance(self.attention, AttentionRates, f"{owner}: attention", "AttentionRates or None")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; :meth:`from_dict` reads it back."""
@@ -260,35 +288,54 @@ class Cluster:
         the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``,
         ``optimizer_tensor_s``, ``function_rates``, ``recompute_op_s``, ``recompute_unit_s``,
         ``checkpoint_unit_s``, ``asynchronous``, ``host_op_overhead_s``, ``threads_per_rank``, ``attention``)
-        are optional, so files written before them still load."""
-        host_link, host_memory = data.get("host_link_Bps"), data.get("host_memory_bandwidth_Bps")
-        transcendentals, optimizer = data.get("transcendentals_per_s"), data.get("optimizer_tensor_s")
-        recompute, host_op = data.get("recompute_op_s"), data.get("host_op_overhead_s")
-        threads, unit = data.get("threads_per_rank"), data.get("recompute_unit_s")
-        plain_unit, attention = data.get("checkpoint_unit_s"), data.get("attention")
-        return cls(
-            name=str(data["name"]),
-            peak_flops={str(k): float(v) for k, v in data["peak_flops"].items()},
-            memory_bandwidth_Bps=float(data["memory_bandwidth_Bps"]),
-            memory_bytes=int(data["memory_bytes"]),
-            devices_per_node=int(data["devices_per_node"]),
-            intra_node=LinkSpec.from_dict(data["intra_node"]),
-            inter_node=LinkSpec.from_dict(data["inter_node"]),
-            measured_on=str(data.get("measured_on", "")),
-            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
-            straggler_s=float(data.get("straggler_s", 0.0)),
-            straggler_base_s=float(data.get("straggler_base_s", 0.0)),
-            ranks_per_core=float(data.get("ranks_per_core", 1.0)),
-            host_link_Bps=None if host_link is None else float(host_link),
-            host_memory_bandwidth_Bps=None if host_memory is None else float(host_memory),
-            transcendentals_per_s=None if transcendentals is None else float(transcendentals),
-            optimizer_tensor_s=None if optimizer is None else float(optimizer),
-            function_rates={str(k): float(v) for k, v in data.get("function_rates", {}).items()},
-            recompute_op_s=None if recompute is None else float(recompute),
-            recompute_unit_s=None if unit is None else float(unit),
-            checkpoint_unit_s=None if plain_unit is None else float(plain_unit),
-            asynchronous=bool(data.get("asynchronous", False)),
-            host_op_overhead_s=None if host_op is None else float(host_op),
-            threads_per_rank=None if threads is None else int(threads),
-            attention=None if attention is None else AttentionRates.from_dict(attention),
-        )
+        are optional, so files written before them still load.
+
+        Nothing is converted: a field of another type than the constructor takes (``"false"`` for
+        ``asynchronous``, ``2.5`` devices per node), a non-finite figure or an unknown key (at any
+        level: ``"bf16"`` among ``peak_flops``) is an :class:`~autopar.ir.errors.OptionError` naming
+        the field and what it takes (the nearest known key for an unknown one).
+        """
+        check_keys(data, "cluster", _fields(cls), required=_required(cls))
+        links = {link: LinkSpec.from_dict(data[link], link) for link in ("intra_node", "inter_node")}
+        attention = data.get("attention")
+        rates = None if attention is None else AttentionRates.from_dict(attention)
+        return cls(**{**data, **links, "attention": rates})
+
+
+# How each figure of a Cluster is checked: its unit, its lowest value, whether that value itself is
+# allowed, and whether None is (not measured).
+_FIGURES = {
+    "memory_bandwidth_Bps": ("bytes per second", 0.0, False, False),
+    "op_overhead_s": ("seconds per op", 0.0, True, False),
+    "straggler_s": ("seconds", 0.0, True, False),
+    "straggler_base_s": ("seconds", 0.0, True, False),
+    "ranks_per_core": ("ranks sharing one core", 1.0, True, False),
+    "host_link_Bps": ("bytes per second, one direction; or None", 0.0, False, True),
+    "host_memory_bandwidth_Bps": ("bytes per second; or None", 0.0, False, True),
+    "transcendentals_per_s": ("values per second; or None", 0.0, False, True),
+    "optimizer_tensor_s": ("seconds per tensor; or None", 0.0, True, True),
+    "recompute_op_s": ("seconds per op; or None", 0.0, True, True),
+    "recompute_unit_s": ("seconds per unit; or None", 0.0, True, True),
+    "checkpoint_unit_s": ("seconds per unit; or None", 0.0, True, True),
+    "host_op_overhead_s": ("seconds per op; or None", 0.0, True, True),
+}
+_KINDS = frozenset(k.value for k in CollectiveKind)
+
+
+def _fields(cls: type) -> set[str]:
+    """The fields a cluster file may hold for ``cls``."""
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _required(cls: type) -> list[str]:
+    """The fields of ``cls`` without a default: a file must hold them."""
+    unset = dataclasses.MISSING
+    return [f.name for f in dataclasses.fields(cls) if f.default is unset and f.default_factory is unset]
+
+
+def _built(cls: type, where: str, values: Mapping[str, Any]) -> Any:
+    """``cls(**values)``, its error prefixed with ``where`` the values were read."""
+    try:
+        return cls(**values)
+    except OptionError as e:
+        raise OptionError(f"{where}: {e}") from None

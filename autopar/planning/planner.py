@@ -94,7 +94,9 @@ def plan(
             )
         memory = memory or Memory(zero=0)  # as compile(update=...): the servers hold the optimizer state
         spec = MeshSpec.of(mesh)
-        check_update(update, spec, pipeline=pipeline, zero=memory.zero, offload=memory.offload_optimizer)
+        example = {"example_args": example_args, "example_kwargs": example_kwargs}
+        zero, offload = memory.zero, memory.offload_optimizer
+        check_update(update, spec, pipeline=pipeline, zero=zero, offload=offload, example=example)
         synchronous = plan(
             model, example_args, spec, example_kwargs=example_kwargs, cluster=cluster, time_limit=time_limit,
             seed=seed, memory=memory, memory_budget=memory_budget, precision=precision,

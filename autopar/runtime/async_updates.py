@@ -18,6 +18,7 @@ parameter is pushed once per unit.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +29,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from autopar.ir.errors import OptionError, ShapeError
+from autopar.ir.arguments import check_instance, check_int
+from autopar.ir.errors import CheckpointError, OptionError
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.updates import Update, check_update
+from autopar.ir.updates import Update, check_unit_batch, check_update
 from autopar.runtime import param_server
 from autopar.runtime import update_wire as wire
 
@@ -43,11 +45,26 @@ _generations = [0]  # modules compiled under an update mode in this process (eve
 def worker_mesh(update: Update, sizes: Mapping[str, int], device_type: str = "cpu") -> DeviceMesh:
     """The workers' ``DeviceMesh`` (axes ``sizes``, in order) over the job's first ranks, the last
     ``update.servers`` ranks left to the servers. Every rank of the job calls it (servers too)."""
+    spec = _workers(update, sizes, device_type, "worker_mesh")
+    if not dist.is_initialized():
+        raise OptionError(
+            "worker_mesh(...) lays the workers out over the job's process group, but there is none: call "
+            "torch.distributed.init_process_group(...) on every rank first (torchrun sets what it reads)"
+        )
     world = dist.get_world_size()
-    spec = MeshSpec(tuple(sizes), tuple(sizes.values()))
     check_update(update, spec, world=world)
     ranks = torch.arange(spec.size).reshape(spec.axis_sizes)
     return DeviceMesh(device_type, ranks, mesh_dim_names=spec.axis_names)
+
+
+def _workers(update: Any, sizes: Any, device_type: Any, call: str) -> MeshSpec:
+    """The workers' mesh ``sizes`` given to ``call``, its arguments checked (the update mode by
+    :func:`check_update` after)."""
+    check_instance(
+        sizes, Mapping, f"{call}(sizes=...)", "the workers' mesh as {axis: size}, such as {'dp': 4}"
+    )
+    check_instance(device_type, str, f"{call}(device_type=...)", "a device type such as 'cpu' or 'cuda'")
+    return MeshSpec(tuple(sizes), tuple(sizes.values()))
 
 
 @dataclass(frozen=True)
@@ -71,8 +88,9 @@ def rejoin_mesh(update: Update, sizes: Mapping[str, int], rank: int, device_type
     store the launcher hosts). Only units of one rank can rejoin, each replica a unit and no
     other axis: a unit of several ranks that lost one would need all of them restarted.
     """
-    spec = MeshSpec(tuple(sizes), tuple(sizes.values()))
+    spec = _workers(update, sizes, device_type, "rejoin_mesh")
     check_update(update, spec)
+    check_int(rank, "rejoin_mesh(rank=...) (the rank this process replaces)")
     units = update.units(spec.axis_sizes[spec.axis_index(update.axis)])
     if units != spec.size:
         raise OptionError(
@@ -92,20 +110,20 @@ def rejoin_mesh(update: Update, sizes: Mapping[str, int], rank: int, device_type
     return Rejoining(spec, rank, mesh)
 
 
-def unit_share(tree: Any, unit: int, units: int) -> Any:
-    """Unit ``unit``'s share of every tensor in ``tree``: dim 0 cut in ``units`` equal pieces."""
+def unit_share(named: Mapping[str, Any], unit: int, units: int) -> list[Any]:
+    """Unit ``unit``'s share of every tensor in each of ``named``'s values (inputs by name, as
+    errors name them): dim 0 cut in ``units`` equal pieces (:func:`check_unit_batch`)."""
+    check_unit_batch(named, units)
 
     def share(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        if t.dim() == 0 or t.shape[0] % units:
-            raise ShapeError(
-                f"under an update mode every input's dim 0 is the batch, cut among {units} units: "
-                f"got a tensor of shape {tuple(t.shape)}"
-            )
-        return t.chunk(units)[unit]
+        return t.chunk(units)[unit] if isinstance(t, torch.Tensor) else t
 
-    return pytree.tree_map(share, tree)
+    return [pytree.tree_map(share, tree) for tree in named.values()]
+
+
+def _example(example_args: Any, example_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The example inputs by the names their errors give them."""
+    return {"example_args": example_args, "example_kwargs": dict(example_kwargs or {})}
 
 
 def compile_for_update(
@@ -138,7 +156,7 @@ def compile_for_update(
         return ServerRank(servers.index(dist.get_rank()), store, workers)
     unit = coordinate[0]
     unit_mesh = big[(axis, *others)]
-    args, kwargs = unit_share((example_args, dict(example_kwargs or {})), unit, units)
+    args, kwargs = unit_share(_example(example_args, example_kwargs), unit, units)
     module = compile_unit(unit_mesh, args, kwargs)
     return UpdatedModule(module, update, unit, units, unit_mesh, store, dist.get_rank(), len(servers))
 
@@ -155,7 +173,7 @@ def _rejoin(
     units = rejoining.spec.size
     store = wire.launcher_store(_generations[0])
     _generations[0] += 1
-    args, kwargs = unit_share((example_args, dict(example_kwargs or {})), rejoining.rank, units)
+    args, kwargs = unit_share(_example(example_args, example_kwargs), rejoining.rank, units)
     module = compile_unit(rejoining.mesh, args, kwargs)
     return UpdatedModule(
         module, update, rejoining.rank, units, rejoining.mesh, store, rejoining.rank, update.servers
@@ -176,6 +194,13 @@ class ServerRank:
         has finished (a dead worker may rejoin meanwhile). ``resume``: a folder a checkpoint was
         saved to (:meth:`UpdatedModule.save_checkpoint`) to start from. Returns the server's log
         (:class:`~autopar.runtime.param_server.ServerCore`)."""
+        if resume is not None:
+            check_instance(resume, (str, os.PathLike), "serve(resume=...)", "a checkpoint folder or None")
+            if not (Path(resume) / f"server-{self.index}.pt").is_file():
+                raise CheckpointError(
+                    f"serve(resume={os.fspath(resume)!r}): it holds no server-{self.index}.pt; give the "
+                    "folder dmodel.save_checkpoint(folder) wrote on the workers"
+                )
         core = param_server.ServerCore(self.index, resume)
         param_server.serve(core, self.store, len(self.workers))
         self.log = core.log
@@ -220,7 +245,7 @@ class UpdatedModule:
     ) -> torch.Tensor:
         """Forward and backward of this unit's share of the global batch (dim 0 cut in ``units``);
         returns this unit's loss. Step the optimizer from :meth:`optimizer` afterwards."""
-        inputs, target = unit_share((inputs, target), self.unit, self.units)
+        inputs, target = unit_share({"inputs": inputs, "target": target}, self.unit, self.units)
         return self.module.train_step(inputs, target, loss_fn)
 
     def optimizer(

@@ -12,12 +12,20 @@ gradients and one rank stepping while another skips would leave the replicas dif
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autopar.ir.arguments import check_instance, check_int, check_keys, check_number
 from autopar.ir.errors import OptionError
 from autopar.runtime.optimizer import gradient_holders
+
+# The largest scale: float32's largest value. A larger one makes every fp32 scaled loss inf (every
+# step skipped); growth stops there, and a larger init_scale is refused.
+MAX_SCALE = torch.finfo(torch.float32).max
+_STATE_KEYS = ("scale", "good_steps", "skipped_steps")
 
 
 class LossScaler:
@@ -38,18 +46,20 @@ class LossScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
     ) -> None:
-        if not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1:
-            raise OptionError(
-                f"LossScaler needs init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1, got "
-                f"{init_scale}, {growth_factor} and {backoff_factor}"
-            )
-        if not isinstance(growth_interval, int) or growth_interval < 1:
-            raise OptionError(
-                f"LossScaler(growth_interval=...) must be a positive int, got {growth_interval!r}"
-            )
-        self.scale_value = float(init_scale)
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval = growth_interval
+        """Each argument is checked as given: a bool, a string or a non-finite number is an
+        :class:`~autopar.ir.errors.OptionError` naming it (a scale of inf would skip every step).
+
+        Args:
+            init_scale: the first step's scale, a number in (0, :data:`MAX_SCALE`].
+            growth_factor: the scale's factor after ``growth_interval`` good steps, a finite number > 1.
+            backoff_factor: its factor after an overflow, a number in (0, 1).
+            growth_interval: good steps in a row before the scale grows, an int >= 1.
+        """
+        self.scale_value = float(_check_scale(init_scale, "LossScaler(init_scale=...)"))
+        check_number(growth_factor, "LossScaler(growth_factor=...)", minimum=1.0)
+        check_number(backoff_factor, "LossScaler(backoff_factor=...)", below=1.0)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval = check_int(growth_interval, "LossScaler(growth_interval=...)", minimum=1)
         self.good_steps = 0
         self.skipped_steps = 0
         self._found_inf: bool | None = None  # this step's verdict, once unscaled
@@ -64,6 +74,12 @@ class LossScaler:
 
         Once per step: a second call returns the first verdict without dividing again.
         """
+        check_instance(
+            optimizer,
+            torch.optim.Optimizer,
+            "LossScaler's optimizer",
+            "a torch optimizer (dmodel.optimizer(...))",
+        )
         if self._found_inf is not None:
             return self._found_inf
         grads = [h.grad for h in gradient_holders(optimizer) if h.grad is not None]
@@ -98,8 +114,8 @@ class LossScaler:
             self.skipped_steps += 1
         else:
             self.good_steps += 1
-            if self.good_steps == self.growth_interval:
-                self.scale_value *= self.growth_factor
+            if self.good_steps >= self.growth_interval:
+                self.scale_value = min(self.scale_value * self.growth_factor, MAX_SCALE)
                 self.good_steps = 0
         self._found_inf = None
 
@@ -107,7 +123,27 @@ class LossScaler:
         """The scale and counters, to checkpoint with the rest of the training state."""
         return {"scale": self.scale_value, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: dict[str, float | int]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.scale_value = float(state["scale"])
-        self.good_steps, self.skipped_steps = int(state["good_steps"]), int(state["skipped_steps"])
+    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
+        """Restore what :meth:`state_dict` returned; nothing changes unless all of it is valid.
+
+        Args:
+            state: ``{"scale": ..., "good_steps": ..., "skipped_steps": ...}``: a scale in
+                (0, :data:`MAX_SCALE`] and two ints >= 0. Anything else (a missing or unknown key,
+                a value of another type, a non-finite scale) is an :class:`~autopar.ir.errors.OptionError`.
+        """
+        check_keys(state, "LossScaler.load_state_dict(state)", _STATE_KEYS, required=_STATE_KEYS)
+        scale = _check_scale(state["scale"], "LossScaler.load_state_dict(state): 'scale'")
+        counts = [check_int(state[k], f"LossScaler.load_state_dict(state): {k!r}") for k in _STATE_KEYS[1:]]
+        self.scale_value = float(scale)
+        self.good_steps, self.skipped_steps = counts
+
+
+def _check_scale(value: object, what: str) -> float:
+    """``value`` if it can scale a loss: a finite number in (0, :data:`MAX_SCALE`]."""
+    check_number(value, what)
+    if value > MAX_SCALE:
+        raise OptionError(
+            f"{what} must be at most {MAX_SCALE:.4g} (float32's largest: a larger scale makes every fp32 "
+            f"scaled loss inf, so every step would be skipped), got {value!r}"
+        )
+    return value

@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.ir.arguments import check_bool, check_instance, check_int, check_number
+from autopar.ir.errors import CollectiveMismatchError, OptionError
 from autopar.runtime import collectives
+from autopar.runtime.module import DistributedModule
 from autopar.runtime.optimizer import held_bytes
 from autopar.tools.activation_meter import ActivationMeter
 
@@ -48,8 +54,12 @@ from autopar.tools.activation_meter import ActivationMeter
 class StepMeter:
     """Measures training steps of a compiled module; see the module docstring.
 
-    ``tokens`` (or ``samples``) is how many one step processes, for the throughput; ``jsonl`` a
-    file each step is appended to (first rank only); ``echo`` prints the line there too.
+    Every rank constructs it and enters :meth:`step` at every step: it communicates. A rank that
+    waits longer than ``timeout_s`` for the others to enter a step (or to construct the meter)
+    raises :class:`~autopar.ir.errors.CollectiveMismatchError` instead of waiting for the process
+    group's timeout (30 minutes by default): the ranks meet on a gloo group of their own whose
+    collectives time out after ``timeout_s`` (none under torch's fake backend, where one process
+    plays one rank). Raise it where ranks do unequal work between steps (rank 0 alone evaluating).
     """
 
     def __init__(
@@ -61,20 +71,96 @@ class StepMeter:
         samples: int | None = None,
         jsonl: str | Path | None = None,
         echo: bool = True,
+        timeout_s: float = 60.0,
     ) -> None:
+        """Checks every argument before any step, on every rank alike.
+
+        Args:
+            module: the module ``autopar.compile`` returned (a ``DistributedModule``).
+            optimizer: its optimizer (``module.optimizer(...)``), or None: the state is then the
+                parameters and gradients alone.
+            tokens: how many tokens one step processes (an int >= 1), for the throughput.
+            samples: how many samples one step processes instead (not both).
+            jsonl: a file each step is appended to as one JSON line (first rank only): its folder
+                must exist and be writable (it is opened for appending here).
+            echo: print each step's line (first rank only).
+            timeout_s: seconds a rank waits for the others in :meth:`step` (and here) before it
+                raises :class:`~autopar.ir.errors.CollectiveMismatchError`; a number above 0.
+        """
+        _check_arguments(module, optimizer, tokens, samples, jsonl, echo, timeout_s)
+        if not dist.is_initialized():
+            raise OptionError(
+                "StepMeter measures a compiled module on every rank of its process group, but there is "
+                "none: call torch.distributed.init_process_group(...) before compiling and measuring"
+            )
         self.module, self.optimizer = module, optimizer
         self.unit, self.count = ("tokens", tokens) if tokens is not None else ("samples", samples)
         self.jsonl = Path(jsonl) if jsonl is not None else None
         self.echo = echo
+        self.timeout_s = timeout_s
+        self._group = self._meeting_group()
+        self._failed: str | None = None  # why a meeting failed (its group is closed for good then)
+        self._agree(_unwritable(self.jsonl) if dist.get_rank() == 0 else None)
         self.steps = 0
         self.flops: float | None = None  # every rank's, per step (counted on the profile step)
         self.activations = 0  # this rank's activation peak (profile step, CPU)
         self.state = 0  # this rank's parameters, gradients and optimizer state at their largest
         self.records: list[dict[str, Any]] = []
 
+    def _meeting_group(self) -> Any:
+        """The gloo group the ranks meet on, with the meter's timeout; None under the fake backend."""
+        if dist.get_backend() == "fake":
+            return None
+        try:
+            return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise CollectiveMismatchError(
+                f"StepMeter(): not every rank constructed the meter within {self.timeout_s:g} s; every rank "
+                "must construct it (and then enter step() at every step)"
+            ) from e
+
+    def _agree(self, problem: str | None) -> None:
+        """Raise ``problem`` (found by the first rank) as an OptionError on every rank."""
+        if self._group is not None:
+            verdict = [problem]
+            dist.broadcast_object_list(verdict, src=0, group=self._group)
+            problem = verdict[0]
+        if problem is not None:
+            raise OptionError(problem)
+
+    def _meet(self) -> None:
+        """Wait up to ``timeout_s`` for every rank to enter this step; raise naming the ranks missing."""
+        if self._failed is not None:
+            raise CollectiveMismatchError(
+                f"StepMeter.step() cannot meet the other ranks after an earlier failure ({self._failed}); "
+                "construct a new meter on every rank"
+            )
+        if self._group is None:
+            return
+        try:
+            dist.monitored_barrier(
+                self._group, timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True
+            )
+        except RuntimeError as e:
+            # the first rank watches the others and names the ranks missing; another rank knows only
+            # that the first rank did not answer
+            missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(e))
+            ranks = missing.group(1).strip() if missing else ""
+            who = (
+                f"rank{'s' if ',' in ranks else ''} {ranks} did not enter"
+                if ranks
+                else "not every rank entered"
+            )
+            self._failed = (
+                f"StepMeter.step(): {who} step {self.steps} within {self.timeout_s:g} s; every rank must "
+                "call step() at every step"
+            )
+            raise CollectiveMismatchError(self._failed) from e
+
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Measure the training step run inside (every rank must use it: it communicates)."""
+        self._meet()
         # the first step compiles what runs on first use (a train_step loss): its work and its
         # capture's tensors are not the step's, so the second step is the one profiled
         profile = self.steps == 1
@@ -187,3 +273,42 @@ def _gather(x: int) -> list[int]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, x)
     return [int(v) for v in out]
+
+
+def _check_arguments(
+    module: Any, optimizer: Any, tokens: Any, samples: Any, jsonl: Any, echo: Any, timeout_s: Any
+) -> None:
+    """StepMeter's arguments, as its ``__init__`` documents them (the file's folder apart)."""
+    if not isinstance(module, DistributedModule):
+        swapped = "; the module comes first: StepMeter(dmodel, optimizer)"
+        raise OptionError(
+            f"StepMeter(module) measures the module autopar.compile returned (a DistributedModule), got "
+            f"{type(module).__name__}{swapped if isinstance(module, torch.optim.Optimizer) else ''}"
+        )
+    if optimizer is not None:
+        what = "the module's optimizer (dmodel.optimizer(...)) or None"
+        check_instance(optimizer, torch.optim.Optimizer, "StepMeter(optimizer)", what)
+    if tokens is not None and samples is not None:
+        raise OptionError(
+            f"StepMeter counts tokens or samples, not both: got tokens={tokens!r}, samples={samples!r}"
+        )
+    for name, count in (("tokens", tokens), ("samples", samples)):
+        if count is not None:
+            check_int(count, f"StepMeter({name}=...) ({name} per step)", minimum=1)
+    if jsonl is not None:
+        check_instance(jsonl, (str, os.PathLike), "StepMeter(jsonl=...)", "a path (a str or a Path) or None")
+    check_bool(echo, "StepMeter(echo=...)")
+    check_number(timeout_s, "StepMeter(timeout_s=...)", unit="seconds", below=timedelta.max.total_seconds())
+
+
+def _unwritable(path: Path | None) -> str | None:
+    """Why ``path`` cannot be appended to (None if it can): it is opened for appending, which
+    creates it empty where it does not exist."""
+    if path is None:
+        return None
+    try:
+        with path.open("a"):
+            return None
+    except OSError as e:
+        folder = "" if path.parent.is_dir() else f": there is no folder {path.parent}"
+        return f"StepMeter(jsonl={str(path)!r}) cannot be appended to ({e.strerror}){folder}"

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, TypeVar
 
 from torch import nn
 from torch.distributed.tensor import Replicate
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from autopar.capture.strategies import (
+    ManualSplit,
     Parts,
     Strategy,
     check_strategy_form,
@@ -101,9 +103,71 @@ def _check_plan(plan: object, what: str, where: str) -> tuple[tuple[str, Strateg
 _ANNOTATED: list[tuple[weakref.ref, str]] = []
 
 
+@dataclass(frozen=True)
+class _Replaced:
+    """An annotated module that ``parent.<name> = ...`` replaced by another (weakly held)."""
+
+    parent: weakref.ref
+    name: str
+    module: weakref.ref
+    what: str  # the annotated module's class and annotations, in words
+
+
+# modules replaced after they were annotated, while their parents live (see _note_replacement)
+_REPLACED: list[_Replaced] = []
+_WATCHING: list[Any] = []  # the module registration hook, once the first annotation installs it
+
+
+def _own_annotations(module: nn.Module) -> list[str]:
+    """The annotations made on ``module`` itself (not on its class), by the name of their call."""
+    calls = {"shard": _SHARD_ATTR, "pipeline_stage": _STAGE_ATTR, "recompute": _RECOMPUTE_ATTR}
+    return [call for call, attr in calls.items() if attr in vars(module)]
+
+
+def _note_replacement(parent: nn.Module, name: str, child: nn.Module) -> None:
+    """A registration hook of every module: ``parent.<name> = child`` replacing an annotated module
+    is noted, for :func:`unclaimed_annotations` to refuse the annotation it would lose."""
+    old = parent._modules.get(name)
+    calls = [] if old is None or old is child else _own_annotations(old)
+    if calls:
+        _REPLACED[:] = [r for r in _REPLACED if r.parent() is not None]
+        what = f"a {type(old).__name__} annotated with {' and '.join(calls)}"
+        _REPLACED.append(_Replaced(weakref.ref(parent), name, weakref.ref(old), what))
+
+
+def _noted(module: nn.Module, call: str) -> None:
+    """Remember that ``call`` annotated ``module``, and watch for modules replaced once annotated."""
+    _ANNOTATED.append((weakref.ref(module), call))
+    if not _WATCHING:
+        _WATCHING.append(register_module_module_registration_hook(_note_replacement))
+
+
+def _refuse_replaced(model: nn.Module) -> None:
+    """Raise for an annotated module of ``model`` that was replaced since it was annotated."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    for noted in list(_REPLACED):
+        parent, old = noted.parent(), noted.module()
+        now = None if parent is None else parent._modules.get(noted.name)
+        if parent is None or id(parent) not in paths or now is None or old is now:
+            continue
+        if _own_annotations(now) or (old is not None and id(old) in paths):
+            continue  # the new module is annotated itself, or the old one still runs elsewhere
+        path = f"{paths[id(parent)]}.{noted.name}".lstrip(".")
+        raise AnnotationError(
+            f"module {path!r} was {noted.what}, then replaced by a {type(now).__name__}, so the "
+            f"annotated module is no longer part of the {type(model).__name__} and its annotation would "
+            f"be lost; annotate the module now at {path!r} (or replace the module before annotating it)"
+        )
+
+
 def unclaimed_annotations(model: nn.Module) -> list[str]:
     """In words, the annotations made since the last capture on modules that are not part of
-    ``model`` (which does not apply them); each is said once."""
+    ``model`` (which does not apply them); each is said once.
+
+    Raises ``AnnotationError`` for an annotated module of ``model`` that was replaced by another
+    since (``model.layer = nn.Linear(...)``): its annotation is lost, not merely elsewhere.
+    """
+    _refuse_replaced(model)
     mine = {id(m) for m in model.modules()}
     found = []
     for ref, call in _ANNOTATED:
@@ -119,7 +183,7 @@ def unclaimed_annotations(model: nn.Module) -> list[str]:
 
 def _attach(target: object, annotation: ShardAnnotation) -> Any:
     if isinstance(target, nn.Module):
-        _ANNOTATED.append((weakref.ref(target), "shard"))
+        _noted(target, "shard")
     if isinstance(target, nn.Module) or (isinstance(target, type) and issubclass(target, nn.Module)):
         setattr(target, _SHARD_ATTR, annotation)
         return target
@@ -183,10 +247,10 @@ def shard_annotation(module: nn.Module) -> ShardAnnotation | None:
 
 
 def annotations_on(module: nn.Module) -> list[str]:
-    """The annotations ``module`` carries, by the name of the call that made them."""
-    found = {"shard": shard_annotation(module) is not None, "pipeline_stage": _STAGE_ATTR in vars(module)}
-    found["recompute"] = _RECOMPUTE_ATTR in vars(module)
-    return [name for name, present in found.items() if present]
+    """The annotations ``module`` carries (its class's ``shard`` too), by the name of the call that
+    made them."""
+    own = _own_annotations(module)
+    return ["shard"] * (shard_annotation(module) is not None and "shard" not in own) + own
 
 
 def _require_module(module: object, fn: str) -> None:
@@ -212,7 +276,7 @@ def pipeline_stage(module: ModuleT, k: int) -> ModuleT:
             f"cannot be in stage {k} too; a module runs in one stage"
         )
     setattr(module, _STAGE_ATTR, k)
-    _ANNOTATED.append((weakref.ref(module), "pipeline_stage"))
+    _noted(module, "pipeline_stage")
     return module
 
 
@@ -230,7 +294,7 @@ def recompute(module: ModuleT, policy: RecomputePolicy | str = RecomputePolicy.F
             f"recompute({type(module).__name__}, policy={policy!r}): the policy is one of {list(POLICIES)}"
         )
     setattr(module, _RECOMPUTE_ATTR, RecomputePolicy(policy))
-    _ANNOTATED.append((weakref.ref(module), "recompute"))
+    _noted(module, "recompute")
     return module
 
 
@@ -242,7 +306,8 @@ class ModelAnnotations:
     """The model-wide annotations, validated against one mesh (read-only mappings).
 
     ``parameter_layouts`` (how parameters are stored) is keyed by fqn as in
-    ``model.named_parameters()`` (tied weights under their first name); those in
+    ``model.named_parameters()`` (tied weights under their first name; a capture keys them under
+    every name, :func:`under_every_name`); those in
     ``compute_layouts`` are also the layouts their ops compute with. ``stages`` and
     ``recompute`` are keyed by module path as in ``model.named_modules()`` ("" is the root).
     """
@@ -255,6 +320,23 @@ class ModelAnnotations:
     parameter_rows: Mapping[str, ManualRows] = field(default_factory=lambda: MappingProxyType({}))
     # fqn -> the dim and Parts of unequal sizes its parameter_plan gives (each part's slice laid out)
     parameter_parts: Mapping[str, tuple[int, Parts]] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def under_every_name(annotations: ModelAnnotations, aliases: Mapping[str, list[str]]) -> ModelAnnotations:
+    """``annotations`` with each parameter's entries under every name it has (``aliases``: a name ->
+    all names of its tensor). A tied weight is annotated under its first name, while export may give
+    the placeholder its ops read another (GPT-2's ``lm_head.weight`` for ``transformer.wte.weight``)."""
+
+    def spread(table: Mapping[str, Any]) -> Mapping[str, Any]:
+        return MappingProxyType({alias: v for fqn, v in table.items() for alias in aliases.get(fqn, [fqn])})
+
+    return replace(
+        annotations,
+        parameter_layouts=spread(annotations.parameter_layouts),
+        compute_layouts=frozenset(spread(dict.fromkeys(annotations.compute_layouts))),
+        parameter_rows=spread(annotations.parameter_rows),
+        parameter_parts=spread(annotations.parameter_parts),
+    )
 
 
 def describe_module(path: str, module: nn.Module) -> str:
@@ -321,6 +403,8 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
                 if computed:
                     computed_with.add(fqn_of[id(param)])
                 fqn, manual = fqn_of[id(param)], manual_rows(strategy)
+                if manual is not None:
+                    _refuse_tied_rows(model, param, f"{path}.{name}".lstrip("."), strategy, where)
                 if fqn in layouts and rows.get(fqn) != manual:
                     raise AnnotationError(
                         f"{where}: parameter {fqn!r} gets ManualSplit {manual} here but "
@@ -355,6 +439,29 @@ def collect_annotations(model: nn.Module, mesh: MeshSpec | Mapping[str, int]) ->
         recompute=MappingProxyType(recomputed),
         parameter_rows=MappingProxyType(rows),
         parameter_parts=MappingProxyType(parts),
+    )
+
+
+def _refuse_tied_rows(
+    model: nn.Module, param: nn.Parameter, own: str, strategy: Strategy, where: str
+) -> None:
+    """A ``ManualSplit`` table is read by its own lookups only (each rank looks up its rows; no
+    other op could take rows of chosen counts): a parameter tied to another module's is refused."""
+    names = [name for name, p in model.named_parameters(remove_duplicate=False) if p is param]
+    if len(names) < 2:
+        return
+    modules = dict(model.named_modules(remove_duplicate=False))
+    others = ", ".join(
+        f"{name!r} of {describe_module(name.rpartition('.')[0], modules[name.rpartition('.')[0]])}"
+        for name in names
+        if name != own
+    )
+    even = tuple(item.axis if isinstance(item, ManualSplit) else item for item in strategy)
+    raise AnnotationError(
+        f"{where}: ManualSplit splits parameter {own!r} in rows of its own, but the parameter is tied: "
+        f"it is also {others}, which reads the same tensor; a ManualSplit table is held by one module "
+        f"only (its rows are read by that module's lookups), so split it by the axis name instead "
+        f"(parameter_plan {even!r}: even pieces, which every reader can take), or untie the weights"
     )
 
 

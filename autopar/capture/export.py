@@ -21,9 +21,15 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from autopar.capture.annotations import ModelAnnotations, unclaimed_annotations
+from autopar.capture.annotations import (
+    ModelAnnotations,
+    describe_module,
+    unclaimed_annotations,
+    under_every_name,
+)
 from autopar.capture.constraint_op import constraint_spec, layout_constraint
 from autopar.capture.exact_means import ExactMeans
+from autopar.capture.example_inputs import check_shapes, check_values, input_labels, non_tensor_hint
 from autopar.capture.functionalize import functionalize
 from autopar.capture.fused_parts import split_fused_projections
 from autopar.capture.hooks import annotation_hooks, check_strategies_ran
@@ -127,15 +133,18 @@ def _block_inputs(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _track_modules(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
-    """Keep a stack of the modules running, to say where a capture failed."""
+def _track_modules(model: torch.nn.Module) -> Iterator[tuple[list[tuple[str, str]], set[str]]]:
+    """Keep a stack of the modules running, to say where a capture failed, and the paths of
+    those whose forward ran."""
     running: list[tuple[str, str]] = []
+    ran: set[str] = set()
     handles = []
     for name, mod in model.named_modules():
         cls = type(mod).__name__
 
         def pre(_m, _a, name=name, cls=cls):
             running.append((name, cls))
+            ran.add(name)
 
         def post(_m, _a, _o):
             if running:
@@ -144,7 +153,7 @@ def _track_modules(model: torch.nn.Module) -> Iterator[list[tuple[str, str]]]:
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post, always_call=True))
     try:
-        yield running
+        yield running, ran
     finally:
         for h in handles:
             h.remove()
@@ -252,61 +261,50 @@ def capture(
     """Export ``model(*args, **kwargs)`` with annotations recorded; see module docstring. Under
     ``precision`` the model is traced in its compute dtype (:mod:`autopar.capture.precision`);
     with ``stack_traces`` each node keeps the user's stack where it was recorded (a compiled
-    program's errors name the line; planning needs none)."""
+    program's errors name the line; planning needs none). The example inputs are checked
+    (:mod:`autopar.capture.example_inputs`): no empty dim, ids inside the tables they look up,
+    one dtype per matrix product."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"autopar plans an nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         args = (args,)
     args, kwargs = _distinct_inputs(args, dict(kwargs or {}))
+    check_shapes(input_labels(model, args, kwargs))
+    unapplied = unclaimed_annotations(model)  # an annotation lost with a replaced module raises here
     with (
         annotation_hooks(model, mesh) as annotations,
         _block_inputs(model),
-        _track_modules(model) as running,
+        _track_modules(model) as (running, ran),
         _returnable_outputs(model) as (dropped, numbers),
         ExactMeans(),
         traced_in(model, precision) as dtypes,
         _stack_traces(stack_traces),
     ):
-        try:
-            program = torch.export.export(model, args, kwargs, strict=False)
-        except AnnotationError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - re-raised with context below
-            cause = exc
-            while cause.__cause__ is not None and not isinstance(cause, AnnotationError):
-                cause = cause.__cause__
-            if isinstance(cause, AnnotationError):
-                raise cause from None
-            where = (
-                f" while running module '{running[-1][0] or '<root>'}' ({running[-1][1]})" if running else ""
-            )
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            hint = next((h for key, h in _HINTS if key in str(exc)), None) or (
-                "run torch.export.export(model, args, kwargs, strict=False) to see the full error"
-            )
-            what = f"{type(model).__name__}{where}: {type(exc).__name__}: {message}"
-            raise CaptureError(f"could not capture {what}. Try: {hint}.") from exc
+        program = _export(model, args, kwargs, running)
         check_strategies_ran(model)
+    _refuse_recompute_not_run(model, annotations, ran)
+    check_values(program, model, args, kwargs)
     if precision is not None:
         cast_parameters(program, model, dtypes, precision)
     _refuse_data_dependent_shapes(program.graph, type(model).__name__)
     functionalize(program.graph_module)  # in-place ops on temporaries, as out-of-place ones where exact
     sig = program.graph_signature
-    params = dict(sig.inputs_to_parameters)
-    annotated = {
-        name: (fqn, *annotations.parameter_parts[fqn])
-        for name, fqn in params.items()
-        if fqn in annotations.parameter_parts
-    }
-    split_fused_projections(program.graph_module, mesh, annotated)  # unequal parts: one projection each
-    buffers = dict(sig.inputs_to_buffers)
-    inputs = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.name in set(sig.user_inputs)]
+    params, buffers = dict(sig.inputs_to_parameters), dict(sig.inputs_to_buffers)
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     names_of: dict[int, list[str]] = {}
     for fqn, tensor in named.items():
         names_of.setdefault(id(tensor), []).append(fqn)
     aliases = {fqn: names_of.get(id(named.get(fqn)), [fqn]) for fqn in (*params.values(), *buffers.values())}
+    annotations = under_every_name(annotations, aliases)
+    read = {n.name for n in program.graph.nodes if n.op == "placeholder" and n.users}
+    annotated = {  # a tied weight's twin placeholder that nothing reads has no projection to split
+        name: (fqn, *annotations.parameter_parts[fqn])
+        for name, fqn in params.items()
+        if fqn in annotations.parameter_parts and name in read
+    }
+    split_fused_projections(program.graph_module, mesh, annotated)  # unequal parts: one projection each
+    inputs = [n.name for n in program.graph.nodes if n.op == "placeholder" and n.name in set(sig.user_inputs)]
     requires_grad = {name: bool(named[fqn].requires_grad) for name, fqn in params.items()}
     for node in program.graph.nodes:
         if node.name in inputs and isinstance(node.meta.get("val"), torch.Tensor):
@@ -320,10 +318,49 @@ def capture(
         aliases=aliases,
         requires_grad=requires_grad,
         dropped_outputs=dropped,
-        unapplied=unclaimed_annotations(model),
+        unapplied=unapplied,
         number_outputs=tuple(numbers),
         precision=precision,
     )
+
+
+def _export(
+    model: torch.nn.Module, args: tuple, kwargs: dict, running: list[tuple[str, str]]
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` (non-strict); a failure is a ``CaptureError`` naming the module that was
+    ``running`` and a hint (an ``AnnotationError`` raised inside stays one)."""
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    except AnnotationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with context below
+        cause = exc
+        while cause.__cause__ is not None and not isinstance(cause, AnnotationError):
+            cause = cause.__cause__
+        if isinstance(cause, AnnotationError):
+            raise cause from None
+        where = f" while running module '{running[-1][0] or '<root>'}' ({running[-1][1]})" if running else ""
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        hint = (
+            non_tensor_hint(input_labels(model, args, kwargs), exc)
+            or next((h for key, h in _HINTS if key in str(exc)), None)
+            or "run torch.export.export(model, args, kwargs, strict=False) to see the full error"
+        )
+        what = f"{type(model).__name__}{where}: {type(exc).__name__}: {message}"
+        raise CaptureError(f"could not capture {what}. Try: {hint}.") from exc
+
+
+def _refuse_recompute_not_run(model: torch.nn.Module, annotations: ModelAnnotations, ran: set[str]) -> None:
+    """``recompute`` on a module whose forward never ran would recompute nothing (regions are the
+    ops a module's forward records), so it is refused like ``in_strategy`` on such a module."""
+    modules = dict(model.named_modules())
+    for path in annotations.recompute:
+        if path not in ran:
+            raise AnnotationError(
+                f"{describe_module(path, modules[path])}: recompute() is set on it, but its forward never "
+                "runs (as module(...)) while the model is captured, so nothing would be recomputed; annotate "
+                "modules that run (a ModuleList or ModuleDict has no forward: annotate each block it holds)"
+            )
 
 
 def _refuse_data_dependent_shapes(graph: torch.fx.Graph, model: str) -> None:

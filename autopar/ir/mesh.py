@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from autopar.ir.arguments import check_int
-from autopar.ir.errors import OptionError
+from autopar.ir.errors import CompileError, OptionError
 
 #: A partition of a mesh's axes into runs of consecutive axes, as axis indices: ``((0, 1), (2,))``.
 AxisGroups = tuple[tuple[int, ...], ...]
@@ -87,6 +87,31 @@ class MeshSpec:
 
     def __str__(self) -> str:
         return "×".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes))
+
+
+def check_in_world(device_mesh: Any) -> None:
+    """Raise ``CompileError`` unless every rank of ``device_mesh`` is a rank of this process's world:
+    a mesh built in another process group (a bigger one, or one since destroyed) would compile a
+    program for ranks that do not exist.
+
+    Args:
+        device_mesh: a named ``DeviceMesh``.
+    """
+    import torch.distributed as dist
+
+    spec = MeshSpec.of(device_mesh)
+    if not dist.is_initialized():
+        raise CompileError(
+            f"the DeviceMesh {spec} ({spec.size} ranks) needs a process group, and there is none: build "
+            "it after init_process_group, on every rank of the job (or plan without ranks: autopar.plan)"
+        )
+    world, last = dist.get_world_size(), int(device_mesh.mesh.max())
+    if last >= world:
+        raise CompileError(
+            f"the DeviceMesh {spec} holds {spec.size} ranks (up to rank {last}), but the world has {world}: "
+            f"build the mesh from this job's ranks (a mesh of {world} devices, such as "
+            f"init_device_mesh(..., ({world},)), or start {spec.size} ranks)"
+        )
 
 
 def each_axis(mesh: MeshSpec) -> AxisGroups:

@@ -31,6 +31,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from autopar.ir.arguments import check_input_tensor, input_structure
 from autopar.ir.errors import CompileError, ShapeError
 from autopar.ir.layout import Layout, format_layout, local_shape
 from autopar.ir.mesh import MeshSpec
@@ -192,6 +193,7 @@ class DistributedModule(torch.nn.Module):
             if name in nodes and not isinstance(nodes[name].meta.get("val"), torch.Tensor)
         }
         self._input_global = {name: tuple(nodes[name].meta["val"].shape) for name in self._input_layouts}
+        self._input_examples = {name: nodes[name].meta["val"] for name in self._input_layouts}
         output = next(n for n in program.graph.nodes if n.op == "output")
         results = pytree.tree_leaves(output.args)
         self._outputs = [results[i] for i in self._user_outputs]
@@ -232,7 +234,7 @@ class DistributedModule(torch.nn.Module):
         if spec != self._in_spec:
             raise ShapeError(
                 f"inputs must have the structure the module was compiled with: "
-                f"expected {self._in_spec}, got {spec}"
+                f"{input_structure(self._in_spec, spec, self._input_names)}"
             )
         return leaves
 
@@ -277,8 +279,9 @@ class DistributedModule(torch.nn.Module):
                     "tensor input is a constant of the compiled program; compile again for another value"
                 )
             return
-        if not isinstance(t, torch.Tensor) or name not in self._input_layouts:
+        if name not in self._input_layouts:
             return
+        check_input_tensor(name, t, self._input_examples[name])  # a tensor of the compiled dtype
         layout, whole = self._input_layouts[name], self._input_global[name]
         expected = whole if is_global else local_shape(whole, layout, self.plan.mesh_spec)
         if tuple(t.shape) != expected:
@@ -369,8 +372,7 @@ class DistributedModule(torch.nn.Module):
 
     def _microbatches(self, name: str, t: Any, m: int) -> Any:
         """This rank's pieces of the ``m`` microbatches of global input ``t``, concatenated along dim 0."""
-        if not isinstance(t, torch.Tensor):
-            return t
+        check_input_tensor(name, t, self._input_examples[name])  # a tensor of the compiled dtype
         one = self._input_global[name]
         if t.dim() == 0 or (t.shape[0], *t.shape[1:]) != (m * one[0], *one[1:]):
             raise ShapeError(

@@ -29,7 +29,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -48,8 +49,10 @@ from autopar.tools.cli_inputs import (
     parse_mesh,
     parse_slowdowns,
     positive_int,
+    width,
     writable,
 )
+from autopar.tools.scaling import plot_scaling, scaling_table
 
 # --- commands ----------------------------------------------------------------------------
 
@@ -71,6 +74,16 @@ def _plan(a: argparse.Namespace, model: torch.nn.Module, args: tuple, kwargs: di
     with console.status(f"solving the strategy ILP for mesh {spec} ..."):
         plan = plan_captured(captured, spec, cluster=cluster, memory_budget=budget, capture_s=capture_s)
         return captured, plan
+
+
+@contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """Inside, a write to ``path`` that fails (``/proc``, a full disk, no permission) is a
+    ``UsageError``: one line naming the file and the system's reason, exit status 2."""
+    try:
+        yield
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _precision(a: argparse.Namespace) -> MixedPrecision | None:
@@ -103,7 +116,8 @@ def cmd_plan(a: argparse.Namespace) -> None:
     if a.stragglers:  # sync against the update modes (docs/update_modes.md)
         print(update_cost.compare_updates(plan, a.stragglers, a.batch))
     if a.output:
-        plan.save(a.output)
+        with _writing(a.output):
+            plan.save(a.output)
         print(f"plan written to {a.output}")
 
 
@@ -237,49 +251,17 @@ def cmd_viz(a: argparse.Namespace) -> None:
         _, plan = _plan(a, model, args, kwargs, a.mesh)
     title = f"autopar plan on mesh {plan.mesh_spec} ({plan.cluster['name']})"
     if a.output.endswith(".dot"):
-        Path(a.output).write_text(plan_dot(plan))
+        text = plan_dot(plan)
     elif a.output.endswith(".svg"):
         with tempfile.TemporaryDirectory() as work:
-            Path(a.output).write_text(plan_svg(plan_html(plan, title), chromium, Path(work), a.open))
+            text = plan_svg(plan_html(plan, title), chromium, Path(work), a.open)
     else:
-        Path(a.output).write_text(plan_html(plan, title))
+        text = plan_html(plan, title)
+    with _writing(a.output):
+        Path(a.output).write_text(text)
     print(
         f"graph written to {a.output} ({len(plan.nodes)} nodes, {len(plan.redistributions)} redistributions)"
     )
-
-
-def scaling_table(
-    model: torch.nn.Module,
-    args: tuple,
-    kwargs: dict,
-    devices: Sequence[int],
-    axis: str,
-    cluster: Any,
-    precision: MixedPrecision | None = None,
-) -> list[dict[str, float]]:
-    """Per device count (the first is 1): the predicted step of the example batch (strong
-    scaling) and of the batch grown with the devices (weak scaling), planned on ``{axis: n}``."""
-    import autopar
-
-    rows = []
-    for n in devices:
-        options = {"cluster": cluster, "precision": precision}
-        strong = autopar.plan(model, args, {axis: n}, example_kwargs=kwargs, **options)
-        grown_args, grown_kwargs = torch.utils._pytree.tree_map(lambda t, n=n: _grown(t, n), (args, kwargs))
-        weak = autopar.plan(model, grown_args, {axis: n}, example_kwargs=grown_kwargs, **options)
-        step, grown = strong.prediction.step_time_s, weak.prediction.step_time_s
-        rows.append({"devices": n, "step_s": step, "grown_step_s": grown})
-    t1 = rows[0]["step_s"]
-    for r in rows:
-        r["speedup"] = t1 / r["step_s"]
-        r["efficiency"] = r["speedup"] / r["devices"]
-        r["scaled_speedup"] = r["devices"] * t1 / r["grown_step_s"]
-    return rows
-
-
-def _grown(t: Any, n: int) -> Any:
-    """``t`` with ``n`` times its batch (dim 0), for weak scaling."""
-    return t.repeat(n, *([1] * (t.dim() - 1))) if isinstance(t, torch.Tensor) and t.dim() else t
 
 
 def amdahl_fraction(rows: Sequence[dict[str, float]]) -> float:
@@ -329,7 +311,8 @@ def cmd_scaling(a: argparse.Namespace) -> None:
     )
     if a.plot:
         title = f"{a.model} over {a.axis} ({a.cluster})"
-        _plot(rows, (s, amdahl, off_a), (g, gustafson, off_g), title, a.plot)
+        with _writing(a.plot):
+            plot_scaling(rows, (s, amdahl, off_a), (g, gustafson, off_g), title, a.plot)
         console.print(f"plot written to {a.plot}")
 
 
@@ -354,35 +337,6 @@ def _fit_words(off: float) -> str:
     if off <= FAIR_FIT:
         return f"fits every point within {off:.0%}"
     return f"a poor fit, off by up to {off:.0%}: the plan's steps do not follow this law"
-
-
-def _plot(rows: Sequence[dict[str, float]], amdahl: tuple, gustafson: tuple, title: str, path: str) -> None:
-    """Speedups against device counts (the ticks), each law's fit labelled with how well it fits."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    n = [r["devices"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=100)
-    ax.plot(n, n, "k:", label="ideal")
-    ax.plot(n, [r["speedup"] for r in rows], "o-", label="fixed batch (predicted)")
-    ax.plot(n, amdahl[1], "--", label=f"Amdahl, s={amdahl[0]:.3f} (off by up to {amdahl[2]:.0%})")
-    ax.plot(n, [r["scaled_speedup"] for r in rows], "s-", label="grown batch (predicted)")
-    ax.plot(n, gustafson[1], "--", label=f"Gustafson, s={gustafson[0]:.3f} (off by up to {gustafson[2]:.0%})")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xticks(n, [str(k) for k in n])
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
-    ax.set_xlabel("devices")
-    ax.set_ylabel("speedup")
-    ax.set_title(f"predicted speedup: {title}", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 # --- entry ---------------------------------------------------------------------------------
@@ -414,7 +368,7 @@ def _parser() -> argparse.ArgumentParser:
             "--batch", type=positive_int, default=8, help="hf: models: sequences in the example batch"
         )
         p.add_argument("--seq", type=positive_int, default=128, help="hf: models: tokens per sequence")
-        p.add_argument("--width", type=positive_int, default=140, help="table width in characters")
+        p.add_argument("--width", type=width, default=140, help="table width in characters (>= 40)")
         p.add_argument("--precision", choices=("bf16", "fp16"), help="compute in it, fp32 master weights")
         return p
 

@@ -12,6 +12,7 @@ import ast
 import difflib
 import importlib.util
 import math
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -108,14 +109,33 @@ def cluster_name(name: str) -> str:
 
 
 def writable(path: str) -> str:
-    """``path`` if a file can be written there: its folder exists (checked before planning)."""
+    """``path`` if a file can be written there: its folder exists and it is no folder itself (checked
+    before planning; a write that fails later, such as into ``/proc``, is one line too)."""
     folder = Path(path).parent
     if not folder.is_dir():
         raise UsageError(f"cannot write {path}: there is no folder {folder}")
+    if Path(path).is_dir():
+        raise UsageError(f"cannot write {path}: it is a folder; give a file name")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"cannot write {path}: the folder {folder} is not writable")
     return path
 
 
+def width(text: str) -> int:
+    """An argparse ``type``: a table width of at least :data:`MIN_WIDTH` characters (``--width``)."""
+    if not text.isdigit() or int(text) < MIN_WIDTH:
+        raise UsageError(f"width {text!r}: expected a whole number of characters >= {MIN_WIDTH}")
+    return int(text)
+
+
+MIN_WIDTH = 40  # narrower tables wrap every cell over several lines
+
+
 def _value(text: str) -> Any:
+    """A ``key=value`` word's value: a Python literal (``2``, ``0.1``, ``True``, ``'gelu'``), ``nan`` or
+    ``inf`` as the float they name (refused where a number is expected), else the text itself."""
+    if text.strip().lstrip("+-").lower() in ("nan", "inf", "infinity"):
+        return float(text)
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -128,6 +148,10 @@ def _overrides(words: Sequence[str]) -> dict[str, Any]:
         key, eq, value = word.partition("=")
         if not eq or not key.isidentifier():
             raise UsageError(f"model option {word!r}: expected key=value, e.g. n_layer=2")
+        if key in out:
+            raise UsageError(
+                f"model option {key!r} is given twice ({key}={out[key]!r}, then {word}): give it once"
+            )
         out[key] = _value(value)
     return out
 
@@ -138,7 +162,14 @@ def _overrides(words: Sequence[str]) -> dict[str, Any]:
 def load_model(
     spec: str, options: Sequence[str], batch: int, seq: int
 ) -> tuple[torch.nn.Module, tuple, dict]:
-    """The model and example inputs ``(model, args, kwargs)`` a ``MODEL`` spec names."""
+    """The model and example inputs ``(model, args, kwargs)`` a ``MODEL`` spec names.
+
+    Args:
+        spec: ``hf:ARCH`` or ``path/to/file.py:factory``.
+        options: ``key=value`` words: config fields of ``hf:`` models, else the factory's arguments.
+        batch: sequences of an ``hf:`` model's example batch.
+        seq: tokens per sequence of an ``hf:`` model's example batch (no longer than its positions).
+    """
     overrides = _overrides(options)
     if spec.startswith("hf:"):
         return _transformers_model(spec[3:], overrides, batch, seq)
@@ -183,23 +214,87 @@ def _transformers_model(
             f"model hf:{arch}: not a transformers model type (e.g. hf:gpt2, hf:llama, hf:bert)"
         ) from None
     fields = set(config.to_dict()) | set(config.attribute_map)
-    for key in overrides:
+    for key, value in overrides.items():
         if key not in fields:
             close = difflib.get_close_matches(key, sorted(fields), n=3)
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
             raise UsageError(f"model hf:{arch}: its config has no field {key!r}{hint}")
-    config = transformers.AutoConfig.for_model(arch, **{"use_cache": False, **overrides})
-    with torch.device("meta"):
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
-            try:
-                model = auto.from_config(config)
-                break
-            except ValueError:
-                continue
-        else:
-            raise UsageError(f"model hf:{arch}: neither a causal nor a masked language model")
-    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        _check_field(arch, config, key, value)
+    given = " ".join(f"{k}={v!r}" for k, v in overrides.items())
+    try:
+        config = transformers.AutoConfig.for_model(arch, **{"use_cache": False, **overrides})
+    except Exception as exc:  # noqa: BLE001 - transformers' own check of a field, in one line
+        raise UsageError(f"model hf:{arch} {given}: its config refuses it: {_one_line(exc)}") from None
+    _check_positions(arch, config, seq)
+    autos = [
+        auto
+        for auto, kinds in (
+            (transformers.AutoModelForCausalLM, transformers.MODEL_FOR_CAUSAL_LM_MAPPING),
+            (transformers.AutoModelForMaskedLM, transformers.MODEL_FOR_MASKED_LM_MAPPING),
+        )
+        if type(config) in kinds
+    ]
+    if not autos:
+        raise UsageError(f"model hf:{arch}: neither a causal nor a masked language model")
+    try:
+        with torch.device("meta"):
+            model = autos[0].from_config(config)
+    except Exception as exc:  # noqa: BLE001 - the config's fields do not fit together, in one line
+        raise UsageError(f"model hf:{arch} {given}: transformers cannot build it: {_one_line(exc)}") from None
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")  # id 0: in every vocabulary (>= 1)
     return model, (), {"input_ids": ids, "labels": ids}
+
+
+# config fields that count something (by their canonical names): each at least 1
+_COUNTS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "max_position_embeddings",
+        "head_dim",
+        "n_inner",
+    }
+)
+
+
+def _check_field(arch: str, config: Any, key: str, value: Any) -> None:
+    """A config override of the type its field holds (an int is an int, a flag a bool), finite, and
+    an int >= 1 where the field counts something; a field that holds None by default takes any value."""
+    from autopar.ir.arguments import is_int
+
+    default = getattr(config, key)
+    canonical = next((k for k, v in config.attribute_map.items() if v == key), key)
+    number = (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    if canonical in _COUNTS and value is not None:
+        ok, expected = is_int(value) and value >= 1, "an int >= 1"
+    elif isinstance(default, bool):
+        ok, expected = isinstance(value, bool), "True or False"
+    elif isinstance(default, int):
+        ok, expected = is_int(value), "an int"
+    elif isinstance(default, float):
+        ok, expected = number, "a finite number"
+    elif isinstance(default, str):
+        ok, expected = isinstance(value, str), "a string"
+    else:
+        ok, expected = not isinstance(value, float) or number, "a finite number"
+    if not ok:
+        raise UsageError(f"model hf:{arch}: config field {key}={value!r}: expected {expected}")
+
+
+def _check_positions(arch: str, config: Any, seq: int) -> None:
+    """``--seq`` no longer than the positions the model has (GPT-2's ``n_positions``)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq > limit:
+        names = [v for k, v in config.attribute_map.items() if k == "max_position_embeddings"]
+        field = " = ".join([*names, "max_position_embeddings"])
+        raise UsageError(
+            f"model hf:{arch}: --seq {seq} is longer than its {field} ({limit} positions): give --seq "
+            f"{limit} or less, or {(names or ['max_position_embeddings'])[0]}={seq}"
+        )
 
 
 def _one_line(exc: BaseException) -> str:

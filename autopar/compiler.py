@@ -4,7 +4,7 @@ Called on every rank (under ``torchrun`` or spawned processes) with a real, name
 ``DeviceMesh``. The model is captured once; without a plan it is planned once, on the
 mesh's first rank, and the plan sent to every other rank (see :func:`_plan_once`); then
 the passes in
-``autopar.passes.PIPELINE`` turn the captured graph into the per-rank program, and
+``autopar.passes.PASS_ORDER`` turn the captured graph into the per-rank program, and
 :class:`~autopar.runtime.module.DistributedModule` runs it. Under a pipeline, layouts and
 collectives live on the mesh of this rank's stages (the mesh without the pipeline
 axis), and the program is split into one program per stage.
@@ -32,7 +32,7 @@ from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan
 from autopar.ir.printing import format_graph
 from autopar.ir.updates import Update, check_update
-from autopar.passes import PIPELINE
+from autopar.passes import PASS_ORDER
 from autopar.passes.context import PassContext
 from autopar.planning.cost import Cluster, CostModel
 from autopar.planning.plan_fit import check_plan_fits
@@ -231,7 +231,7 @@ def _plan_once(mesh: Any | None, make_plan: Callable[[bool], Plan]) -> Plan:
 def lower(
     captured: Captured, plan: Plan, stage_mesh: Any, *, check_ids: bool = True
 ) -> tuple[torch.fx.GraphModule, PassContext]:
-    """The per-rank program: ``autopar.passes.PIPELINE`` run on ``captured`` under ``plan``.
+    """The per-rank program: ``autopar.passes.PASS_ORDER`` run on ``captured`` under ``plan``.
 
     ``stage_mesh`` is the ``DeviceMesh`` layouts refer to (one stage's under a pipeline);
     ``check_ids`` is :func:`compile`'s.
@@ -248,7 +248,7 @@ def lower(
         check_ids=check_ids,
     )
     gm = captured.program.graph_module
-    for p in PIPELINE:
+    for p in PASS_ORDER:
         gm = p.run(gm, ctx)
         name = p.__name__.rsplit(".", 1)[-1]
         ctx.snapshots[name] = format_graph(gm.graph, f"after pass {name}")

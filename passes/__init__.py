@@ -1,6 +1,6 @@
 """Graph passes of autopar, one per file; each module exposes ``run(gm, ctx) -> gm``.
 
-:data:`PIPELINE` is the order ``autopar.compile`` runs them in: from the captured
+:data:`PASS_ORDER` is the order ``autopar.compile`` runs them in: from the captured
 graph plus a plan to the per-rank program. Each pass's docstring names the
 ``node.meta`` keys it reads and writes.
 """
@@ -22,7 +22,7 @@ from autopar.passes import (
     verify_layouts,
 )
 
-PIPELINE = (
+PASS_ORDER = (
     strip_export_checks,  # drop export's checks of global shapes and devices
     place_on_device,  # tensors the program creates: on this rank's device, not the capture's
     apply_plan,  # the plan's layouts onto the nodes; the plan must fit the model

@@ -1,4 +1,4 @@
-"""The context every pass of :data:`autopar.passes.PIPELINE` receives: ``run(gm, ctx) -> gm``."""
+"""The context every pass of :data:`autopar.passes.PASS_ORDER` receives: ``run(gm, ctx) -> gm``."""
 
 from __future__ import annotations
 

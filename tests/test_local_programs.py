@@ -77,8 +77,8 @@ def test_a_lowering_that_leaves_an_impossible_op_fails_at_compile_time_naming_it
     fake_process_group, monkeypatch
 ):
     # without localize_views, the recorded view of the attention output cannot run on a rank
-    without = tuple(p for p in compiler.PIPELINE if p is not localize_views)
-    monkeypatch.setattr(compiler, "PIPELINE", without)
+    without = tuple(p for p in compiler.PASS_ORDER if p is not localize_views)
+    monkeypatch.setattr(compiler, "PASS_ORDER", without)
     with pytest.raises(autopar.CompileError) as e:
         _heads_split_gpt()
     message = str(e.value)

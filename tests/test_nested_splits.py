@@ -31,7 +31,7 @@ from autopar.passes import lower_collectives
 from autopar.passes.context import PassContext
 from autopar.passes.insert_redistributions import redistribute
 from autopar.planning.cost import CostModel, get_cluster
-from autopar.planning.steps import StepKind, axis_states, walk
+from autopar.planning.redistribution_steps import StepKind, axis_states, walk
 from autopar.rules import PASSTHROUGH, OpCall, follow, lookup, split_counts
 from autopar.tools.launch import spawn
 from tests.test_rules import (

@@ -21,8 +21,8 @@ from autopar.planning.step_overheads import (
     OPTIMIZER_OPS_PER_TENSOR,
     GradSum,
     OpTime,
+    OptimizerWork,
     RecomputeWork,
-    Update,
     bucket_times,
     buckets,
     gradient_seconds,
@@ -120,7 +120,7 @@ def test_the_update_passes_are_those_torchs_optimizers_make(optimizer, options, 
 
 
 def test_the_optimizer_step_is_memory_bound_and_offload_adds_its_copies():
-    update = Update(elements=1e6, itemsize=4)
+    update = OptimizerWork(elements=1e6, itemsize=4)
     memory = autopar.Memory(optimizer_states=2)
     cluster = replace(BASE, op_overhead_s=1e-6)
     ops = OPTIMIZER_OPS_PER_TENSOR * 1e-6
@@ -135,7 +135,7 @@ def test_the_optimizer_step_is_memory_bound_and_offload_adds_its_copies():
     gpu = replace(cluster, host_link_Bps=1e9, host_memory_bandwidth_Bps=1e8)
     expected = 2 * 4e6 / 1e9 + 1e6 * FP32_BYTES * 20 / 1e8 + ops + 2e-6
     assert update_seconds(update, gpu, offload) == pytest.approx(expected)
-    assert update_seconds(Update(0.0, 4), cluster, memory) == 0.0  # frozen
+    assert update_seconds(OptimizerWork(0.0, 4), cluster, memory) == 0.0  # frozen
     # calibrated: a tensor's step on the device (DTensors) costs what autopar calibrate measured;
     # offload steps plain host copies, priced by their ops as before
     measured = replace(cluster, optimizer_tensor_s=3e-4)

@@ -33,7 +33,7 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import dtype_name
 from autopar.ir.plan import CollectiveKind
 from autopar.planning.cluster import FALLBACK_DTYPE, ONE_HOST, Cluster, LinkSpec
-from autopar.planning.steps import (
+from autopar.planning.redistribution_steps import (
     BACKWARD,
     ISSUE_ORDER,
     EdgeStep,
@@ -453,7 +453,7 @@ class CostModel:
 
         A dim split over several axes is split outer axis first (DTensor's order); the
         order, and where no order works the unwinding of inner splits, is
-        :func:`autopar.planning.steps.plan_steps`'s.
+        :func:`autopar.planning.redistribution_steps.plan_steps`'s.
         """
         return self._steps(axis_states(src), axis_states(dst))
 

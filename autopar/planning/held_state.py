@@ -24,7 +24,7 @@ from autopar.ir.strided import is_split
 from autopar.planning.gradient_sums import planned_edges
 from autopar.planning.laid_out import LaidOutGraph
 from autopar.planning.memory import local_bytes
-from autopar.planning.step_overheads import FP32_BYTES, Update
+from autopar.planning.step_overheads import FP32_BYTES, OptimizerWork
 from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
 from autopar.rules import shape_of
 
@@ -97,7 +97,7 @@ class HeldState:
 
     layouts: dict[str, str]
     held: dict[str, tuple[float, float, float, float]]
-    updates: dict[str, Update]
+    updates: dict[str, OptimizerWork]
     leaves: dict[str, float]
 
 
@@ -157,7 +157,7 @@ def held_state(
     """Every parameter's and buffer's layout and bytes per rank under ZeRO stage ``zero``."""
     layouts: dict[str, str] = {}
     held: dict[str, tuple[float, float, float, float]] = {}
-    updates: dict[str, Update] = {}
+    updates: dict[str, OptimizerWork] = {}
     leaves: dict[str, float] = {}
     by_name = {n.name: n for n in g.choices}
     for name, fqn in {**g.captured.params, **g.captured.buffers}.items():
@@ -176,6 +176,6 @@ def held_state(
         b = state_bytes(local, itemsize, n, zero, memory, grad)
         held[name] = (b.param, b.grad, b.optimizer, b.host)
         if grad:  # the optimizer steps its shard under ZeRO, the whole local parameter otherwise
-            updates[name] = Update(elements=local / itemsize / (n if zero else 1), itemsize=itemsize)
+            updates[name] = OptimizerWork(elements=local / itemsize / (n if zero else 1), itemsize=itemsize)
             leaves[name] = local / (n if zero == 3 else 1)
     return HeldState(layouts=layouts, held=held, updates=updates, leaves=leaves)

@@ -51,7 +51,7 @@ from autopar.planning.cost import LinkSpec
 from autopar.planning.stage_nodes import (
     annotated_anchors,
     complete_stages,
-    held_state,
+    node_held_bytes,
     placed_units,
     shared_constants,
     unit_memory,
@@ -168,7 +168,7 @@ class PipelineInputs:
 
     def held(self, node: torch.fx.Node) -> tuple[float, float, float]:
         """Bytes of a parameter or buffer on one rank, of its gradient, of its optimizer state."""
-        return held_state(self.state_bytes, node)
+        return node_held_bytes(self.state_bytes, node)
 
     def value_bytes(self) -> dict[torch.fx.Node, tuple[float, bool]]:
         """Each activation's bytes on one rank, and whether a gradient flows back to it."""

@@ -223,7 +223,7 @@ def unit_memory(
     fixed, act = [0.0] * n, [0.0] * n
     copied: dict[tuple[int, ...], float] = {}
     for node, i in placed.items():
-        held = sum(held_state(state_bytes, node))
+        held = sum(node_held_bytes(state_bytes, node))
         if node in shared:
             copied[shared[node]] = copied.get(shared[node], 0.0) + held
         else:
@@ -233,8 +233,9 @@ def unit_memory(
     return UnitCosts(zeros, fixed, act, zeros, copied_bytes=copied)
 
 
-def held_state(
+def node_held_bytes(
     state_bytes: Mapping[str, tuple[float, ...]], node: torch.fx.Node
 ) -> tuple[float, float, float]:
-    """Bytes of a parameter or buffer on one rank, of its gradient, of its optimizer state."""
+    """The device bytes ``node`` holds on one rank whatever is in flight: a parameter's or
+    buffer's own, its gradient's and its optimizer state's (zeros for any other node)."""
     return tuple(state_bytes[node.name][:3]) if node.name in state_bytes else (0.0, 0.0, 0.0)

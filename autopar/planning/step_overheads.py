@@ -111,7 +111,7 @@ def launch_queue(launches: Sequence[tuple[float, float]]) -> float:
 
 
 @dataclass(frozen=True)
-class Update:
+class OptimizerWork:
     """What the optimizer steps for one parameter on one rank: ``elements`` of its shard (the whole
     local parameter without ZeRO), held in ``itemsize`` bytes each, as is its gradient."""
 
@@ -132,11 +132,11 @@ def update_passes(states: int) -> tuple[int, int]:
     return {0: (3, 0), 1: (6, 5), 2: (6, 14)}.get(states, (6, 7 * states))
 
 
-def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
+def update_seconds(work: OptimizerWork, cluster: Cluster, memory: Memory) -> float:
     """Seconds of the optimizer step for one parameter (0 for one it does not step).
 
     On the device, the update makes :func:`update_passes` over the parameter and gradient
-    (``update.itemsize`` bytes each) and the ``memory.optimizer_states`` fp32 states, at
+    (``work.itemsize`` bytes each) and the ``memory.optimizer_states`` fp32 states, at
     ``memory_bandwidth_Bps``. Offloaded, the gradient is copied to an fp32 host copy, the update
     runs there on fp32 values (at ``host_memory_bandwidth_Bps``) and the parameter is copied back
     (:func:`copy_seconds`). Each tensor the optimizer touches also costs its ops' overhead: on the
@@ -144,9 +144,9 @@ def update_seconds(update: Update, cluster: Cluster, memory: Memory) -> float:
     where calibrated, else :data:`OPTIMIZER_OPS_PER_TENSOR` ops'; on the host copies of offload,
     as many host ops (``Cluster.host_op_overhead_s``).
     """
-    if update.elements <= 0:
+    if work.elements <= 0:
         return 0.0
-    e, item = update.elements, update.itemsize
+    e, item = work.elements, work.itemsize
     values, states = update_passes(memory.optimizer_states)
     ops = OPTIMIZER_OPS_PER_TENSOR * cluster.op_overhead_s
     if not memory.offload_optimizer:

@@ -291,6 +291,9 @@ CASES = [
     (aten.gather.default, (r(3, 7), 1, torch.randint(0, 7, (3, 1))), {}),
     (aten.sum.dim_IntList, (r(3, 7), [1]), {}),
     (aten.new_ones.default, (r(4, 8), [2, 2]), {}),
+    # roll without dims rolls the flattened value (every dim whole), with dims only those
+    (aten.roll.default, (r(4, 8), [1]), {}),
+    (aten.roll.default, (r(4, 8), [1], [1]), {}),
     # rotary embeddings as complex numbers: pairs of reals, rotated by a broadcast table
     (aten.view_as_complex.default, (r(2, 4, 4, 2),), {}),
     (aten.view_as_real.default, (torch.view_as_complex(r(2, 4, 4, 2)),), {}),

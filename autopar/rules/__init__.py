@@ -28,10 +28,10 @@ is sharded, ``Partial`` on axes where the op is split but the operand is not (th
 classic "all-reduce in backward"), ``Replicate`` otherwise. This is how the
 forward choice implies the backward collectives.
 
-Rules live in one module per op family (``matmul``, ``attention``, ``embedding``,
-``norms``, ``losses``, ``elementwise``, ``views``, ``reductions``, ``factories``)
-and register with :func:`rule`. An op with no rule is replicated by
-:func:`fallback` and reported by the planner.
+Rules live in one module per op family (imported at the end of this module) and register
+with :func:`rule`. An op with no rule, or whose rule returns None for a call form it does not
+cover, is replicated by :func:`fallback` and reported by the planner; a rule that raises is a
+bug, which :func:`spec_of` raises as a :class:`RuleError`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from autopar.ir.layout import Layout, every_rank_holds_a_row, is_uneven, piece_size, splits_unevenly
 from autopar.ir.mesh import AxisGroups, MeshSpec, grouped_product
+from autopar.ir.meta import module_path
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.rules.op_call import OpCall
 from autopar.rules.op_call import shape_of as shape_of  # re-exported: rules and planners use it
@@ -143,8 +144,9 @@ class Strategy:
     split: float
 
 
-#: A rule labels one call of its op, or returns None for a call form it does not cover
-#: (the op is then replicated and listed, as one without a rule).
+#: A rule labels one call of its op, or returns None for a call form it does not cover (the op
+#: is then replicated and listed, as one without a rule), checked by a guard at its top: a rule
+#: never raises (:func:`spec_of` raises a :class:`RuleError` where one does).
 RuleFn = Callable[[OpCall], DimSpec | None]
 
 
@@ -180,15 +182,36 @@ def lookup(target: object) -> Rule | None:
     return found or RULES.get(str(target))
 
 
+class RuleError(RuntimeError):
+    """A sharding rule raised on an op call: a bug of autopar's rule, not of the model, so not an
+    :class:`~autopar.ir.errors.AutoparError` (those refuse a user's input on purpose, and callers
+    such as the fuzz bench count them as refusals). The rule's own error is its ``__cause__``."""
+
+
 def spec_of(call: OpCall) -> DimSpec | None:
-    """The labels of ``call`` from its op's rule; None where no rule covers the call."""
+    """The labels of ``call`` from its op's rule; None where no rule covers the call (its op has
+    no rule, or the rule returns None for this call form).
+
+    Args:
+        call: the op call to label.
+
+    Raises:
+        RuleError: the rule raised, naming the op, the node, its module, its operands' shapes and
+            the rule's function.
+    """
     found = lookup(call.node.target)
     if found is None:
         return None
     try:
         return found.fn(call)
-    except Exception:  # noqa: BLE001 - an unforeseen call form of a known op is not covered
-        return None
+    except Exception as e:
+        rule_fn = f"{found.fn.__module__}.{found.fn.__qualname__}"
+        raise RuleError(
+            f"the sharding rule {rule_fn} of {call.node.target} raised {type(e).__name__}: {e}, on node "
+            f"'{call.node.name}' (module '{module_path(call.node) or '<root>'}', operand shapes "
+            f"{[list(s) for s in call.shapes]}): a bug of the rule, which must return None for a call "
+            "form it does not cover"
+        ) from e
 
 
 def split_counts(

@@ -86,10 +86,12 @@ def index(call: OpCall) -> DimSpec:
 
 
 @rule(aten.gather.default)
-def gather(call: OpCall) -> DimSpec:
+def gather(call: OpCall) -> DimSpec | None:
     # out[i][j] = self[index[i][j]][j] along dim: self's dim is indexed, the index's (=
     # output's) dim may split; other dims are shared when sizes match, else whole.
     self_shape, idx_shape = call.shapes[:2]
+    if not self_shape:
+        return None  # a lookup into a 0-d value: not covered
     dim = call.arg("dim") % len(self_shape)
     idx = fresh(len(idx_shape))
     own = tuple(
@@ -105,8 +107,10 @@ def gather(call: OpCall) -> DimSpec:
 
 
 @rule(aten.index_select.default)
-def index_select(call: OpCall) -> DimSpec:
+def index_select(call: OpCall) -> DimSpec | None:
     self_shape, _ = call.shapes
+    if not self_shape:
+        return None  # a lookup into a 0-d value: not covered
     dim = call.arg("dim") % len(self_shape)
     own = fresh(len(self_shape), "Z")
     out = tuple("Z" if d == dim else own[d] for d in range(len(self_shape)))

@@ -76,9 +76,11 @@ def matmul(call: OpCall) -> DimSpec:
 
 
 @rule(aten.linear.default, anchor=True)
-def linear(call: OpCall) -> DimSpec:
+def linear(call: OpCall) -> DimSpec | None:
     # ...k,nk->...n (+ bias n, added once)
     x_shape, w_shape = call.shapes[0], call.shapes[1]
+    if len(w_shape) != 2:
+        return None  # a vector weight (one dot product per row): not covered
     n, k = w_shape
     batch = tuple("ABCDEFGH"[: len(x_shape) - 1])
     operands: tuple = ((*batch, "k"), ("n", "k"))

@@ -24,8 +24,10 @@ def layer_norm(call: OpCall) -> DimSpec:
 
 
 @rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
-def softmax(call: OpCall) -> DimSpec:
+def softmax(call: OpCall) -> DimSpec | None:
     (x,) = call.shapes
+    if not x:
+        return None  # a 0-d value (its dim 0 is the value itself): not covered
     labels = fresh(len(x))
     dim = call.arg("dim") % len(x)
     n = math.prod(x)
@@ -47,6 +49,8 @@ def batch_norm(call: OpCall) -> DimSpec | None:
     # piece of the buffer cannot take: capture records that case as plain means instead
     # (capture/exact_means.py), and an op seen here anyway stays replicated and listed.
     x = call.shapes[0]
+    if len(x) < 2:
+        return None  # no channel dim (a 1-d input): not covered
     labels = fresh(len(x))
     channel = labels[1]
     training = bool(call.arg("training"))

@@ -26,8 +26,11 @@ def _reduced_dims(call: OpCall, ndim: int) -> list[int]:
     return sorted(d % ndim for d in dims)
 
 
-def _reduce(call: OpCall, summable: bool, mean: bool = False) -> DimSpec:
+def _reduce(call: OpCall, summable: bool, mean: bool = False) -> DimSpec | None:
     x = call.shapes[0]
+    named = call.arg("dim")
+    if not x and (isinstance(named, int) or bool(named)):
+        return None  # a dim of a 0-d value (torch takes dim 0 or -1 as the value itself): not covered
     labels = fresh(len(x))
     dims = _reduced_dims(call, len(x))
     keep = bool(call.arg("keepdim", False))
@@ -45,19 +48,19 @@ def _reduce(call: OpCall, summable: bool, mean: bool = False) -> DimSpec:
 
 
 @rule(aten.sum.dim_IntList, aten.sum.default)
-def sum_(call: OpCall) -> DimSpec:
+def sum_(call: OpCall) -> DimSpec | None:
     return _reduce(call, summable=True)
 
 
 @rule(aten.mean.dim, aten.mean.default)
-def mean(call: OpCall) -> DimSpec:
+def mean(call: OpCall) -> DimSpec | None:
     return _reduce(call, summable=True, mean=True)
 
 
 @rule(aten.amax.default)
-def amax(call: OpCall) -> DimSpec:
+def amax(call: OpCall) -> DimSpec | None:
     spec = _reduce(call, summable=False)
-    if call.operands[0].target is not aten.detach.default:
+    if spec is None or call.operands[0].target is not aten.detach.default:
         return spec
     return DimSpec(spec.operands, spec.outputs, summed=spec.whole, max_over=spec.whole)
 
@@ -81,7 +84,7 @@ def amax(call: OpCall) -> DimSpec:
     aten.nanmedian.dim,
     aten.mode.default,
 )
-def whole_reduction(call: OpCall) -> DimSpec:
+def whole_reduction(call: OpCall) -> DimSpec | None:
     return _reduce(call, summable=False)
 
 

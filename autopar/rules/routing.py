@@ -55,10 +55,12 @@ rule(
     aten.cumprod.default,
     aten.logcumsumexp.default,
 )
-def along_dim(call: OpCall) -> DimSpec:
+def along_dim(call: OpCall) -> DimSpec | None:
     # no arithmetic across ranks is possible along the ordered dim: it stays whole in the
     # input and in every output (topk's k-long dim is another, equally whole, label)
     x = call.shapes[0]
+    if not x:
+        return None  # a 0-d value (its dim 0 is the value itself): not covered
     dim = call.arg("dim", -1) % len(x)
     labels = fresh(len(x))
     out = tuple(lab.upper() if d == dim else lab for d, lab in enumerate(labels))
@@ -88,11 +90,13 @@ def _accumulates(call: OpCall) -> bool:
     aten.scatter_add.default,
     aten.scatter_reduce.two,
 )
-def scatter(call: OpCall) -> DimSpec:
+def scatter(call: OpCall) -> DimSpec | None:
     # out[..., index[i, j], ...] = src[i, j] along dim: the index's values address self's
     # dim, so that stays whole. A dim d != dim splits only where self, index and src all
     # have the same size there (the index may be smaller than both, src larger than it).
     self_shape, idx_shape, *src = call.shapes
+    if not self_shape:
+        return None  # a write into a 0-d value: not covered
     ndim = len(self_shape)
     dim = call.arg("dim") % ndim
     idx = fresh(ndim)
@@ -128,8 +132,8 @@ def index_add(call: OpCall) -> DimSpec | None:
     # out = self; out[index[i]] += alpha * source[i] along dim: a sum over the items i,
     # which split with the index; self's dim stays whole
     self_shape, idx_shape, src_shape = call.shapes
-    if len(idx_shape) != 1:
-        return None
+    if len(idx_shape) != 1 or not self_shape:
+        return None  # a 0-d index, or a write into a 0-d value: not covered
     ndim = len(self_shape)
     dim = call.arg("dim") % ndim
     labels = fresh(ndim + 1)
@@ -148,12 +152,15 @@ def index_add(call: OpCall) -> DimSpec | None:
 
 
 @rule(aten.index_put.default)
-def index_put(call: OpCall) -> DimSpec:
+def index_put(call: OpCall) -> DimSpec | None:
     # self[indices] = values (or += with accumulate): the indexed dims of self stay whole;
     # values broadcast against self[indices], whose other dims are self's own. With
     # accumulate the positions written are a sum over the index entries, which split.
     self_shape, *idx_shapes, values_shape = call.shapes
-    positions = [i for i, t in enumerate(call.arg("indices")) if t is not None]
+    indices = call.arg("indices")
+    if any(t is not None and t.meta["val"].dtype in (torch.bool, torch.uint8) for t in indices):
+        return None  # a mask addresses as many dims of self as it has: not covered
+    positions = [i for i, t in enumerate(indices) if t is not None]
     own = fresh(len(self_shape))
     bshape = tuple(torch.broadcast_shapes(*idx_shapes))
     idx_labels, bcast = broadcast(idx_shapes, bshape)

@@ -17,8 +17,9 @@ aten = torch.ops.aten
 LINEAR = frozenset({0})
 
 
-def reshape_labels(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple, tuple, frozenset[str]]:
-    """Labels for a contiguous reshape ``src -> dst``.
+def reshape_labels(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple, tuple, frozenset[str]] | None:
+    """Labels for a contiguous reshape ``src -> dst``; None where its dims do not group into runs
+    (empty dims on one side that the other lacks: ``(4, 0) -> (0,)``).
 
     Dimensions are grouped into runs with equal products; within a run only the
     leading (outermost) dimension may be split, and it carries the same label on
@@ -42,6 +43,8 @@ def reshape_labels(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple, t
         ps, pd = src[i], dst[j]
         i, j = i + 1, j + 1
         while ps != pd:
+            if (ps < pd and i == len(src)) or (ps > pd and j == len(dst)):
+                return None  # the run never closes: an empty dim on one side only
             if ps < pd:
                 src_l[i] = next(names)
                 whole.add(src_l[i])
@@ -66,15 +69,20 @@ def reshape_labels(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple, t
     aten.squeeze.default,
     aten.unsqueeze.default,
 )
-def view(call: OpCall) -> DimSpec:
+def view(call: OpCall) -> DimSpec | None:
     src, dst = call.shapes[0], call.out_shapes[0]
-    src_l, dst_l, whole = reshape_labels(src, dst)
+    labelled = reshape_labels(src, dst)
+    if labelled is None:
+        return None
+    src_l, dst_l, whole = labelled
     return DimSpec((src_l,), (dst_l,), whole=whole, linear=LINEAR)
 
 
 @rule(aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default)
-def permute(call: OpCall) -> DimSpec:
+def permute(call: OpCall) -> DimSpec | None:
     (src,) = call.shapes
+    if not src and call.node.target in (aten.transpose.int, aten.t.default):
+        return None  # a transpose of a 0-d value (its dims 0 and -1 are the value itself): not covered
     labels = fresh(len(src))
     if call.node.target is aten.permute.default:
         order = [d % len(src) for d in call.arg("dims")]
@@ -117,8 +125,9 @@ def repeat(call: OpCall) -> DimSpec:
 def repeat_interleave(call: OpCall) -> DimSpec | None:
     # each element repeated in place: a block of the dim gives the block of the output at
     # the same rank, so the dim splits with its input. Without a dim the input is flattened
-    # first: only its leading dim splits, as in a reshape. A given output_size is global.
-    if call.arg("output_size") is not None:
+    # first: only its leading dim splits, as in a reshape. A given output_size is global, and a
+    # 0-d value has no dim to repeat in: neither is covered.
+    if call.arg("output_size") is not None or not call.shapes[0]:
         return None
     labels = fresh(len(call.shapes[0]))
     if call.arg("dim") is None:
@@ -196,13 +205,15 @@ def scatter_into_view(call: OpCall) -> DimSpec:
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
-def split(call: OpCall) -> DimSpec:
+def split(call: OpCall) -> DimSpec | None:
     # equal parts (q, k and v of GPT-2's fused projection; gate and up) split strided
     ndim = len(call.shapes[0])
     dim = call.arg("dim", 0) % ndim
     pieces = [shape[dim] for shape in call.out_shapes]
     if len(pieces) < 2 or len(set(pieces)) != 1 or pieces[0] * len(pieces) != call.shapes[0][dim]:
         return _keep_but(call, {dim})
+    if not pieces[0]:
+        return None  # an empty dim cut into empty parts: not covered
     counted = {aten.split.Tensor: ("split_size",), aten.split_with_sizes.default: ("split_sizes",)}
     return _in_parts(call, dim, counted.get(call.node.target, ()))
 
@@ -212,9 +223,13 @@ def split(call: OpCall) -> DimSpec:
     aten.cumsum.default,
     aten.roll.default,
 )
-def along_dims(call: OpCall) -> DimSpec:
+def along_dims(call: OpCall) -> DimSpec | None:
     ndim = len(call.shapes[0])
     dims = call.arg("dims") if call.arg("dims") is not None else [call.arg("dim", 0)]
+    if not ndim and dims:
+        return None  # a dim of a 0-d value (its dim 0 is the value itself): not covered
+    if not dims and call.node.target is aten.roll.default:
+        dims = range(ndim)  # roll without dims rolls the flattened value: every dim takes part
     return _keep_but(call, {d % ndim for d in dims})
 
 

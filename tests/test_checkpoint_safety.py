@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -627,3 +628,40 @@ def test_on_two_ranks_a_failure_one_rank_sees_is_raised_on_both(tmp_path):
         assert "No space left on device" in out["full disk"] and out["after full disk"] == 2
         assert "__1_0.distcp does not match its sha256" in out["bit rot"]
     assert results[0]["bit rot"] == results[1]["bit rot"]
+
+
+def test_paths_surely_mistaken_numpy_steps_and_files_a_save_would_remove(mesh, tmp_path):
+    dmodel = _build(mesh)
+    optimizer = dmodel.optimizer(torch.optim.Adam, lr=0.01)
+    _train(dmodel, optimizer, 0)
+    path_cases = [
+        ("~/ck", "save_checkpoint's path '~/ck' begins with '~', which Python does not expand"),
+        ("ab\0c", "save_checkpoint's path 'ab\\\\x00c' holds a NUL byte"),
+        ("   ", "save_checkpoint's path '   ' names '   ', blank or with spaces around it"),
+        (str(tmp_path / "ck "), "names 'ck ', blank or with spaces around it"),
+    ]
+    for path, message in path_cases:
+        with pytest.raises(autopar.CheckpointError, match=message):
+            autopar.save_checkpoint(path, dmodel, optimizer)
+    with pytest.raises(autopar.CheckpointError, match=r"latest_checkpoint's path '~/ckpt' begins with '~'"):
+        autopar.latest_checkpoint("~/ckpt")
+    assert not Path("~").exists() and not Path("   ").exists()
+    # a numpy integer is the int it equals; a tensor or a float is not a step
+    autopar.save_checkpoint(tmp_path / "np", dmodel, optimizer, step=np.int64(5))
+    assert json.loads((tmp_path / "np" / "manifest.json").read_text())["step"] == 5
+    assert autopar.load_checkpoint(tmp_path / "np", dmodel, optimizer) == 5
+    with pytest.raises(
+        autopar.CheckpointError, match=r"step must be an int >= 0, got Tensor tensor\(5\): pass"
+    ):
+        autopar.save_checkpoint(tmp_path / "t", dmodel, step=torch.tensor(5))
+    with pytest.raises(autopar.CheckpointError, match="step must be an int >= 0, got float64 np.float64"):
+        autopar.save_checkpoint(tmp_path / "t", dmodel, step=np.float64(5.0))
+    # inside a checkpoint, a save would be removed by the next save of that checkpoint
+    with pytest.raises(autopar.CheckpointError, match=r"it lies inside the checkpoint .*np, whose next save"):
+        autopar.save_checkpoint(tmp_path / "np" / "inner", dmodel)
+    # a checkpoint holding a file of the user's is not replaced (the switch would remove the file)
+    (tmp_path / "np" / "notes.txt").write_text("keep me")
+    with pytest.raises(autopar.CheckpointError, match="the checkpoint there also holds 'notes.txt'"):
+        autopar.save_checkpoint(tmp_path / "np", dmodel, optimizer, step=6)
+    assert (tmp_path / "np" / "notes.txt").read_text() == "keep me"
+    assert autopar.load_checkpoint(tmp_path / "np", dmodel, optimizer) == 5 and _leftovers(tmp_path) == []

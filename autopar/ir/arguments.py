@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,17 @@ _LISTED = 12  # an unknown key's error lists the known ones when there are no mo
 def is_int(value: object) -> bool:
     """True for an ``int`` that is not a ``bool`` (``True`` as a count is surely a mistake)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plain_number(value: object) -> object:
+    """``value`` as a Python ``int`` or ``float`` where it is another scalar type standing for the same
+    value exactly (``numpy.int64(5)``, ``numpy.float32(0.5)``: any ``numbers.Integral`` or
+    ``numbers.Real`` but a bool); anything else (a bool, a tensor, a string) as it is, for the checks
+    to refuse. So a count taken from numpy is a count, and nothing non-numeric becomes one.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def check_int(value: object, what: str, *, minimum: int = 0) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autopar.ir.arguments import check_int, is_int
+from autopar.ir.arguments import check_int, is_int, plain_number
 from autopar.ir.errors import OptionError, ShapeError
 from autopar.ir.mesh import MeshSpec
 
@@ -24,17 +24,22 @@ from autopar.ir.mesh import MeshSpec
 @dataclass(frozen=True)
 class _Update:
     """What every mode shares: ``servers`` (the last ranks of the job hold the parameters and the
-    optimizer state, sharded by parameter) and ``axis``, the data-parallel mesh axis it replaces."""
+    optimizer state, sharded by parameter) and ``axis``, the data-parallel mesh axis it replaces.
+    Counts are ints (a numpy integer is taken as the int it equals; a float, a bool is refused)."""
 
     servers: int = 1
     axis: str = "dp"
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        for field in ("servers", "staleness", "groups"):
+            if hasattr(self, field):  # frozen: the plain int set in place of a numpy one
+                object.__setattr__(self, field, plain_number(getattr(self, field)))
         check_int(self.servers, f"{name}(servers=...) (server ranks)", minimum=1)
-        if not isinstance(self.axis, str):
+        if not isinstance(self.axis, str) or not self.axis:
             raise OptionError(
-                f"{name}(axis=...) is the name of the data-parallel mesh axis, got {self.axis!r}"
+                f"{name}(axis=...) is the name of the data-parallel mesh axis, a non-empty str, got "
+                f"{self.axis!r}"
             )
 
     @property

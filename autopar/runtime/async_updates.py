@@ -29,12 +29,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from autopar.ir.arguments import check_instance, check_int
+from autopar.ir.arguments import check_instance, check_int, plain_number
 from autopar.ir.errors import CheckpointError, OptionError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.updates import Update, check_unit_batch, check_update
 from autopar.runtime import param_server
 from autopar.runtime import update_wire as wire
+from autopar.runtime.checkpoint_files import checkpoint_path
 
 UNIT_AXIS = "autopar_unit"  # the axis of units in the mesh built over the workers
 # compile_unit(unit_mesh, args, kwargs) -> the unit's DistributedModule (the compiler's compile)
@@ -90,7 +91,7 @@ def rejoin_mesh(update: Update, sizes: Mapping[str, int], rank: int, device_type
     """
     spec = _workers(update, sizes, device_type, "rejoin_mesh")
     check_update(update, spec)
-    check_int(rank, "rejoin_mesh(rank=...) (the rank this process replaces)")
+    rank = check_int(plain_number(rank), "rejoin_mesh(rank=...) (the rank this process replaces)")
     units = update.units(spec.axis_sizes[spec.axis_index(update.axis)])
     if units != spec.size:
         raise OptionError(
@@ -305,13 +306,31 @@ class UpdatedModule:
     def save_checkpoint(self, folder: str | Path) -> None:
         """Have every server write its whole state (pieces, optimizer state, clocks) under ``folder``,
         between steps; the unit's first rank of unit 0 asks, the other ranks do nothing. A job
-        resumes from it with ``server.serve(resume=folder)``."""
+        resumes from it with ``server.serve(resume=folder)``.
+
+        Args:
+            folder: a non-empty str or os.PathLike naming the folder (made where missing); every rank
+                checks it. Each server replaces its file whole or not at all.
+
+        Raises:
+            CheckpointError: ``folder`` is no usable path, or a server could not write its file.
+        """
+        where = checkpoint_path(folder, "UpdatedModule.save_checkpoint")
         if self.unit != 0 or self.unit_rank != 0:
             return
+        if not self._pairs:
+            raise CheckpointError(
+                "UpdatedModule.save_checkpoint: this rank has not joined the servers: call "
+                "dmodel.optimizer(...) first (and not after dmodel.close())"
+            )
+        problems = []
         for pg in self._pairs:
             wire.send_header(pg, 0, wire.SAVE, self.clock)
-            wire.send_object(pg, 0, str(folder))
-            wire.recv_header(pg, 0)
+            wire.send_object(pg, 0, str(where))
+            if wire.recv_header(pg, 0)[2]:
+                problems.append(wire.recv_object(pg, 0))
+        if problems:
+            raise CheckpointError(f"UpdatedModule.save_checkpoint({str(where)!r}): {'; '.join(problems)}")
 
     def close(self) -> None:
         """Tell the servers this rank is done (its unit stops counting)."""

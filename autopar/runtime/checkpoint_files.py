@@ -126,10 +126,34 @@ def checkpoint_path(path: object, caller: str) -> Path:
             f"{caller}'s path must be a non-empty str or os.PathLike naming the checkpoint's folder, "
             f"got {type(path).__name__} {path!r}"
         )
+    problem = path_problem(text)
+    if problem:
+        raise CheckpointError(f"{caller}'s path {text!r} {problem}")
     absolute = Path(os.path.abspath(text))
     if not absolute.name:
         raise CheckpointError(f"{caller}'s path {text!r} names no folder (the filesystem's root)")
     return absolute
+
+
+def path_problem(text: str) -> str | None:
+    """Why the path ``text`` is surely not the one meant (None if nothing is): a NUL byte, a ``~``
+    that no shell expanded (Python does not: it would name a folder ``~`` here), or a last name that
+    is blank or begins or ends with spaces.
+
+    Args:
+        text: a path as the user gave it.
+    """
+    if "\0" in text:
+        return "holds a NUL byte, which no path can"
+    if text.startswith("~"):
+        return (
+            "begins with '~', which Python does not expand (it would name a folder '~' in the working "
+            f"directory): pass os.path.expanduser({text!r})"
+        )
+    name = os.path.basename(text.rstrip(os.sep))
+    if name.strip() != name:
+        return f"names {name!r}, blank or with spaces around it: surely a mistake"
+    return None
 
 
 def _sibling(path: Path, kind: str) -> Path:
@@ -174,12 +198,19 @@ def new_folder(path: Path) -> Path:
     """Create the hidden sibling a save of ``path`` writes into (the first rank only). ``path``
     itself must be missing, an empty folder or a checkpoint: anything else is not replaced."""
     with _os_errors(f"cannot save a checkpoint at {path}"):
+        inside = next((p for p in path.parents if (p / MANIFEST).is_file()), None)
+        if inside is not None:
+            raise CheckpointError(
+                f"cannot save a checkpoint at {path}: it lies inside the checkpoint {inside}, whose next "
+                "save would remove it: save beside it instead"
+            )
         if path.is_dir():
             if any(path.iterdir()) and not (path / MANIFEST).is_file():
                 raise CheckpointError(
                     f"cannot save a checkpoint at {path}: the folder holds files save_checkpoint did "
                     f"not write (no {MANIFEST}); it is left as it is: remove it or save elsewhere"
                 )
+            _check_only_own(path)
         elif path.exists() or path.is_symlink():
             raise CheckpointError(
                 f"cannot save a checkpoint at {path}: it is a file, not a checkpoint's folder"
@@ -193,6 +224,21 @@ def new_folder(path: Path) -> Path:
             f"cannot save a checkpoint at {path}: cannot create the folder {staged}: {exc}"
         ) from exc
     return staged
+
+
+def _check_only_own(path: Path) -> None:
+    """Refuse to replace the checkpoint ``path`` if it holds entries its manifest does not list (a file
+    someone put there, which the switch would remove); a manifest that cannot be read is a damaged
+    checkpoint, replaced."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        listed = set(json.loads((path / MANIFEST).read_text())["files"]) | {MANIFEST}
+        others = sorted(p.name for p in path.iterdir() if p.name not in listed)
+        if others:
+            raise CheckpointError(
+                f"cannot save a checkpoint at {path}: the checkpoint there also holds {others[0]!r}"
+                f"{f' (and {len(others) - 1} more)' if len(others) > 1 else ''}, which save_checkpoint did "
+                "not write and replacing it would remove: move it out, or save elsewhere"
+            )
 
 
 def own_files(folder: Path, rank: int) -> list[str]:

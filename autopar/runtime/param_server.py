@@ -20,6 +20,7 @@ talks to it (:func:`serve`); the state is guarded by one condition variable.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from pathlib import Path
@@ -215,17 +216,31 @@ class ServerCore:
                 del self.snapshots[(unit, clock)]
             return info[1], info[2], [values[k] for k in keys]
 
-    def save(self, folder: str | Path) -> None:
-        """This server's whole state (pieces, optimizer state, clocks, version) in ``folder``."""
+    def save(self, folder: str | Path) -> str | None:
+        """This server's whole state (pieces, optimizer state, clocks, version) as
+        ``folder/server-<index>.pt``, whole or not at all (written beside it, synced, renamed over it);
+        why it could not be written (the OS's error), or None."""
+        target = Path(folder) / f"server-{self.index}.pt"
+        part = target.with_name(target.name + ".part")
         with self.cond:
-            Path(folder).mkdir(parents=True, exist_ok=True)
             state = {
                 "pieces": {_name(k): p.detach() for k, p in self.pieces.items()},
                 "optimizer": self._ensure_optimizer().state_dict(),
                 "applied": list(self.clocks.applied),
                 "version": self.version,
             }
-            torch.save(state, Path(folder) / f"server-{self.index}.pt")
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(part, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(part, target)
+            except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+                if part.exists():
+                    part.unlink()
+                return f"server {self.index} cannot write {target}: {type(exc).__name__}: {exc}"
+        return None
 
     def _load(self, folder: str | Path) -> None:
         state = torch.load(Path(folder) / f"server-{self.index}.pt", weights_only=True)
@@ -285,8 +300,10 @@ def _converse(core: ServerCore, pg: Any, seen: dict[str, int]) -> None:
         wire.send_tensors(pg, 1, values)
         kind, clock, _, _ = wire.recv_header(pg, 1)
         while kind == wire.SAVE:
-            core.save(wire.recv_object(pg, 1))
-            wire.send_header(pg, 1, wire.SAVE, clock)
+            problem = core.save(wire.recv_object(pg, 1))
+            wire.send_header(pg, 1, wire.SAVE, clock, problem is not None)
+            if problem is not None:
+                wire.send_object(pg, 1, problem)
             kind, clock, _, _ = wire.recv_header(pg, 1)
         if kind == wire.DONE:
             core.finished.add(meta["worker"])

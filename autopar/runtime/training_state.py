@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from autopar.ir.arguments import is_int
+from autopar.ir.arguments import is_int, plain_number
 from autopar.ir.errors import CheckpointError
 from autopar.runtime import checkpoint_files as files
 from autopar.runtime.checkpoint import handed_out, taken_back
@@ -85,12 +85,12 @@ def save_checkpoint(
         path: the checkpoint's folder: missing, empty, or a checkpoint, which is replaced.
         module: a module ``autopar.compile`` returned.
         optimizer: its optimizer (``module.optimizer(...)``), or None to save the module alone.
-        step: the training step to resume at, an int >= 0.
+        step: the training step to resume at, an int >= 0 (a numpy integer too; not a float or a tensor).
 
     Raises:
         CheckpointError: for any failure, on every rank, with the OS's or torch's error as cause.
     """
-    target = _agreed(_checked_save_arguments, path, module, optimizer, step)
+    target, step = _agreed(_checked_save_arguments, path, module, optimizer, step)
     entries = _optimizer_entries(module, optimizer, _held(module, optimizer)) if optimizer else {}
     state = _template(module, optimizer, entries)
     state.update(step=step, rng=_rng_states(), plan=json.dumps(module.plan.to_dict()))
@@ -193,13 +193,18 @@ def _checked_arguments(caller: str, path: object, module: object, optimizer: obj
     return target
 
 
-def _checked_save_arguments(path: object, module: object, optimizer: object, step: object) -> Path:
+def _checked_save_arguments(
+    path: object, module: object, optimizer: object, step: object
+) -> tuple[Path, int]:
+    """The checkpoint's absolute path and the step as a Python int, once every argument is valid."""
     target = _checked_arguments("save_checkpoint", path, module, optimizer)
-    if not is_int(step) or step < 0:
+    number = plain_number(step)
+    if not is_int(number) or number < 0:
+        hint = ": pass an int (step.item())" if isinstance(step, torch.Tensor) else ""
         raise CheckpointError(
-            f"save_checkpoint's step must be an int >= 0, got {type(step).__name__} {step!r}"
+            f"save_checkpoint's step must be an int >= 0, got {type(step).__name__} {step!r}{hint}"
         )
-    return target
+    return target, number
 
 
 def _opened(path: object, module: object, optimizer: object) -> tuple[Path, dict[str, Any], dict[str, Any]]:

@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.ir.arguments import check_bool, check_instance, check_int, check_number
+from autopar.ir.arguments import check_bool, check_instance, check_int, check_number, plain_number
 from autopar.ir.errors import CollectiveMismatchError, OptionError
 from autopar.runtime import collectives
+from autopar.runtime.checkpoint_files import path_problem
 from autopar.runtime.module import DistributedModule
 from autopar.runtime.optimizer import held_bytes
 from autopar.tools.activation_meter import ActivationMeter
@@ -79,7 +80,8 @@ class StepMeter:
             module: the module ``autopar.compile`` returned (a ``DistributedModule``).
             optimizer: its optimizer (``module.optimizer(...)``), or None: the state is then the
                 parameters and gradients alone.
-            tokens: how many tokens one step processes (an int >= 1), for the throughput.
+            tokens: how many tokens one step processes (an int >= 1, a numpy integer too), for the
+                throughput.
             samples: how many samples one step processes instead (not both).
             jsonl: a file each step is appended to as one JSON line (first rank only): its folder
                 must exist and be writable (it is opened for appending here).
@@ -87,6 +89,7 @@ class StepMeter:
             timeout_s: seconds a rank waits for the others in :meth:`step` (and here) before it
                 raises :class:`~autopar.ir.errors.CollectiveMismatchError`; a number above 0.
         """
+        tokens, samples, timeout_s = (plain_number(v) for v in (tokens, samples, timeout_s))
         _check_arguments(module, optimizer, tokens, samples, jsonl, echo, timeout_s)
         if not dist.is_initialized():
             raise OptionError(
@@ -106,6 +109,7 @@ class StepMeter:
         self.activations = 0  # this rank's activation peak (profile step, CPU)
         self.state = 0  # this rank's parameters, gradients and optimizer state at their largest
         self.records: list[dict[str, Any]] = []
+        self._inside = False  # within a step()
 
     def _meeting_group(self) -> Any:
         """The gloo group the ranks meet on, with the meter's timeout; None under the fake backend."""
@@ -159,7 +163,22 @@ class StepMeter:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Measure the training step run inside (every rank must use it: it communicates)."""
+        """Measure the training step run inside (every rank must use it: it communicates). Steps do not
+        nest: a step() entered inside another of the same meter is an
+        :class:`~autopar.ir.errors.OptionError`."""
+        if self._inside:
+            raise OptionError(
+                f"StepMeter.step() was entered inside step {self.steps} of the same meter: steps do not "
+                "nest; wrap each training step in one `with meter.step():`"
+            )
+        self._inside = True
+        try:
+            yield from self._measured()
+        finally:
+            self._inside = False
+
+    def _measured(self) -> Iterator[None]:
+        """The body of :meth:`step`: meet the other ranks, measure what runs at the yield, report."""
         self._meet()
         # the first step compiles what runs on first use (a train_step loss): its work and its
         # capture's tensors are not the step's, so the second step is the one profiled
@@ -297,6 +316,10 @@ def _check_arguments(
             check_int(count, f"StepMeter({name}=...) ({name} per step)", minimum=1)
     if jsonl is not None:
         check_instance(jsonl, (str, os.PathLike), "StepMeter(jsonl=...)", "a path (a str or a Path) or None")
+        text = os.fspath(jsonl)
+        problem = path_problem(text) if isinstance(text, str) and text else "names no file"
+        if problem:
+            raise OptionError(f"StepMeter(jsonl={jsonl!r}) {problem}")
     check_bool(echo, "StepMeter(echo=...)")
     check_number(timeout_s, "StepMeter(timeout_s=...)", unit="seconds", below=timedelta.max.total_seconds())
 

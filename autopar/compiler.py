@@ -86,7 +86,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     ``autopar.rejoin_mesh``), a server rank gets a ``ServerRank`` to ``serve()`` (docs/update_modes.md).
     ``check_ids=False`` lets vocab-parallel lookups skip their ``IndexRangeError`` checks (docs/op_rules.md).
     """
-    check_bool(check_ids, "compile(check_ids=...)")
+    _check_arguments(model, check_ids)
     if update is not None:
         options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, precision=precision)
         return _compile_for_update(
@@ -300,6 +300,13 @@ class _Loss(torch.nn.Module):
 
     def forward(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target)
+
+
+def _check_arguments(model: object, check_ids: object) -> None:
+    """What :func:`compile` is given that no later step checks first: the model and ``check_ids``."""
+    if not isinstance(model, torch.nn.Module):
+        raise CompileError(f"autopar.compile compiles an nn.Module, got {type(model).__name__} {model!r:.80}")
+    check_bool(check_ids, "compile(check_ids=...)")
 
 
 def compile_loss(

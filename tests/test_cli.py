@@ -74,7 +74,7 @@ def test_plan_prints_the_plan_and_saves_it(tmp_path: Path) -> None:
     shown = autopar("show", str(out))
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("# per-rank program on mesh dp=2×tp=2 (rank 0)")
-    assert saved["source"] == ["examples/gpt.py:build", "batch_size=4", "--batch=8", "--seq=128"]
+    assert saved["source"] == ["examples/gpt.py:build", "batch_size=4"]  # --batch/--seq: hf: models only
 
 
 def test_show_prints_the_per_rank_program_of_a_transformers_model() -> None:

@@ -112,7 +112,8 @@ def check_strategy_form(strategy: object, *, where: str) -> bool:
                     f"names, got {item!r}"
                 )
         elif isinstance(item, Parts):
-            sizes = item.parts if isinstance(item.parts, tuple) else (1,) * item.parts
+            parts = item.parts
+            sizes = parts if isinstance(parts, tuple) else (1,) * parts if is_plain_int(parts) else ()
             if not isinstance(item.axis, str) or not all(is_plain_int(n) and n > 0 for n in sizes):
                 sizes = ()
             if len(sizes) < 2:
@@ -125,12 +126,21 @@ def check_strategy_form(strategy: object, *, where: str) -> bool:
             if not isinstance(item.axis, str) or not isinstance(rows, tuple) or not rows:
                 raise AnnotationError(f"{where}: dim {d}: {item!r} needs an axis name and a tuple of rows")
             if not all(is_plain_int(r) and r >= 0 for r in rows):
-                raise AnnotationError(f"{where}: dim {d}: the rows of {item!r} must be ints >= 0")
+                raise AnnotationError(
+                    f"{where}: dim {d}: the rows of {item!r} must be ints >= 0 (Python ints: not bools, "
+                    "floats or numpy integers)"
+                )
         elif item is not None and not isinstance(item, str):
             raise AnnotationError(
                 f"{where}: dim {d}: {item!r} is none of: a slice count (int >= 1), a mesh axis "
                 f"name (str), a tuple of names, Parts(axis, parts), ManualSplit(axis, rows), None"
             )
+    manual = [d for d, item in enumerate(strategy) if isinstance(item, ManualSplit)]
+    if len(manual) > 1:
+        raise AnnotationError(
+            f"{where}: dims {manual} are each given a ManualSplit; a table's rows are split in one dim "
+            "only (the dim its ids look up): give the other dims an axis name or None"
+        )
     counts = [is_plain_int(item) for item in strategy]
     if any(counts) and not all(counts):
         raise AnnotationError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -120,16 +121,24 @@ _PRESETS: dict[str, Cluster] = {
 }
 
 
-def get_cluster(name: str) -> Cluster:
+def get_cluster(name: str | os.PathLike) -> Cluster:
     """The preset called ``name``, or the cluster file at path ``name`` (``.json``, written by
     ``autopar calibrate``: see :func:`load_cluster`); an
-    :class:`~autopar.ir.errors.OptionError` lists the presets otherwise."""
+    :class:`~autopar.ir.errors.OptionError` lists the presets otherwise.
+
+    Args:
+        name: a preset's name (in its case), or a path (a string or ``os.PathLike``) ending in ``.json``.
+    """
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
     if isinstance(name, str) and name.endswith(".json"):
         return load_cluster(name)
     if not isinstance(name, str) or name not in _PRESETS:
+        case = [p for p in _PRESETS if isinstance(name, str) and p.lower() == name.lower()]
         raise OptionError(
             f"cluster must be a preset name, a cluster file (.json, from autopar calibrate) or an "
             f"autopar.Cluster, got {name!r}; presets are {sorted(_PRESETS)}"
+            + (f" (names are case-sensitive: did you mean {case[0]!r}?)" if case else "")
         )
     return _PRESETS[name]
 
@@ -137,6 +146,15 @@ def get_cluster(name: str) -> Cluster:
 def this_machine() -> str:
     """How a cluster file names the machine it was measured on: the host name."""
     return socket.gethostname()
+
+
+def _once_each(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object whose keys are distinct (``json`` keeps the last of a key given twice)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"key {twice[0]!r} is given twice in one object; give each field once")
+    return dict(pairs)
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -147,12 +165,14 @@ def load_cluster(path: str | Path) -> Cluster:
     is an :class:`~autopar.ir.errors.OptionError` saying which and what to do.
     """
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=_once_each)
     except FileNotFoundError:
         raise OptionError(
             f"cluster file {path} does not exist; measure this machine with `autopar calibrate -o {path}`"
         ) from None
-    except (OSError, json.JSONDecodeError) as e:
+    except IsADirectoryError:
+        raise OptionError(f"cluster file {path} is a folder; give the .json file inside it") from None
+    except (OSError, ValueError) as e:  # ValueError: JSON's errors and UnicodeDecodeError
         raise OptionError(f"cluster file {path} cannot be read as JSON: {e}") from None
     try:
         cluster = Cluster.from_dict(data)

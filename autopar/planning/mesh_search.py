@@ -99,10 +99,8 @@ def candidate_meshes(
     ``pp=8×tp=8``; ``dp=4``, not also ``tp=4``): the cost model knows an axis by its place
     and size alone, so both would plan alike."""
     out: list[tuple[dict[str, int], Pipeline | None]] = []
-    for tp in _divisors(devices):
-        if tp > cluster.devices_per_node:
-            continue
-        for pp in _divisors(devices // tp):
+    for tp in _divisors(devices, cluster.devices_per_node):
+        for pp in _divisors(devices // tp, max(blocks, 1)):
             sizes = _without_ones({"pp": pp, "dp": devices // tp // pp, "tp": tp})
             if pp == 1:
                 out.append((sizes, None))
@@ -127,8 +125,10 @@ def _without_ones(sizes: dict[str, int]) -> dict[str, int]:
     return kept if set(kept) - {"pp"} else {**kept, "dp": 1}
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, most: int) -> list[int]:
+    """The divisors of ``n`` up to ``most``: tried up to ``most`` only, so a count of 10**20 devices
+    costs no more than one of 64."""
+    return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
 def _pipelines(pp: int, blocks: int, batch: int | None, given: Pipeline | None) -> list[Pipeline]:

@@ -178,10 +178,12 @@ def capture_for(
     """Capture ``model`` for planning on ``mesh``: one microbatch of the example under a pipeline,
     traced in ``precision``'s compute dtype when given, each node with the user's stack where
     ``stack_traces`` (a program to compile: its errors name the line)."""
-    if isinstance(example_args, list):
+    if isinstance(example_args, list | Mapping):
+        kind = "a list" if isinstance(example_args, list) else "a mapping"
         raise OptionError(
-            "example_args is a list: give the positional inputs as a tuple, such as (ids, labels), "
-            "or a list that is the one input as ([a, b],)"
+            f"example_args is {kind}: give the positional inputs as a tuple, such as (ids, labels), "
+            "keyword inputs as example_kwargs={'name': tensor}, or a list or dict that is the one input "
+            "as ([a, b],)"
         )
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     if example_kwargs is not None:

@@ -32,7 +32,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.ir.arguments import check_input_tensor, input_structure
-from autopar.ir.errors import CompileError, ShapeError
+from autopar.ir.errors import CompileError, OptionError, ShapeError
 from autopar.ir.layout import Layout, format_layout, local_shape
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import LAYOUTS, output_layout
@@ -344,6 +344,11 @@ class DistributedModule(torch.nn.Module):
             args, kwargs = (inputs if isinstance(inputs, tuple) else (inputs,)), {}
         if loss_fn is None and target is not None:
             raise ShapeError("train_step was given a target but no loss_fn to compare the output with")
+        if loss_fn is not None and not callable(loss_fn):
+            raise OptionError(
+                f"train_step's loss_fn must be a function loss_fn(output, target), got "
+                f"{type(loss_fn).__name__} {loss_fn!r:.60}"
+            )
         tail = None if loss_fn is None else self._loss_tail(loss_fn, target)
         if self.pipeline is None:
             local_args, local_kwargs = self.shard_inputs(*args, **kwargs)

@@ -48,7 +48,9 @@ from autopar.tools.cli_inputs import (
     parse_counts,
     parse_mesh,
     parse_slowdowns,
+    plot_file,
     positive_int,
+    samples_per_step,
     width,
     writable,
 )
@@ -111,10 +113,13 @@ def cmd_plan(a: argparse.Namespace) -> None:
             )
     else:
         _, plan = _plan(a, model, args, kwargs, a.mesh)
-    plan.source = [a.model, *a.options, f"--batch={a.batch}", f"--seq={a.seq}"]  # for `show plan.json`
+    flags = [f"--{flag}={value}" for flag, value in (("batch", a.batch), ("seq", a.seq)) if value is not None]
+    plan.source = [a.model, *a.options, *flags]  # for `show plan.json`
     print(plan.summary(width=a.width, verbose=a.verbose))
     if a.stragglers:  # sync against the update modes (docs/update_modes.md)
-        print(update_cost.compare_updates(plan, a.stragglers, a.batch))
+        print(
+            update_cost.compare_updates(plan, a.stragglers, samples_per_step(a.model, a.batch, args, kwargs))
+        )
     if a.output:
         with _writing(a.output):
             plan.save(a.output)
@@ -141,6 +146,8 @@ def cmd_show(a: argparse.Namespace) -> None:
                 f"{a.model}: show prints a pipelined plan's program from the model, not yet from the file"
             )
         spec = _parser().parse_args(["show", *plan.source])
+        if not spec.model.startswith("hf:"):  # plans saved before a factory refused them record the defaults
+            spec.batch = spec.seq = None
         model, args, kwargs = load_model(spec.model, spec.options, spec.batch, spec.seq)
         mesh = plan.mesh
         captured = capture_for(model, args, kwargs, MeshSpec.of(mesh), None)
@@ -365,9 +372,9 @@ def _parser() -> argparse.ArgumentParser:
             help="cluster preset (cpu-gloo, h100, fast-links)",
         )
         p.add_argument(
-            "--batch", type=positive_int, default=8, help="hf: models: sequences in the example batch"
+            "--batch", type=positive_int, help="hf: models: sequences in the example batch (default 8)"
         )
-        p.add_argument("--seq", type=positive_int, default=128, help="hf: models: tokens per sequence")
+        p.add_argument("--seq", type=positive_int, help="hf: models: tokens per sequence (default 128)")
         p.add_argument("--width", type=width, default=140, help="table width in characters (>= 40)")
         p.add_argument("--precision", choices=("bf16", "fp16"), help="compute in it, fp32 master weights")
         return p
@@ -406,7 +413,7 @@ def _parser() -> argparse.ArgumentParser:
         "--devices", type=parse_counts, default="1,2,4,8", help="device counts, e.g. 1,2,4,8,16"
     )
     scaling.add_argument("--axis", default="dp", help="the mesh axis the devices form")
-    scaling.add_argument("--plot", type=writable, help="write a speedup plot here (.png or .svg)")
+    scaling.add_argument("--plot", type=plot_file, help="write a speedup plot here (.png or .svg)")
     scaling.set_defaults(run=cmd_scaling)
     calibrate = sub.add_parser(
         "calibrate",

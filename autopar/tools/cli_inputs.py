@@ -15,7 +15,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,17 @@ class UsageError(argparse.ArgumentTypeError):
 # --- parsing ---------------------------------------------------------------------------
 
 
+def _is_count(word: str) -> bool:
+    """True for a whole number >= 1 in ASCII digits (``"²"`` and ``"٤"`` are digits to ``str.isdigit``)."""
+    return word.isascii() and word.isdigit() and int(word) >= 1
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``."""
     mesh: dict[str, int] = {}
     for item in text.split(","):
         name, eq, size = item.strip().partition("=")
-        if not eq or not name.isidentifier() or not size.isdigit() or int(size) < 1 or name in mesh:
+        if not eq or not name.isidentifier() or not _is_count(size) or name in mesh:
             raise UsageError(
                 f"mesh {text!r}: expected axis=size items separated by commas, each axis once, e.g. dp=2,tp=4"
             )
@@ -72,17 +77,21 @@ def parse_bytes(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """An argparse ``type``: a count of at least 1 (``--batch``, ``--seq``)."""
-    if not text.isdigit() or int(text) < 1:
+    if not _is_count(text):
         raise UsageError(f"{text!r} is not a count: expected a whole number >= 1")
     return int(text)
 
 
 def parse_counts(text: str) -> list[int]:
-    """``"1,2,4,8"`` -> ``[1, 2, 4, 8]``: device counts, each at least 1."""
-    words = text.split(",")
-    if not all(w.strip().isdigit() and int(w) >= 1 for w in words):
+    """``"1,2,4,8"`` -> ``[1, 2, 4, 8]``: device counts, each at least 1 and given once."""
+    words = [w.strip() for w in text.split(",")]
+    if not all(_is_count(w) for w in words):
         raise UsageError(f"devices {text!r}: expected counts >= 1 separated by commas, e.g. 1,2,4,8")
-    return [int(w) for w in words]
+    counts = [int(w) for w in words]
+    twice = sorted({n for n in counts if counts.count(n) > 1})
+    if twice:
+        raise UsageError(f"devices {text!r}: {twice[0]} is given twice; give each device count once")
+    return counts
 
 
 def parse_slowdowns(text: str) -> list[float]:
@@ -121,9 +130,17 @@ def writable(path: str) -> str:
     return path
 
 
+def plot_file(path: str) -> str:
+    """``path`` if it names an image the plot can be written as (``.png`` or ``.svg``) where a file can
+    be written (``--plot``)."""
+    if Path(path).suffix.lower() not in (".png", ".svg"):
+        raise UsageError(f"plot {path}: expected a .png or .svg file name")
+    return writable(path)
+
+
 def width(text: str) -> int:
     """An argparse ``type``: a table width of at least :data:`MIN_WIDTH` characters (``--width``)."""
-    if not text.isdigit() or int(text) < MIN_WIDTH:
+    if not _is_count(text) or int(text) < MIN_WIDTH:
         raise UsageError(f"width {text!r}: expected a whole number of characters >= {MIN_WIDTH}")
     return int(text)
 
@@ -159,20 +176,56 @@ def _overrides(words: Sequence[str]) -> dict[str, Any]:
 # --- models ------------------------------------------------------------------------------
 
 
+HF_BATCH, HF_SEQ = 8, 128  # an hf: model's example batch where --batch or --seq is not given
+
+
 def load_model(
-    spec: str, options: Sequence[str], batch: int, seq: int
+    spec: str, options: Sequence[str], batch: int | None, seq: int | None
 ) -> tuple[torch.nn.Module, tuple, dict]:
     """The model and example inputs ``(model, args, kwargs)`` a ``MODEL`` spec names.
 
     Args:
         spec: ``hf:ARCH`` or ``path/to/file.py:factory``.
         options: ``key=value`` words: config fields of ``hf:`` models, else the factory's arguments.
-        batch: sequences of an ``hf:`` model's example batch.
-        seq: tokens per sequence of an ``hf:`` model's example batch (no longer than its positions).
+        batch: sequences of an ``hf:`` model's example batch (None: :data:`HF_BATCH`); a factory's
+            model makes its own inputs, so giving it is a :class:`UsageError`.
+        seq: tokens per sequence of an ``hf:`` model's example batch (no longer than its positions;
+            None: :data:`HF_SEQ`); a factory's model takes none either.
     """
     overrides = _overrides(options)
     if spec.startswith("hf:"):
+        batch, seq = HF_BATCH if batch is None else batch, HF_SEQ if seq is None else seq
         return _transformers_model(spec[3:], overrides, batch, seq)
+    given = [f"--{flag} {value}" for flag, value in (("batch", batch), ("seq", seq)) if value is not None]
+    if given:
+        raise UsageError(
+            f"model {spec!r}: {' and '.join(given)} size the example batch of hf: models only; a factory "
+            "makes its own example inputs (give its arguments as key=value words, e.g. batch_size=16)"
+        )
+    return _factory_model(spec, overrides)
+
+
+def samples_per_step(spec: str, batch: int | None, args: tuple, kwargs: Mapping[str, Any]) -> int:
+    """The samples of one step's example batch: ``--batch`` (or :data:`HF_BATCH`) for an ``hf:`` model,
+    else the size of dim 0 of the factory's first tensor input (``--stragglers`` prices updates per sample).
+
+    Args:
+        spec: the ``MODEL`` spec.
+        batch: ``--batch`` (None where not given).
+        args: the example's positional inputs.
+        kwargs: the example's keyword inputs.
+    """
+    if spec.startswith("hf:"):
+        return HF_BATCH if batch is None else batch
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not tensors:
+        raise UsageError(
+            f"model {spec!r}: --stragglers counts samples along dim 0 of a tensor input; it has none"
+        )
+    return tensors[0].shape[0]
+
+
+def _factory_model(spec: str, overrides: dict[str, Any]) -> tuple[torch.nn.Module, tuple, dict]:
     path, colon, factory = spec.rpartition(":")
     if not colon or not path.endswith(".py") or not factory.isidentifier():
         raise UsageError(f"model {spec!r}: expected path/to/file.py:factory or hf:ARCH (e.g. hf:gpt2)")
@@ -196,8 +249,16 @@ def load_model(
         raise UsageError(f"model {spec!r}: {call} failed: {_one_line(exc)}") from None
     if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
         raise UsageError(f"model {spec!r}: {factory} must return (model, args) or (model, args, kwargs)")
-    model, args = built[0], built[1] if isinstance(built[1], tuple) else (built[1],)
-    return model, args, dict(built[2]) if len(built) == 3 else {}
+    args = (built[1],) if isinstance(built[1], torch.Tensor) else built[1]
+    kwargs = built[2] if len(built) == 3 else {}
+    if not isinstance(args, tuple) or not isinstance(kwargs, Mapping):
+        wrong, value = ("args", args) if not isinstance(args, tuple) else ("kwargs", kwargs)
+        raise UsageError(
+            f"model {spec!r}: {factory} returned its example {wrong} as {type(value).__name__}; "
+            "it must return (model, args) or (model, args, kwargs): args a tuple of positional inputs (or "
+            "one tensor), kwargs a dict of keyword inputs"
+        )
+    return built[0], args, dict(kwargs)
 
 
 def _transformers_model(

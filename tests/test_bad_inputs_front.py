@@ -26,6 +26,7 @@ from autopar.tools import cli
 from autopar.tools.fake_ranks import fake_world
 from examples.mlp import build
 from examples.recommender import build as build_recommender
+from tests.test_bad_inputs import _assert_one_line_and_status_2
 
 # ----------------------------------------------------------------------------- annotations
 
@@ -124,15 +125,6 @@ def test_a_device_count_of_ten_to_the_twenty_is_searched_in_no_time():
 M = "examples/mlp.py:build"
 
 
-def _one_line_status_2(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
-    try:
-        status = cli.main(args)
-    except SystemExit as exit_:  # argparse's own checks exit
-        status = exit_.code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1 and message in err[0], err
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -165,7 +157,7 @@ def _one_line_status_2(capsys: pytest.CaptureFixture[str], args: list[str], mess
     ],
 )
 def test_a_command_line_mistake_is_one_line_and_status_2(capsys, args, message):
-    _one_line_status_2(capsys, args, message)
+    _assert_one_line_and_status_2(capsys, args, message)
 
 
 def test_stragglers_count_a_factory_model_s_own_batch(capsys):

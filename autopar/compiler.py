@@ -27,6 +27,7 @@ from autopar.capture.annotations import unclaimed_annotations
 from autopar.capture.export import Captured, capture
 from autopar.ir.arguments import check_bool
 from autopar.ir.errors import CompileError, PlanError
+from autopar.ir.fake import fake_on
 from autopar.ir.mesh import MeshSpec, check_in_world
 from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan
@@ -314,15 +315,19 @@ def compile_loss(
 ) -> DistributedModule:
     """``loss_fn(output, target)`` compiled for ``module``'s outputs (the runtime's ``LossCompiler``).
 
-    ``output`` and ``target`` are ``meta`` examples of one microbatch. The loss is
-    captured and planned on ``module``'s plan's mesh and cluster with the outputs' layouts
-    fixed to ``module.output_layouts`` (the target's is the solver's choice), then built
-    on ``module``'s stage mesh, checking ids as the module does (``check_ids``: :func:`compile`'s).
+    ``output`` and ``target`` are ``meta`` examples of one microbatch. The loss is captured on
+    fake tensors of the stage mesh's device (so it may hold tensors of its own there, such as
+    class weights) and planned on ``module``'s plan's mesh and cluster with the outputs' layouts
+    fixed to ``module.output_layouts`` (the target's is the solver's choice), then built on
+    ``module``'s stage mesh, checking ids as the module does (``check_ids``: :func:`compile`'s).
     ``DistributedModule.train_step`` calls this on first use of a loss function and caches the result.
     """
     spec = module.plan.mesh_spec
     loss = _Loss(loss_fn)
-    captured = capture(loss, (output, target), None, spec)
+    # traced on fake tensors of the ranks' device, not on meta: a loss may hold tensors of its own
+    # (class weights, as a buffer or in a closure) on the device it runs on
+    examples = fake_on((output, target), module.stage_mesh.device_type)
+    captured = capture(loss, examples, None, spec)
     fixed = dict(zip(captured.inputs, module.output_layouts))  # the target, the last input, stays free
     cluster = Cluster.from_dict(module.plan.cluster)
     # every rank plans its loss apart: the deterministic limit alone makes their plans agree

@@ -26,6 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.ir.errors import OptionError
+from autopar.ir.fake import is_fake
 from autopar.ir.meta import module_path
 from autopar.ir.ops import LAYOUT_CONSTRAINT
 
@@ -160,7 +161,9 @@ def check_values(
             continue
         source = _source(node.args[1])
         label, ids = inputs.get(getattr(source, "name", None), (None, None))
-        if not isinstance(ids, torch.Tensor) or ids.is_meta or ids.is_floating_point() or not ids.numel():
+        if not isinstance(ids, torch.Tensor) or ids.is_meta or is_fake(ids) or ids.is_floating_point():
+            continue
+        if not ids.numel():
             continue
         rows = node.args[0].meta["val"].shape[0]
         low, high = int(ids.min()), int(ids.max())

@@ -180,6 +180,11 @@ def test_a_data_dependent_shape_is_a_capture_error_with_a_hint():
         ("[]", "holds a list, not a saved Plan"),
         ("{not json", "cannot read plan"),
         ('{"format": 1}', "format 1"),
+        ('{"name": "h100"}', "this is not a plan autopar saved: it has no 'format' field"),
+        (
+            '{"name": "mine", "peak_flops": {}}',
+            "a cluster file, by its fields: give it as cluster= or --cluster",
+        ),
     ],
 )
 def test_a_file_that_is_no_plan_is_a_plan_error(tmp_path, text, message):

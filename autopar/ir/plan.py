@@ -361,10 +361,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if data.get("format") != FORMAT_VERSION:
-            raise PlanError(
-                f"plan format {data.get('format')!r} is not supported (expected {FORMAT_VERSION})"
+        if "format" not in data:
+            kind = (
+                " (a cluster file, by its fields: give it as cluster= or --cluster)"
+                if "peak_flops" in data
+                else ""
             )
+            raise PlanError(f"this is not a plan autopar saved: it has no 'format' field{kind}")
+        if data["format"] != FORMAT_VERSION:
+            raise PlanError(f"plan format {data['format']!r} is not supported (expected {FORMAT_VERSION})")
 
         def steps(items: list) -> tuple[CollectiveStep, ...]:
             return tuple(

@@ -17,7 +17,7 @@ successful save of ``path`` removes.
 A load first reads the manifest, checks every file against it (:func:`read_manifest`,
 :func:`verify`) and the checkpoint's keys, shapes and dtypes against what the module and
 optimizer hold (:func:`check_entries`). Where a process group exists, every rank takes part
-(:func:`gathered`, :func:`agree`, :func:`any_rank`: one rank's failure is raised on all), and
+(:func:`agree`, and :mod:`autopar.runtime.ranks`: one rank's failure is raised on all), and
 the first rank creates and switches the folders.
 """
 
@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from autopar.ir.arguments import is_int
 from autopar.ir.errors import CheckpointError
+from autopar.runtime.ranks import any_rank, gathered, ranks, shared
 
 MANIFEST = "manifest.json"
 FORMAT = 1  # of the folder: DCP's table (runtime/training_state.py) and the manifest
@@ -49,45 +49,7 @@ _CHUNK = 1 << 22
 OPTIMIZER_STATE = "optimizer.state."  # DCP's flat keys of optimizer state: this + "<fqn>.<name>"
 
 
-# --- the ranks ----------------------------------------------------------------------------------
-def ranks() -> tuple[int, int]:
-    """This process's rank and the world's size: ``(0, 1)`` without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def gathered(value: Any) -> list[Any]:
-    """Every rank's ``value`` (picklable), in rank order, on every rank."""
-    size = ranks()[1]
-    if size == 1:
-        return [value]
-    out: list[Any] = [None] * size
-    dist.all_gather_object(out, value)
-    return out
-
-
-def any_rank(flags: list[bool]) -> list[bool]:
-    """For each flag, whether it is set on any rank (every rank passes as many, in the same order)."""
-    if ranks()[1] == 1 or not flags:
-        return flags
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()):
-        device = torch.device("cuda", torch.cuda.current_device())
-    summed = torch.tensor(flags, dtype=torch.uint8, device=device)
-    dist.all_reduce(summed, op=dist.ReduceOp.MAX)
-    return [bool(f) for f in summed.tolist()]
-
-
-def shared(value: Any) -> Any:
-    """The first rank's ``value``, on every rank."""
-    if ranks()[1] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
+# --- the ranks agreeing -------------------------------------------------------------------------
 def agree(error: CheckpointError | None, value: Any = None) -> list[Any]:
     """Every rank's ``value``, unless a rank failed: then the first failing rank's ``error`` is raised on
     every rank (one rank's failure must not leave the others waiting in a later collective); the

@@ -52,6 +52,7 @@ from autopar.runtime.checkpoint import handed_out, taken_back
 from autopar.runtime.materialize import as_dtensor
 from autopar.runtime.module import DistributedModule
 from autopar.runtime.optimizer import gradient_holders, refresh_copies, stands_for
+from autopar.runtime.ranks import gathered, ranks
 
 FORMAT = files.FORMAT
 _STATE = files.OPTIMIZER_STATE
@@ -95,7 +96,7 @@ def save_checkpoint(
     state = _template(module, optimizer, entries)
     state.update(step=step, rng=_rng_states(), plan=json.dumps(module.plan.to_dict()))
     staged = Path(files.on_first_rank(lambda: str(files.new_folder(target))))
-    rank, size = files.ranks()
+    rank, size = ranks()
     error, mine = None, {}
     try:
         writer = dcp.FileSystemWriter(staged, sync_files=True, single_file_per_rank=True, thread_count=1)
@@ -104,7 +105,7 @@ def save_checkpoint(
         mine = files.digests(staged, files.own_files(staged, rank))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's and the OS's, reported
         error = _failure(f"cannot save a checkpoint at {target}; the previous one there is unchanged", exc)
-    reports = files.gathered((None if error is None else str(error), mine))
+    reports = gathered((None if error is None else str(error), mine))
     messages = [message for message, _ in reports if message is not None]
     written = {name: entry for _, digests in reports for name, entry in digests.items()}
 
@@ -145,7 +146,7 @@ def load_checkpoint(path: str | Path, module: Any, optimizer: torch.optim.Optimi
     undo, entries = _prepare_optimizer(folder, saved, module, optimizer, state)
     try:
         with _single_process_quiet():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=files.ranks()[1] == 1)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=ranks()[1] == 1)
     except BaseException as exc:
         undo()
         if not isinstance(exc, Exception | CheckpointException):

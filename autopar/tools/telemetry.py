@@ -49,6 +49,7 @@ from autopar.runtime import collectives
 from autopar.runtime.checkpoint_files import path_problem
 from autopar.runtime.module import DistributedModule
 from autopar.runtime.optimizer import held_bytes
+from autopar.runtime.ranks import gathered
 from autopar.tools.activation_meter import ActivationMeter
 
 
@@ -233,7 +234,7 @@ class StepMeter:
             predicted = plan.step_time_s + sum(p.step_time_s for p in losses)
             moved_plan = plan.prediction.comm_bytes + sum(p.comm_bytes for p in losses)
             memory_plan = [plan.prediction.memory_bytes + sum(p.activation_bytes for p in losses)]
-        memories = _gather(memory) if memory is not None else None
+        memories = gathered(memory) if memory is not None else None
         return {
             "step": self.steps,
             "profile": profile,
@@ -285,13 +286,6 @@ def _reduced(x: float, device: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.
     t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return float(t.item())
-
-
-def _gather(x: int) -> list[int]:
-    """Every rank's ``x``, in rank order."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return [int(v) for v in out]
 
 
 def _check_arguments(

@@ -33,7 +33,7 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan, load_plan
 from autopar.ir.updates import Async, Hybrid, ParameterServer
-from autopar.planning.cost import Cluster, LinkSpec, get_cluster
+from autopar.planning.cost.model import Cluster, LinkSpec, get_cluster
 from autopar.planning.planner import plan
 from autopar.runtime.async_updates import rejoin_mesh, worker_mesh
 from autopar.runtime.checkpoint_files import latest_checkpoint

@@ -35,8 +35,8 @@ from autopar.ir.printing import format_graph
 from autopar.ir.updates import Update, check_update
 from autopar.passes import PASS_ORDER
 from autopar.passes.context import PassContext
-from autopar.planning.cost import Cluster, CostModel
-from autopar.planning.plan_fit import check_plan_fits
+from autopar.planning.assembly.plan_fit import check_plan_fits
+from autopar.planning.cost.model import Cluster, CostModel
 from autopar.planning.planner import capture_for, layout_mesh, plan_captured
 from autopar.planning.planner import plan as plan_model
 from autopar.runtime import collectives

@@ -6,7 +6,7 @@ Usage, from the repository root::
 
 Takes under a minute on an idle host. Prints the measured constants, what the fitted
 ring model predicts for a few all_reduce sizes, and the cluster as JSON. Paste the
-numbers into the ``"cpu-gloo"`` preset in ``autopar/planning/cost.py`` (with the date and
+numbers into the ``"cpu-gloo"`` preset in ``autopar/planning/cost/model.py`` (with the date and
 machine) to change the planner's figures.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autopar.ir.mesh import MeshSpec  # noqa: E402
-from autopar.planning.cost import Collective, CostModel  # noqa: E402
+from autopar.planning.cost.model import Collective, CostModel  # noqa: E402
 from autopar.tools.calibrate import measure_cpu_gloo  # noqa: E402
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
 from autopar.ir.plan import CollectiveKind  # noqa: E402
-from autopar.planning.cost import Cluster, get_cluster, ring_terms  # noqa: E402
+from autopar.planning.cost.model import Cluster, get_cluster, ring_terms  # noqa: E402
 from autopar.tools.calibrate import threads_per_rank  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402
 from autopar.tools.rank_speed import host_speed  # noqa: E402

@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar.planning.cost import Cluster, get_cluster  # noqa: E402
+from autopar.planning.cost.model import Cluster, get_cluster  # noqa: E402
 from autopar.tools import rank_speed  # noqa: E402
 from autopar.tools.calibrate_device import LINKS_FROM, device_cluster  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402

@@ -7,7 +7,7 @@ GELU/ReLU/SiLU, LayerNorm/RMSNorm, a convolution over the sequence, a gate, cent
 a head with cross entropy or a squared error), a mesh of 1-3 axes over the 4 ranks (size-1 axes
 included, sometimes a pipeline axis), MindSpore-style annotations (Megatron column/row plans,
 a vocabulary split, a batch split), recompute of some blocks, a ZeRO stage and, in a quarter of the
-cases, a time limit so tight that the planner merges mesh axes (``autopar.planning.axis_groups``).
+cases, a time limit so tight that the planner merges mesh axes (``autopar.planning.graph.axis_groups``).
 Each case's loss and every gradient must equal one device's; a clear ``autopar.AutoparError``
 refusing the case counts as *refused*, anything else as a failure, printed with its seed.
 

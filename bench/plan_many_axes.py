@@ -3,7 +3,7 @@
 Plans the example GPT (``examples/gpt.py``'s tiny defaults) on meshes of 2 to 6 axes of size 2,
 and a Llama-2-7B shape (``bench/plan_scale.py``) on 64 ranks as 2, 4 and 6 axes, all with
 ``time_limit=30`` on the ``h100`` cluster model, and prints per case the wall time (capture
-included), the axes the planner merged to stay within the limit (``autopar.planning.axis_groups``),
+included), the axes the planner merged to stay within the limit (``autopar.planning.graph.axis_groups``),
 the ILP's size, the solver's status and gap, and the predicted step time.
 
     python bench/plan_many_axes.py                 # every case

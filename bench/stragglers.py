@@ -4,7 +4,7 @@
 synchronous all-reduce, the parameter server, bounded and unbounded asynchronous updates and the
 hybrid (2 groups of 2) while worker 3 sleeps after every step twice a synchronous step with no
 straggler (timed once, before the modes: the same delay in every mode), so that its step takes 3x
-the others', beside what :mod:`autopar.planning.update_cost` predicts; ``--batch`` sets the
+the others', beside what :mod:`autopar.planning.cost.update_cost` predicts; ``--batch`` sets the
 global batch (256: 64 samples per worker). ``--convergence`` trains a learnable task (each
 sequence counts up from a random start: the next token is the previous plus one) for the same
 number of samples under sync and async with staleness 1 and 2, with the same straggler, and plots
@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar.planning.update_cost import predict_update  # noqa: E402
+from autopar.planning.cost.update_cost import predict_update  # noqa: E402
 from autopar.tools.launch import spawn  # noqa: E402
 from examples import gpt  # noqa: E402
 

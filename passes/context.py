@@ -9,7 +9,7 @@ import torch
 from autopar.capture.export import Captured
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.plan import Plan
-from autopar.planning.cost import CostModel
+from autopar.planning.cost.model import CostModel
 from autopar.runtime.pipeline_runtime import StageProgram
 
 

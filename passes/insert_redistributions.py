@@ -8,7 +8,7 @@ producer's output must receive: ``have`` with Partial read as Replicate). A
 and ``grad_need != grad_have``. Model outputs need their Partial axes reduced.
 
 Gradient sums that can wait until backward reaches the parameters (data parallelism;
-see :mod:`autopar.planning.gradient_sums`, read on the layouts written on the graph, as the
+see :mod:`autopar.planning.graph.gradient_sums`, read on the layouts written on the graph, as the
 planner priced them on the plan's) are left to the runtime's bucketed reducer:
 ``ctx.grad_reductions[placeholder] = axis keys`` (see ``collectives.register_mesh``).
 
@@ -27,8 +27,8 @@ from autopar.capture.export import gradient_flow
 from autopar.ir.layout import format_layout
 from autopar.ir.meta import REDISTRIBUTION, STAGE, GraphLayouts, NodeLayouts, write_layouts
 from autopar.passes.context import PassContext
-from autopar.planning.gradient_sums import planned_edges
-from autopar.planning.laid_out import LaidOutGraph
+from autopar.planning.graph.gradient_sums import planned_edges
+from autopar.planning.graph.laid_out import LaidOutGraph
 
 
 def redistribute(x: torch.Tensor, have: str, need: str, grad_need: str, grad_have: str) -> torch.Tensor:

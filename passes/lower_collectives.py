@@ -19,10 +19,10 @@ out as the op's backward receives it (``EdgeStep.grad``):
 
 A strided shard (``S(d)xk``, :mod:`autopar.ir.strided`) moves with the same ops, given its
 ``parts``; to or from any other split it passes through Replicate
-(``autopar.planning.redistribution_steps``). A tensor dim split over several mesh axes is split
+(``autopar.ir.redistribution_steps``). A tensor dim split over several mesh axes is split
 outer axis first, so the steps never change the split of a dim while an inner axis splits it
 too: where no order avoids that, the cost model unwinds the inner split first (an extra
-``all_gather``) and redoes it after (``shard``); see ``autopar.planning.redistribution_steps``.
+``all_gather``) and redoes it after (``shard``); see ``autopar.ir.redistribution_steps``.
 Only an axis's last step can receive a partial-sum gradient: before it, the gradient is laid
 out like the value.
 
@@ -40,10 +40,10 @@ import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar)
 from autopar.ir.errors import CompileError
 from autopar.ir.layout import is_uneven
 from autopar.ir.meta import REDISTRIBUTION, STAGE, NodeLayouts, write_layouts
+from autopar.ir.redistribution_steps import EdgeStep, StepKind
 from autopar.ir.strided import is_split, parts_of
 from autopar.passes.context import PassContext
 from autopar.passes.insert_redistributions import redistribute
-from autopar.planning.redistribution_steps import EdgeStep, StepKind
 
 ops = torch.ops.autopar
 

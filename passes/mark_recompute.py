@@ -1,6 +1,6 @@
 """Mark the ops to recompute in backward: the plan's recompute modules and the ZeRO-3 gathers.
 
-The regions are the planner's (:mod:`autopar.planning.recompute`), so the plan predicts
+The regions are the planner's (:mod:`autopar.planning.memory.recompute`), so the plan predicts
 what runs: an op of a module the plan recomputes (``ctx.plan.memory.recompute``,
 innermost module first) joins that module's region, and a ``getitem`` its op's; a
 collective inserted for a consumer joins its consumer's region. Then an op reading a
@@ -22,8 +22,8 @@ import torch
 
 from autopar.ir.meta import RECOMPUTE, REGATHER, GraphLayouts
 from autopar.passes.context import PassContext
-from autopar.planning.recompute import is_collective, module_regions, zero3_regions
-from autopar.planning.storages import source_of
+from autopar.planning.graph.storages import source_of
+from autopar.planning.memory.recompute import is_collective, module_regions, zero3_regions
 
 
 def _gathers(graph: torch.fx.Graph) -> Iterator[tuple[list[torch.fx.Node], torch.fx.Node]]:

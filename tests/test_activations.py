@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 import autopar
 import examples.gpt as gpt
 from autopar.capture.exact_means import ExactMeans
-from autopar.planning.saved_tensors import SavedSpec, saved_by
+from autopar.planning.memory.saved_tensors import SavedSpec, saved_by
 from autopar.tools.activation_meter import ActivationMeter
 
 aten = torch.ops.aten
@@ -191,7 +191,7 @@ def test_measured_saves_serve_every_plan_made_on_the_capture(monkeypatch: pytest
     one rank holds, which depend on the mesh)."""
     from autopar.capture.export import gradient_flow
     from autopar.ir.mesh import MeshSpec
-    from autopar.planning import saved_tensors
+    from autopar.planning.memory import saved_tensors
     from autopar.planning.planner import capture_for, plan_captured
 
     model, (idx, _) = gpt.build(device="meta", batch_size=8)

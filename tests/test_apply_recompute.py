@@ -355,7 +355,7 @@ def test_batch_norm_statistics_are_updated_outside_every_region() -> None:
     from autopar.capture.export import capture
     from autopar.ir.mesh import MeshSpec
     from autopar.ir.meta import module_stack
-    from autopar.planning.recompute import module_regions, updates_state
+    from autopar.planning.memory.recompute import module_regions, updates_state
 
     class Block(nn.Module):
         def __init__(self) -> None:

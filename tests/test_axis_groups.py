@@ -16,11 +16,11 @@ import autopar
 from autopar.ir.mesh import MeshSpec, grouped_product, refine_groups
 from autopar.ir.ops import LAYOUT_CONSTRAINT
 from autopar.ir.plan import ChoiceKind
-from autopar.planning.axis_groups import graph_within, merge_sequence, merged_axes
-from autopar.planning.cost import CostModel, get_cluster
-from autopar.planning.edge_costs import table_entries
+from autopar.planning.cost.model import CostModel, get_cluster
+from autopar.planning.graph.axis_groups import graph_within, merge_sequence, merged_axes
+from autopar.planning.graph.edge_costs import table_entries
+from autopar.planning.graph.strategy_graph import all_layouts, build_strategy_graph
 from autopar.planning.planner import capture_for
-from autopar.planning.strategy_graph import all_layouts, build_strategy_graph
 from examples import gpt
 
 R = Replicate()
@@ -110,7 +110,7 @@ def test_two_axes_at_the_default_limit_are_planned_as_given():
 def test_an_axis_of_one_device_changes_nothing():
     """A size-1 axis is planned merged into its neighbour: the plan is that of the mesh without it
     (alone it doubled every op's strategies and the ILP, and planned worse)."""
-    from autopar.planning.axis_groups import _ones_merged
+    from autopar.planning.graph.axis_groups import _ones_merged
 
     assert _ones_merged(MeshSpec.of({"dp": 4, "tp": 1})) == ((0, 1),)
     assert _ones_merged(MeshSpec.of({"pp": 1, "dp": 2, "tp": 2})) == ((0, 1), (2,))

@@ -35,8 +35,8 @@ from autopar import (
     ShapeError,
 )
 from autopar.ir.mesh import MeshSpec
-from autopar.planning.cluster import AttentionRates
-from autopar.planning.cost import Cluster, LinkSpec, get_cluster
+from autopar.planning.cost.cluster import AttentionRates
+from autopar.planning.cost.model import Cluster, LinkSpec, get_cluster
 from autopar.runtime.async_updates import ServerRank
 from autopar.runtime.loss_scaler import MAX_SCALE
 from autopar.tools import cli

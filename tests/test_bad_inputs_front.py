@@ -20,8 +20,8 @@ from torch import nn
 
 import autopar
 from autopar import AnnotationError, CompileError, ManualSplit, OptionError, Parts
-from autopar.planning.cost import get_cluster
-from autopar.planning.mesh_search import candidate_meshes
+from autopar.planning.cost.model import get_cluster
+from autopar.planning.search.mesh_search import candidate_meshes
 from autopar.tools import cli
 from autopar.tools.fake_ranks import fake_world
 from examples.mlp import build

@@ -21,8 +21,8 @@ import torch
 import autopar
 from autopar import OptionError
 from autopar.ir.plan import CollectiveKind
-from autopar.planning.cluster import AttentionRates
-from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster, this_machine
+from autopar.planning.cost.cluster import AttentionRates
+from autopar.planning.cost.model import Cluster, Collective, CostModel, LinkSpec, get_cluster, this_machine
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 from autopar.tools.calibrate import _straggle, fit_ring, threads_per_rank
 from autopar.tools.cli import main

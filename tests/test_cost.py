@@ -9,8 +9,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import dtype_name
-from autopar.planning.cluster import AttentionRates
-from autopar.planning.cost import Cluster, Collective, CostModel, LinkSpec, get_cluster
+from autopar.planning.cost.cluster import AttentionRates
+from autopar.planning.cost.model import Cluster, Collective, CostModel, LinkSpec, get_cluster
 
 R, P = Replicate(), Partial()
 S0, S1 = Shard(0), Shard(1)

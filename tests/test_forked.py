@@ -1,4 +1,4 @@
-"""Planning calls in forked children (``autopar.planning.forked``): results and errors come back
+"""Planning calls in forked children (``autopar.planning.search.forked``): results and errors come back
 keyed, a child that dies is an error naming its exit code, and one worker runs calls here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from autopar.ir.errors import MemoryFitError, PlanError
-from autopar.planning.forked import ForkedCalls, can_fork, default_workers
+from autopar.planning.search.forked import ForkedCalls, can_fork, default_workers
 
 forking = pytest.mark.skipif(not can_fork(), reason="fork is Linux's")
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import autopar
 from autopar.capture.class_losses import written_out
 from autopar.ir.layout import format_layout, parse_layout
-from autopar.planning.redistribution_steps import StepKind, axis_states, plan_steps, walk
+from autopar.ir.redistribution_steps import StepKind, axis_states, plan_steps, walk
 from autopar.runtime.pieces import manual_whole
 from autopar.tools import cli
 from autopar.tools.launch import spawn

@@ -12,9 +12,9 @@ from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory
 from autopar.ir.plan import Plan
-from autopar.planning.held_state import state_bytes, zero_split
+from autopar.planning.memory.held_state import state_bytes, zero_split
 from autopar.planning.planner import capture_for, plan_captured
-from autopar.planning.solver import MemoryRows, StrategyILP
+from autopar.planning.search.solver import MemoryRows, StrategyILP
 from examples import gpt
 
 DP4 = {"dp": 4}
@@ -186,8 +186,8 @@ def test_the_memory_search_skips_only_choices_that_cannot_win(monkeypatch):
     the prediction's terms the ILP leaves out), in fewer solves."""
     import math
 
-    from autopar.planning import memory_search
-    from autopar.planning.memory_tables import MemoryTerms
+    from autopar.planning.search import memory_search
+    from autopar.planning.search.memory_tables import MemoryTerms
 
     model, args = _gpt()
     free = autopar.plan(model, args, DP4).prediction.memory_bytes
@@ -226,7 +226,7 @@ def test_the_ilp_counts_the_copies_consumers_keep_of_redistributed_operands(monk
     fastest plan of a 2-layer Llama-3-8B shape on dp=8 x tp=8 is within 15% of the exact
     figure (the rest: values alive only in forward); counted in the consumer's layout once per
     value, it was 28% short, and the search solved candidates whose plans could not fit."""
-    from autopar.planning import memory_search
+    from autopar.planning.search import memory_search
     from bench.plan_scale import llama
 
     seen = []
@@ -389,7 +389,7 @@ def test_an_operand_read_through_a_grad_all_reduce_is_saved_as_its_copy(fake_pro
     the same on every run."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.planning import axis_groups
+    from autopar.planning.graph import axis_groups
     from autopar.tools.activation_meter import ActivationMeter
     from tests.zoo_models import build, repeated_blocks
 
@@ -443,7 +443,7 @@ def test_transformers_models_hold_what_the_plan_predicts(fake_process_group, mon
     the forward's peak."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.planning import axis_groups
+    from autopar.planning.graph import axis_groups
     from autopar.tools.activation_meter import ActivationMeter
     from tests.zoo_models import build, repeated_blocks
 

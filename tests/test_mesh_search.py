@@ -9,8 +9,8 @@ import torch
 
 import autopar
 from autopar import CompileError, OptionError
-from autopar.planning.cost import get_cluster
-from autopar.planning.mesh_search import candidate_meshes
+from autopar.planning.cost.model import get_cluster
+from autopar.planning.search.mesh_search import candidate_meshes
 from autopar.tools.fake_ranks import fake_world
 from examples import gpt
 
@@ -93,8 +93,8 @@ def test_a_search_where_nothing_fits_names_the_closest_mesh():
 
 def test_a_capture_is_reused_across_meshes_unless_an_annotation_is_lowered_onto_one():
     from autopar.ir.mesh import MeshSpec
-    from autopar.planning.mesh_search import mesh_free
     from autopar.planning.planner import capture_for
+    from autopar.planning.search.mesh_search import mesh_free
 
     model, args = gpt.build()
     one = MeshSpec.of({"dp": 1, "tp": 1})

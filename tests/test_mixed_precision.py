@@ -58,9 +58,9 @@ def test_the_cost_and_memory_models_price_fp32_state_and_bf16_compute():
 
 def test_gradient_sums_are_priced_in_the_reduce_dtype():
     from autopar.ir.mesh import MeshSpec
-    from autopar.planning.cost import CostModel, get_cluster
+    from autopar.planning.cost.model import CostModel, get_cluster
+    from autopar.planning.graph.strategy_graph import build_strategy_graph
     from autopar.planning.planner import capture_for
-    from autopar.planning.strategy_graph import build_strategy_graph
 
     model, args = gpt.build()
     mesh = MeshSpec.of({"dp": 2})

@@ -26,12 +26,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.ir.layout import format_layout, grad_layout, is_valid_for, local_shape
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import LAYOUTS, REDISTRIBUTION, output_layout
+from autopar.ir.redistribution_steps import StepKind, axis_states, walk
 from autopar.ir.strided import is_split, parts_of, strided
 from autopar.passes import lower_collectives
 from autopar.passes.context import PassContext
 from autopar.passes.insert_redistributions import redistribute
-from autopar.planning.cost import CostModel, get_cluster
-from autopar.planning.redistribution_steps import StepKind, axis_states, walk
+from autopar.planning.cost.model import CostModel, get_cluster
 from autopar.rules import PASSTHROUGH, OpCall, follow, lookup, split_counts
 from autopar.tools.launch import spawn
 from tests.test_rules import (

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.ir.options import Pipeline
-from autopar.planning.stage_split import UnitCosts, partition
+from autopar.planning.pipeline.stage_split import UnitCosts, partition
 from examples import gpt
 
 MESH = {"pp": 2, "dp": 2, "tp": 2}

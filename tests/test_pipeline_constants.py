@@ -17,8 +17,8 @@ from torch import nn
 import autopar
 from autopar.capture.export import capture
 from autopar.ir.mesh import MeshSpec
-from autopar.planning.stage_nodes import constant_buffers
-from autopar.planning.stage_split import PipelineFitError, UnitCosts, partition
+from autopar.planning.pipeline.stage_nodes import constant_buffers
+from autopar.planning.pipeline.stage_split import PipelineFitError, UnitCosts, partition
 from autopar.tools.launch import spawn
 from examples.handwritten import HANDWRITTEN, LlamaArgs, ReferenceLlama
 

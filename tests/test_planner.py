@@ -13,11 +13,11 @@ from torch.distributed.tensor import Replicate, Shard
 import autopar
 from autopar.capture.export import capture
 from autopar.ir.mesh import MeshSpec
-from autopar.planning.cost import CostModel, get_cluster
-from autopar.planning.edge_costs import cost_tables
+from autopar.planning.cost.model import CostModel, get_cluster
+from autopar.planning.graph.edge_costs import cost_tables
+from autopar.planning.graph.strategy_graph import build_strategy_graph
 from autopar.planning.planner import capture_for, plan_captured
-from autopar.planning.solver import SolverClock, StrategyILP
-from autopar.planning.strategy_graph import build_strategy_graph
+from autopar.planning.search.solver import SolverClock, StrategyILP
 from examples import gpt, mlp
 
 transformers.logging.set_verbosity_error()
@@ -471,7 +471,7 @@ def test_a_cutoff_assumes_the_choices_hide_as_much_of_the_objective_as_the_faste
     cutoff scales the bound by the share of the objective the fastest plan takes, at most 1."""
     from types import SimpleNamespace
 
-    from autopar.planning.memory_search import _hidden_share
+    from autopar.planning.search.memory_search import _hidden_share
 
     def solved(step: float, objective: float) -> SimpleNamespace:
         plan, stats = SimpleNamespace(step_time_s=step), SimpleNamespace(objective=objective)

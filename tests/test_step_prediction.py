@@ -1,7 +1,7 @@
 """The whole step in the prediction: op overhead, the optimizer step (offload's copies included),
 gradient-sum buckets (latency once per bucket, hidden behind backward as the runtime does),
 ZeRO gathers one per shard, stragglers, pipeline sends and ranks sharing cores
-(``autopar/planning/step_overheads.py``, docs/cost_model.md "The whole step")."""
+(``autopar/planning/cost/step_overheads.py``, docs/cost_model.md "The whole step")."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch.utils._pytree import tree_leaves
 
 import autopar
 from autopar.ir.report import GRADIENT_SUM
-from autopar.planning.cost import get_cluster
-from autopar.planning.step_overheads import (
+from autopar.planning.cost.model import get_cluster
+from autopar.planning.cost.step_overheads import (
     FP32_BYTES,
     OPTIMIZER_OPS_PER_TENSOR,
     GradSum,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import autopar
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.updates import check_update
-from autopar.planning.update_cost import compare_updates, predict_update
+from autopar.planning.cost.update_cost import compare_updates, predict_update
 from autopar.runtime.param_server import Clocks
 from autopar.tools.cli import main as cli_main
 from autopar.tools.launch import spawn

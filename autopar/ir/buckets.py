@@ -1,6 +1,6 @@
 """How gradient sums are packed into buckets: one rule, read by the runtime that packs them
 (:class:`~autopar.runtime.grad_reducer.GradReducer`) and the cost model that prices them
-(:mod:`autopar.planning.step_overheads`).
+(:mod:`autopar.planning.cost.step_overheads`).
 """
 
 from __future__ import annotations

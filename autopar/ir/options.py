@@ -41,7 +41,7 @@ def uses_policy(policy: str, autopar_ops: bool) -> bool:
 
 @dataclass(frozen=True)
 class Memory:
-    """How a plan holds its state; the bytes each choice costs are in :mod:`autopar.planning.memory`.
+    """How a plan holds its state; the bytes each choice costs are in :mod:`autopar.planning.memory.model`.
 
     ``zero``: the ZeRO stage (0: none; 1: optimizer state split over each parameter's
     data-parallel axis; 2: gradients reduce-scattered too; 3: parameters split too,

@@ -134,7 +134,7 @@ class Prediction:
     and dispatch overhead, the optimizer step (with optimizer offload's host copies), the ranks'
     waits for the slowest at synchronising collectives, less the communication that runs while
     backward computes (gradient-sum buckets) and the launch overhead and compute that overlap on
-    an asynchronous device (a GPU; see :mod:`autopar.planning.step_overheads`). Plans saved
+    an asynchronous device (a GPU; see :mod:`autopar.planning.cost.step_overheads`). Plans saved
     before the last five figures existed read them as 0.
     """
 
@@ -145,7 +145,7 @@ class Prediction:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int  # the optimizer's fp32 states (see Memory.optimizer_states); 0 when offloaded
-    activation_bytes: int  # peak on the device (see autopar.planning.memory)
+    activation_bytes: int  # peak on the device (see autopar.planning.memory.model)
     overhead_s: float = 0.0
     optimizer_s: float = 0.0
     wait_s: float = 0.0
@@ -159,7 +159,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How the plan holds its state and activations (see :mod:`autopar.planning.memory`).
+    """How the plan holds its state and activations (see :mod:`autopar.planning.memory.model`).
 
     ``zero_splits`` maps each parameter ZeRO splits to ``(mesh axis, dim)``;
     ``recompute`` each recomputed module to its policy; ``chosen`` says whether the

@@ -2,12 +2,12 @@
 
 :func:`plan` captures the model (:func:`capture_for`) and hands it to
 :func:`plan_captured`, which builds the strategy graph
-(:mod:`autopar.planning.strategy_graph`), prices its edges
-(:mod:`autopar.planning.edge_costs`) and runs the memory search: every candidate of
+(:mod:`autopar.planning.graph.strategy_graph`), prices its edges
+(:mod:`autopar.planning.graph.edge_costs`) and runs the memory search: every candidate of
 :func:`memory_choices` (a ZeRO stage and the modules recomputed) is solved by the ILP
-(:mod:`autopar.planning.solver`, with the memory terms of
-:mod:`autopar.planning.memory_tables`) and assembled into a plan
-(:mod:`autopar.planning.assemble`), whose exact memory decides whether it fits.
+(:mod:`autopar.planning.search.solver`, with the memory terms of
+:mod:`autopar.planning.search.memory_tables`) and assembled into a plan
+(:mod:`autopar.planning.assembly.assemble`), whose exact memory decides whether it fits.
 Planning only reads the captured graph: it can be planned any number of times, then
 compiled.
 """
@@ -32,18 +32,18 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import CollectiveKind, Plan
 from autopar.ir.updates import Update, check_update
-from autopar.planning.assemble import PlanSetting
-from autopar.planning.axis_groups import graph_within, merged_axes
-from autopar.planning.cost import Cluster, CostModel, get_cluster
-from autopar.planning.edge_costs import cost_tables
-from autopar.planning.forked import default_workers
-from autopar.planning.memory_search import Search, memory_choices, memory_search, no_fit
-from autopar.planning.memory_tables import MemoryTerms, stage_shares
-from autopar.planning.mesh_search import search_meshes
-from autopar.planning.pipeline import microbatch
-from autopar.planning.solver import SolverClock
-from autopar.planning.strategy_graph import build_strategy_graph
-from autopar.planning.update_cost import with_update
+from autopar.planning.assembly.assemble import PlanSetting
+from autopar.planning.cost.model import Cluster, CostModel, get_cluster
+from autopar.planning.cost.update_cost import with_update
+from autopar.planning.graph.axis_groups import graph_within, merged_axes
+from autopar.planning.graph.edge_costs import cost_tables
+from autopar.planning.graph.strategy_graph import build_strategy_graph
+from autopar.planning.pipeline.stage_plan import microbatch
+from autopar.planning.search.forked import default_workers
+from autopar.planning.search.memory_search import Search, memory_choices, memory_search, no_fit
+from autopar.planning.search.memory_tables import MemoryTerms, stage_shares
+from autopar.planning.search.mesh_search import search_meshes
+from autopar.planning.search.solver import SolverClock
 
 
 def plan(
@@ -66,16 +66,17 @@ def plan(
 
     ``mesh`` is a ``{axis: size}`` mapping, a :class:`MeshSpec` or a named ``DeviceMesh``; no
     process group is needed. A number of devices instead searches the mesh too (``pp``, ``dp`` and
-    ``tp`` axes and the pipeline: see :mod:`autopar.planning.mesh_search`; ``pipeline`` then fixes
+    ``tp`` axes and the pipeline: see :mod:`autopar.planning.search.mesh_search`; ``pipeline`` then fixes
     the pipeline of meshes with one, ``time_limit`` bounds each mesh's planning, and the meshes are
     planned in up to ``workers`` processes at once: by default one per CPU this process may use, at
     most 8; 1 plans them here, one after another). ``cluster`` is a preset name (default
     ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the solver in seconds, every solve
     of the memory search included (on the wall clock and in CP-SAT's deterministic seconds,
-    whichever ends first), and sizes the ILP (``autopar.planning.axis_groups``); with the same
+    whichever ends first), and sizes the ILP (``autopar.planning.graph.axis_groups``); with the same
     ``seed`` every call returns the same plan unless the wall clock ended a search (the plan's
     ``solver.status`` is then ``FEASIBLE``). ``pipeline`` runs a pipeline over one mesh axis (see
-    :mod:`autopar.planning.pipeline`); the example inputs are the whole batch. ``memory`` sets ZeRO,
+    :mod:`autopar.planning.pipeline.stage_plan`); the example inputs are the whole batch.
+    ``memory`` sets ZeRO,
     the optimizer's state and offload (:class:`~autopar.ir.options.Memory`); ``memory_budget``
     (bytes per device) makes the planner choose sharding, the ZeRO stage and recompute so that the
     plan fits, or raise :class:`~autopar.ir.errors.PlanError` with the least memory it could reach.
@@ -83,7 +84,7 @@ def plan(
     (:class:`~autopar.ir.options.MixedPrecision`). ``update`` (:mod:`autopar.ir.updates`) plans the
     workers' mesh as ``compile(..., update=...)`` compiles it (the synchronous plan, without ZeRO:
     the servers hold the optimizer state) and adds what the mode makes of its step (``Plan.update``;
-    :mod:`autopar.planning.update_cost`)."""
+    :mod:`autopar.planning.cost.update_cost`)."""
     if not isinstance(cluster, Cluster):
         cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
     if update is not None:
@@ -217,7 +218,7 @@ def plan_captured(
 
     ``deterministic`` limits the solver by CP-SAT's deterministic seconds alone, so that ranks
     planning the same program apart get the same plan; otherwise the wall clock limits it too
-    (:class:`~autopar.planning.solver.SolverClock`).
+    (:class:`~autopar.planning.search.solver.SolverClock`).
 
     ``fixed_inputs`` pins the layouts of user inputs by placeholder name (a loss compiled for a
     model's outputs takes them as they come). The budget is ``memory_budget`` or the cluster's

@@ -71,13 +71,13 @@ class DimSpec:
     rank passes as its share (a grouped convolution splits its channels only by whole
     groups, and each rank convolves ``groups / c`` of them). ``flops`` (the forward's arithmetic)
     and ``transcendentals`` (the values of exp, log, erf and their kind that its forward and its
-    backward compute, which run far below a product's rate) price it (``autopar.planning.cost``);
+    backward compute, which run far below a product's rate) price it (``autopar.planning.cost.model``);
     ``function`` names the elementwise function it evaluates once per output element (``flops``
     of them) where ``autopar calibrate`` times that function
     (:data:`~autopar.rules.elementwise.TIMED_FUNCTIONS`): a calibrated rate then prices it.
     ``attention`` marks a fused attention kernel, ``(scores, causal length)`` (query-key pairs; the
     sequence's length under the implicit causal mask, else 0), which the cluster's calibrated
-    attention rates price where it has them (:class:`~autopar.planning.cluster.AttentionRates`).
+    attention rates price where it has them (:class:`~autopar.planning.cost.cluster.AttentionRates`).
     """
 
     operands: tuple[Labels | None, ...]

@@ -14,7 +14,7 @@ rows of an unevenly split dim (``size``: DTensor's pieces, padded for the transf
 :mod:`autopar.runtime.pieces`), and ``dim`` is a non-negative tensor dimension.
 
 Every collective adds the size in bytes of its input buffer on this rank to a counter
-keyed by ``(kind, axis)``, the quantity :class:`autopar.planning.cost.Collective` predicts:
+keyed by ``(kind, axis)``, the quantity :class:`autopar.planning.cost.model.Collective` predicts:
 :func:`comm_counts` reads bytes, :func:`collective_calls` the number of calls.
 """
 

@@ -3,15 +3,16 @@
 The meter counts the storages that ops allocate in the forward of a real run and are still alive at
 each moment. Right after the forward, that is what autograd saved plus the outputs the caller holds,
 which a plan's ``memory.activation_kept_bytes`` predicts (from
-:func:`autopar.planning.saved_tensors.saved_by`): on CPU the two agree to the byte for the MLP and GPT
+:func:`autopar.planning.memory.saved_tensors.saved_by`): on CPU the two agree to the byte for the MLP and GPT
 of the tests (fp32 and bf16, with and without dropout). Known reasons they can differ:
 
 * the prediction follows storage sharing of the exported fake values, which can differ from the
   eager run's (``dropout`` with ``p=0`` returns its input eagerly but a fresh value in export:
-  :func:`autopar.planning.storages.source_of` follows it through), and ``capture`` adds ``layout_constraint``
+  :func:`autopar.planning.graph.storages.source_of` follows it through), and ``capture`` adds
+  ``layout_constraint``
   copies at block boundaries that the eager model lacks;
 * export inlines a model's own ``torch.utils.checkpoint`` regions, so the prediction is for the
-  model without them (``autopar.recompute`` regions are predicted: :mod:`autopar.planning.memory`);
+  model without them (``autopar.recompute`` regions are predicted: :mod:`autopar.planning.memory.model`);
 * accelerators save differently (a CUDA dropout mask is ``bool``, attention adds RNG state): the
   prediction follows the device of the graph's operands;
 * both count storage bytes, not the allocator's rounded blocks or its cache.

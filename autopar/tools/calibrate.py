@@ -24,7 +24,7 @@ import torch.distributed as dist
 from autopar.ir.errors import OptionError
 from autopar.ir.options import dtype_name
 from autopar.ir.plan import CollectiveKind
-from autopar.planning.cost import ONE_HOST, Cluster, LinkSpec, ring_terms, this_machine
+from autopar.planning.cost.model import ONE_HOST, Cluster, LinkSpec, ring_terms, this_machine
 from autopar.tools.launch import init_restartable_process_group, spawn
 from autopar.tools.rank_speed import (
     MEASURED_DTYPES,
@@ -364,7 +364,7 @@ def measure_cpu_gloo(world_size: int = 2, name: str = "cpu-gloo", measured_on: s
     Spawns ``world_size`` gloo processes on 127.0.0.1, each with an equal share of the cores, and
     runs :func:`_measure_world` on them as one node; every mesh axis stays inside it
     (``devices_per_node`` is ``ONE_HOST``). ``measured_on`` names the machine in a cluster file
-    (see :func:`autopar.planning.cost.load_cluster`).
+    (see :func:`autopar.planning.cost.model.load_cluster`).
     """
     return _cluster(_spawned(world_size), ONE_HOST, name, measured_on)[0]
 

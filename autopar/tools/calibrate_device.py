@@ -6,7 +6,7 @@ otherwise, and measures everything a rank computes with: products per dtype, mem
 exp and the other functions, the per-op overhead and a recompute region's, the optimizer's
 per-tensor cost, the device memory, and under optimizer offload the host: its copies both ways,
 its memory bandwidth and its per-op overhead. A GPU queues kernels ahead of their execution, so
-its cluster is ``asynchronous`` (``autopar/planning/step_overheads.py``).
+its cluster is ``asynchronous`` (``autopar/planning/cost/step_overheads.py``).
 
 Multi-device meshes are then planned with the preset's links: their fidelity is the preset's.
 """
@@ -19,7 +19,7 @@ import torch
 
 from autopar.ir.errors import OptionError
 from autopar.ir.options import dtype_name
-from autopar.planning.cost import Cluster, get_cluster, this_machine
+from autopar.planning.cost.model import Cluster, get_cluster, this_machine
 from autopar.tools import rank_speed
 from autopar.tools.launch import spawn
 

@@ -37,8 +37,8 @@ from typing import Any, NoReturn
 import torch
 
 from autopar.ir.options import MixedPrecision
-from autopar.planning import update_cost
-from autopar.planning.cost import get_cluster
+from autopar.planning.cost import update_cost
+from autopar.planning.cost.model import get_cluster
 from autopar.tools.cli_inputs import (
     USAGE_ERROR,
     UsageError,

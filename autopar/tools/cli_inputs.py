@@ -108,7 +108,7 @@ def parse_slowdowns(text: str) -> list[float]:
 def cluster_name(name: str) -> str:
     """``name`` if it is a cluster preset or a readable cluster file (``.json``) of this machine."""
     from autopar.ir.errors import OptionError
-    from autopar.planning.cost import get_cluster
+    from autopar.planning.cost.model import get_cluster
 
     try:
         get_cluster(name)

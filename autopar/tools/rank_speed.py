@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.ir.options import FULL
 from autopar.passes.apply_recompute import Recomputed
-from autopar.planning.cluster import AttentionRates
-from autopar.planning.step_overheads import FP32_BYTES, update_passes
+from autopar.planning.cost.cluster import AttentionRates
+from autopar.planning.cost.step_overheads import FP32_BYTES, update_passes
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 
 MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -155,7 +155,7 @@ def attention_times(device: str = "cpu") -> tuple[float, float, float]:
 
 
 def attention_rates(times: tuple[float, float, float], peak: float, device: str = "cpu") -> AttentionRates:
-    """The :class:`~autopar.planning.cluster.AttentionRates` of :func:`attention_times`, against the
+    """The :class:`~autopar.planning.cost.cluster.AttentionRates` of :func:`attention_times`, against the
     product rate ``peak``: the two head dims' difference is a head's products (``flop_scale``),
     the rest of the narrow call is per score (``score_s``), and the causal call's share of it
     gives the key block the kernel skips by (``causal_block``)."""

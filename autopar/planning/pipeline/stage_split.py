@@ -1,7 +1,7 @@
 """Where to cut a pipelined model: the contiguous split of its units into stages.
 
 :func:`partition` splits units (repeated blocks, or top-level modules) into stages given
-each unit's seconds and bytes (:class:`UnitCosts`); :mod:`autopar.planning.pipeline`
+each unit's seconds and bytes (:class:`UnitCosts`); :mod:`autopar.planning.pipeline.stage_plan`
 measures the units and plans the schedule around the split.
 """
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from autopar.ir.layout import Layout, grad_layout
-from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
+from autopar.planning.graph.strategy_graph import Choice, Edge, StrategyGraph
 from autopar.rules import Strategy
 
 

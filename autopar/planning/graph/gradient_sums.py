@@ -14,7 +14,7 @@ point: a value stays in it while every use either needs the sum or feeds another
 value of the region unchanged) and returns which edge sums to drop and which
 parameters to sum instead. The planner uses it to predict the bytes (on the layouts of
 a plan being made), the ``insert_redistributions`` pass to place the collectives (on the
-layouts written on the graph), so both agree: see :class:`~autopar.planning.laid_out.LaidOutGraph`.
+layouts written on the graph), so both agree: see :class:`~autopar.planning.graph.laid_out.LaidOutGraph`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar.ir.layout import Layout, grad_layout
-from autopar.planning.laid_out import LaidOutGraph
+from autopar.planning.graph.laid_out import LaidOutGraph
 from autopar.rules.op_call import OpCall
 
 Edge = tuple[torch.fx.Node, torch.fx.Node, int]  # (producer, consumer, operand slot)

@@ -1,6 +1,6 @@
 """What autograd saves for backward, per op: predicted by running the op on fake tensors.
 
-:func:`saved_by` (:mod:`autopar.planning.memory` sums it over a planned graph) asks torch itself:
+:func:`saved_by` (:mod:`autopar.planning.memory.model` sums it over a planned graph) asks torch itself:
 each op is re-run on fake tensors (no memory) of its operands' shapes, dtypes and strides under
 ``torch.autograd.graph.saved_tensors_hooks``, and every tensor autograd packs is classified as one of
 the op's operands, one of its outputs, or something else it made (layer-norm statistics, a dropout

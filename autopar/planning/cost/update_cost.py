@@ -1,7 +1,7 @@
 """A step under each update mode, from a synchronous plan and how much slower each replica runs.
 
 Priced from the synchronous plan's :class:`~autopar.ir.plan.Prediction` (its compute, the waits for
-stragglers :mod:`autopar.planning.step_overheads` prices from ``Cluster.straggler_s``, its gradient
+stragglers :mod:`autopar.planning.cost.step_overheads` prices from ``Cluster.straggler_s``, its gradient
 sums and optimizer step) and ``slowdowns``, one factor per replica of the data-parallel axis (1:
 nominal; 3: three times slower, a persistent straggler):
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from autopar.ir.errors import OptionError
 from autopar.ir.plan import Plan
 from autopar.ir.updates import Async, Hybrid, ParameterServer, Update
-from autopar.planning.cluster import Cluster
+from autopar.planning.cost.cluster import Cluster
 
 
 @dataclass(frozen=True)

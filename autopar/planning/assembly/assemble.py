@@ -2,10 +2,10 @@
 
 The plan lists what the compiled program will run: every node's layouts, every
 redistribution exactly as the passes insert it (the same edges and gradient sums,
-:func:`~autopar.planning.gradient_sums.planned_edges`), the ZeRO splits and recompute
-regions of its memory choice (:mod:`autopar.planning.recompute`), and the predicted
-step: compute, communication and memory per device (:mod:`autopar.planning.memory`),
-and under a pipeline its stages (:mod:`autopar.planning.pipeline`). Everything is
+:func:`~autopar.planning.graph.gradient_sums.planned_edges`), the ZeRO splits and recompute
+regions of its memory choice (:mod:`autopar.planning.memory.recompute`), and the predicted
+step: compute, communication and memory per device (:mod:`autopar.planning.memory.model`),
+and under a pipeline its stages (:mod:`autopar.planning.pipeline.stage_plan`). Everything is
 computed from the strategy graph and the assignment; the captured graph is only read.
 """
 
@@ -37,24 +37,11 @@ from autopar.ir.plan import (
 )
 from autopar.ir.printing import format_graph
 from autopar.ir.report import GRADIENT_SUM
-from autopar.planning.axis_roles import axis_roles
-from autopar.planning.cost import Cluster, Collective, CostModel
-from autopar.planning.gradient_sums import PlannedEdge, planned_edges
-from autopar.planning.held_state import HeldState, Split, held_state, state_names, stored_split, zero_splits
-from autopar.planning.laid_out import LaidOutGraph
-from autopar.planning.memory import (
-    ActivationMemory,
-    MemoryChoice,
-    activation_memory,
-    local_bytes,
-)
-from autopar.planning.named_layouts import named_layouts
-from autopar.planning.pipeline import PipelineInputs, plan_pipeline
-from autopar.planning.plan_fit import annotation_record, input_shapes
-from autopar.planning.recompute import Region, recompute_regions
-from autopar.planning.saved_tensors import saved_by
-from autopar.planning.stage_nodes import check_stage_memory
-from autopar.planning.step_overheads import (
+from autopar.planning.assembly.axis_roles import axis_roles
+from autopar.planning.assembly.named_layouts import named_layouts
+from autopar.planning.assembly.plan_fit import annotation_record, input_shapes
+from autopar.planning.cost.model import Cluster, Collective, CostModel
+from autopar.planning.cost.step_overheads import (
     GradSum,
     RecomputeWork,
     StepTerms,
@@ -64,7 +51,27 @@ from autopar.planning.step_overheads import (
     update_seconds,
     whole_step,
 )
-from autopar.planning.strategy_graph import StrategyGraph
+from autopar.planning.graph.gradient_sums import PlannedEdge, planned_edges
+from autopar.planning.graph.laid_out import LaidOutGraph
+from autopar.planning.graph.strategy_graph import StrategyGraph
+from autopar.planning.memory.held_state import (
+    HeldState,
+    Split,
+    held_state,
+    state_names,
+    stored_split,
+    zero_splits,
+)
+from autopar.planning.memory.model import (
+    ActivationMemory,
+    MemoryChoice,
+    activation_memory,
+    local_bytes,
+)
+from autopar.planning.memory.recompute import Region, recompute_regions
+from autopar.planning.memory.saved_tensors import saved_by
+from autopar.planning.pipeline.stage_nodes import check_stage_memory
+from autopar.planning.pipeline.stage_plan import PipelineInputs, plan_pipeline
 from autopar.rules import OpCall
 
 
@@ -263,7 +270,7 @@ def _gradient_sums(
     shards are all-gathered after the optimizer step.
 
     A sum's redistribution is priced at bandwidth only: its latency is paid once per bucket
-    (:func:`~autopar.planning.step_overheads.bucket_times`). The gathers run one per shard, each
+    (:func:`~autopar.planning.cost.step_overheads.bucket_times`). The gathers run one per shard, each
     paying its latency.
     """
     found, grad_sums = [], {}

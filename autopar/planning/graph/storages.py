@@ -1,7 +1,7 @@
 """Which storage a value of a captured graph lives in: what views, splits and pass-through ops share.
 
-The memory model (:mod:`autopar.planning.memory`) counts each storage once; the recompute
-regions (:mod:`autopar.planning.recompute`) and the ``mark_recompute`` pass tell a parameter's
+The memory model (:mod:`autopar.planning.memory.model`) counts each storage once; the recompute
+regions (:mod:`autopar.planning.memory.recompute`) and the ``mark_recompute`` pass tell a parameter's
 views from values the step allocates.
 """
 

@@ -4,14 +4,14 @@ Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers in 
 again in backward and reduce-scatters as the gradient arises (ZeRO-2's reduce-scatter and
 all-gather cost what the all-reduce does, but for the gather's latency, paid per shard);
 recomputed ops run their forward again, with the checkpoint's work for each
-(:func:`~autopar.planning.step_overheads.recompute_seconds`), and gather again the parameters
+(:func:`~autopar.planning.cost.step_overheads.recompute_seconds`), and gather again the parameters
 they read in another layout. Bytes: each parameter's state
-(:func:`~autopar.planning.held_state.state_bytes`, split by ZeRO over an axis its first
+(:func:`~autopar.planning.memory.held_state.state_bytes`, split by ZeRO over an axis its first
 consumer sums its gradient over: per pair of strategies, as are ZeRO's seconds), and each op's
 saved values in the layouts of its strategy, each value counted at its first saver; inside a
 recompute region only what the region keeps, plus the first region's own values (the one being
 recomputed). Under a pipeline the bytes are weighted by the share of the rank holding most
-(:func:`stage_shares`). A plan's figure is exact (:mod:`autopar.planning.memory`); this is the
+(:func:`stage_shares`). A plan's figure is exact (:mod:`autopar.planning.memory.model`); this is the
 linear estimate the ILP constrains.
 """
 
@@ -29,17 +29,17 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import is_selective_save
 from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
 from autopar.ir.plan import ChoiceKind, CollectiveKind
-from autopar.planning.cost import Collective
-from autopar.planning.edge_costs import edge_layouts, edge_table, edge_value, fold_edge, table_key
-from autopar.planning.gradient_sums import sums_over
-from autopar.planning.held_state import state_bytes, state_names, zero_split
-from autopar.planning.memory import MemoryChoice, largest_operand, local_bytes
-from autopar.planning.recompute import Region, module_regions
-from autopar.planning.saved_tensors import SavedSpec, saved_by
-from autopar.planning.solver import MemoryRows, reduce_pairs
-from autopar.planning.step_overheads import RecomputeWork, recompute_seconds
-from autopar.planning.storages import computes_nothing, source_of, storage_of
-from autopar.planning.strategy_graph import Choice, Edge, StrategyGraph
+from autopar.planning.cost.model import Collective
+from autopar.planning.cost.step_overheads import RecomputeWork, recompute_seconds
+from autopar.planning.graph.edge_costs import edge_layouts, edge_table, edge_value, fold_edge, table_key
+from autopar.planning.graph.gradient_sums import sums_over
+from autopar.planning.graph.storages import computes_nothing, source_of, storage_of
+from autopar.planning.graph.strategy_graph import Choice, Edge, StrategyGraph
+from autopar.planning.memory.held_state import state_bytes, state_names, zero_split
+from autopar.planning.memory.model import MemoryChoice, largest_operand, local_bytes
+from autopar.planning.memory.recompute import Region, module_regions
+from autopar.planning.memory.saved_tensors import SavedSpec, saved_by
+from autopar.planning.search.solver import MemoryRows, reduce_pairs
 from autopar.rules import OpCall, Strategy, shape_of
 
 
@@ -210,7 +210,7 @@ def _edge_price(
 ) -> tuple[float, float]:
     """Bytes and ZeRO's seconds of the parameter ``e.src`` stored as ``src`` when its first
     consumer ``e.dst`` runs ``dst``: split over the first axis the edge sums its gradient over
-    (:func:`~autopar.planning.gradient_sums.sums_over`)."""
+    (:func:`~autopar.planning.graph.gradient_sums.sums_over`)."""
     have, need, grad = edge_layouts(e, src, dst)
     summed = [a for a in range(len(have)) if sums_over(have, need, grad, a)]
     return _state_price(g, e.src, zero, memory, have, True, summed)

@@ -33,8 +33,8 @@ import math
 from collections.abc import Callable
 
 from autopar.ir.mesh import AxisGroups, MeshSpec
-from autopar.planning.edge_costs import table_entries
-from autopar.planning.strategy_graph import StrategyGraph
+from autopar.planning.graph.edge_costs import table_entries
+from autopar.planning.graph.strategy_graph import StrategyGraph
 
 #: Edge-table entries planned per second of ``time_limit``. Pricing an entry takes about 40 µs;
 #: the ILP sets the bound: a Llama-2-7B shape's 103 000 variables (117 000 entries) did not

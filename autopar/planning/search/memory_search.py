@@ -1,9 +1,9 @@
 """The memory search: the fastest plan that fits the memory budget, over ZeRO stages and recompute.
 
 :func:`memory_choices` lists the candidates (a ZeRO stage and the modules recomputed);
-:func:`memory_search` solves them by the ILP (:mod:`autopar.planning.solver`, with the memory
-terms of :mod:`autopar.planning.memory_tables`), pruning by bounds, and assembles each into a
-plan (:mod:`autopar.planning.assemble`) whose exact memory decides whether it fits;
+:func:`memory_search` solves them by the ILP (:mod:`autopar.planning.search.solver`, with the memory
+terms of :mod:`autopar.planning.search.memory_tables`), pruning by bounds, and assembles each into a
+plan (:mod:`autopar.planning.assembly.assemble`) whose exact memory decides whether it fits;
 :func:`no_fit` is the error naming the least memory reached when none does.
 """
 
@@ -18,13 +18,13 @@ from autopar.capture.export import Captured, repeated_blocks
 from autopar.ir.errors import MemoryFitError, PlanError
 from autopar.ir.options import FULL, SELECTIVE, Memory
 from autopar.ir.plan import Plan, SolverReport
-from autopar.planning.assemble import PlanSetting, alternatives, assemble_plan
-from autopar.planning.edge_costs import CostTables
-from autopar.planning.memory import MemoryChoice
-from autopar.planning.memory_tables import MemoryTerms, summed_pairs
-from autopar.planning.solver import SolverClock, SolverStats, SolverTimeout, StrategyILP
-from autopar.planning.stage_split import PipelineFitError
-from autopar.planning.strategy_graph import StrategyGraph
+from autopar.planning.assembly.assemble import PlanSetting, alternatives, assemble_plan
+from autopar.planning.graph.edge_costs import CostTables
+from autopar.planning.graph.strategy_graph import StrategyGraph
+from autopar.planning.memory.model import MemoryChoice
+from autopar.planning.pipeline.stage_split import PipelineFitError
+from autopar.planning.search.memory_tables import MemoryTerms, summed_pairs
+from autopar.planning.search.solver import SolverClock, SolverStats, SolverTimeout, StrategyILP
 
 
 class _Solved(NamedTuple):
@@ -83,7 +83,7 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     (the constrained ILP would have no solution). Choices are solved by their bound; at equal bounds
     the one adding the fewest seconds to the first solve's layouts first, then the one they fill
     least; of plans equally fast the one solved first wins. Under a pipeline (whose estimate is
-    a guess at the stages', see :func:`~autopar.planning.memory_tables.stage_shares`) each
+    a guess at the stages', see :func:`~autopar.planning.search.memory_tables.stage_shares`) each
     choice's fastest plan is tried first, least estimated memory first, then the ILP bounding the
     estimate. When nothing faster is found, the plan of least estimated memory is the plan if it fits.
     """
@@ -206,8 +206,8 @@ def _solve_choice(
     ``constrained`` puts the budget less ``margin`` into the ILP (without the margin again
     when that has no solution); each solve takes a ``ways``-th of the solver time left (the
     candidates still to solve share it). Its memory estimate is per node (see
-    :mod:`autopar.planning.memory_tables`; under a pipeline, the share of the rank holding most);
-    the plan's figure is exact (:mod:`autopar.planning.memory`, the largest stage's under a
+    :mod:`autopar.planning.search.memory_tables`; under a pipeline, the share of the rank holding most);
+    the plan's figure is exact (:mod:`autopar.planning.memory.model`, the largest stage's under a
     pipeline, or the least a split into stages reaches where none fits). Where it exceeds the
     budget, the ILP is solved again with its limit the plan's estimate less the difference (twice
     at most, and only while the exact figure keeps falling). With no limit, ``constrained`` only

@@ -1,6 +1,6 @@
-"""The most alive while backward recomputes a region (see :func:`~autopar.planning.memory.activation_memory`).
+"""The most alive while backward recomputes a region (see ``memory.model.activation_memory``).
 
-:func:`~autopar.planning.memory.activation_memory` logs what each recompute region saves,
+:func:`~autopar.planning.memory.model.activation_memory` logs what each recompute region saves,
 caches and makes (:class:`RegionLog`) and what the forward keeps on the device
 (:class:`KeptOnDevice`); :func:`recompute_peak` replays one region's recomputation from what is
 alive when backward reaches it. A model of a hundred regions keeps tens of thousands of values:

@@ -1,7 +1,7 @@
 """A graph together with the layouts its nodes compute with: what the gradient-sum and memory models read.
 
 The layouts come as data, never from ``node.meta``'s side channel in planning: while a plan is
-being made they are the solver's (:meth:`~autopar.planning.strategy_graph.StrategyGraph.layouts`),
+being made they are the solver's (:meth:`~autopar.planning.graph.strategy_graph.StrategyGraph.layouts`),
 and after the passes wrote them on a lowered graph they are read back through
 :class:`~autopar.ir.meta.GraphLayouts`. So the planner can price any number of candidate plans
 on one captured graph without touching it, and the passes place exactly what the plan priced.

@@ -1,6 +1,6 @@
 """What a training step spends besides the operators' roofline and the layout changes between them.
 
-Each term is priced from the :class:`~autopar.planning.cluster.Cluster`'s figures and models
+Each term is priced from the :class:`~autopar.planning.cost.cluster.Cluster`'s figures and models
 what the runtime does (``docs/cost_model.md``, "The whole step"):
 
 * **op overhead**: every op the program executes costs ``Cluster.op_overhead_s`` (launch and
@@ -26,7 +26,7 @@ what the runtime does (``docs/cost_model.md``, "The whole step"):
 * **pipeline sends**: torch's schedules wait for some sends only after the next microbatch's
   compute (:func:`hidden_sends`).
 
-:func:`whole_step` adds them up for a plan without a pipeline; :mod:`autopar.planning.pipeline`
+:func:`whole_step` adds them up for a plan without a pipeline; :mod:`autopar.planning.pipeline.stage_plan`
 for each stage and rank. The planner's ILP prices none of them: the plan's prediction does, and
 the memory and mesh searches compare plans by it.
 """
@@ -44,7 +44,7 @@ import torch
 from autopar.ir.buckets import pack
 from autopar.ir.options import Memory
 from autopar.ir.plan import Redistribution
-from autopar.planning.cluster import Cluster
+from autopar.planning.cost.cluster import Cluster
 
 # A matrix product's backward runs two (the operand's and the weight's gradients); elementwise
 # ops run one or two. Each backward op costs what a forward op does.

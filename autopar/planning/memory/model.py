@@ -18,11 +18,11 @@ splits a parameter over, ``s`` the optimizer's fp32 values per element)::
 ``bytes(p)`` is the parameter's local size in its planned layout. A parameter is split by ZeRO
 only along a mesh axis its gradient is summed over (a data-parallel axis for it), along a
 dimension no other axis splits and that the axis divides, and only when its local size is at
-least ``zero_threshold`` (:func:`~autopar.planning.held_state.zero_split`). What autograd saves
-per op comes from :mod:`autopar.planning.saved_tensors` (the op run once on fake tensors: on the
+least ``zero_threshold`` (:func:`~autopar.planning.memory.held_state.zero_split`). What autograd saves
+per op comes from :mod:`autopar.planning.memory.saved_tensors` (the op run once on fake tensors: on the
 rank's pieces of its operands where it can run so, :func:`_rank_spec`); under a pipeline a stage
 keeps its activations for as many microbatches as its schedule has in flight. The activation
-model reads a graph's layouts as data (:class:`~autopar.planning.laid_out.LaidOutGraph`), never
+model reads a graph's layouts as data (:class:`~autopar.planning.graph.laid_out.LaidOutGraph`), never
 from ``node.meta``.
 """
 
@@ -41,11 +41,17 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts, storage_ref
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
 from autopar.ir.options import SELECTIVE
-from autopar.planning.laid_out import LaidOutGraph
-from autopar.planning.recompute import Region
-from autopar.planning.recompute_peak import KeptOnDevice, RegionLog, recompute_peak
-from autopar.planning.saved_tensors import SavedSpec, saved_by, saved_locally
-from autopar.planning.storages import allocates_beside, source_of, storage_of, tensor_value, viewed_operand
+from autopar.planning.graph.laid_out import LaidOutGraph
+from autopar.planning.graph.storages import (
+    allocates_beside,
+    source_of,
+    storage_of,
+    tensor_value,
+    viewed_operand,
+)
+from autopar.planning.memory.recompute import Region
+from autopar.planning.memory.recompute_peak import KeptOnDevice, RegionLog, recompute_peak
+from autopar.planning.memory.saved_tensors import SavedSpec, saved_by, saved_locally
 from autopar.rules import OpCall
 
 # per edge (consumer, operand slot), the layouts of the copies its collectives make on the way
@@ -231,7 +237,7 @@ def _rank_spec(laid: LaidOutGraph, node: torch.fx.Node) -> tuple[SavedSpec, bool
 
 def inner_products(laid: LaidOutGraph, node: torch.fx.Node) -> Saved | None:
     """What a selective recompute region keeps of the products ``node`` runs inside besides its
-    outputs (:attr:`~autopar.planning.saved_tensors.SavedSpec.inner_product_bytes`), if any."""
+    outputs (:attr:`~autopar.planning.memory.saved_tensors.SavedSpec.inner_product_bytes`), if any."""
     if node.op != "call_function" or node.target is operator.getitem or node not in laid.layouts:
         return None
     spec, local = _rank_spec(laid, node)

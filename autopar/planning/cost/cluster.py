@@ -1,7 +1,7 @@
 """The hardware a plan is priced for: :class:`Cluster`, its links (:class:`LinkSpec`), as JSON.
 
 Every per-device figure is for one rank; times are in seconds, sizes in bytes, bandwidths in bytes
-per second. :mod:`autopar.planning.cost` holds the presets and prices compute and communication
+per second. :mod:`autopar.planning.cost.model` holds the presets and prices compute and communication
 with these figures; ``autopar calibrate`` (:mod:`autopar.tools.calibrate`) measures them.
 """
 
@@ -180,7 +180,7 @@ class Cluster:
     measured: ``recompute_unit_s``.
     ``asynchronous`` says the device runs an op after its launch returns (a GPU): the host then
     launches ahead while the device computes, and the ops' overhead overlaps their compute
-    (:func:`~autopar.planning.step_overheads.launch_queue`); False where the host computes (CPU
+    (:func:`~autopar.planning.cost.step_overheads.launch_queue`); False where the host computes (CPU
     ranks), whose overhead adds to the compute.
     ``host_op_overhead_s`` is what an op on the host's tensors costs (optimizer offload's update on
     the host), None where the host is the device: ``op_overhead_s``.

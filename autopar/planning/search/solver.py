@@ -30,7 +30,7 @@ Constraints
 
 ``m_{r,i}`` are the bytes per device that choosing strategy i for root r implies
 (parameters, gradients, optimizer state and activations of every node sharing the
-variable, see :mod:`autopar.planning.memory`), ``M_{uv}`` those of a pair (a consumer's
+variable, see :mod:`autopar.planning.memory.model`), ``M_{uv}`` those of a pair (a consumer's
 saved copy of its operand redistributed from the producer's layout), reduced like ``R``;
 ``m_0`` those of fixed nodes; bytes are counted in KiB for CP-SAT. An edge variable of
 positive bytes on the left of the budget is pushed to the product too, so both terms share

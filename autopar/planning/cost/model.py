@@ -9,7 +9,7 @@ link (latency alpha, per-rank one-direction bandwidth beta) of that axis: inside
 node or across nodes. :meth:`CostModel.redistribute` turns a layout change into the
 collectives DTensor would issue and prices them. ``docs/cost_model.md`` has the maths.
 
-The hardware's figures are :class:`~autopar.planning.cluster.Cluster`'s. Presets come from
+The hardware's figures are :class:`~autopar.planning.cost.cluster.Cluster`'s. Presets come from
 :func:`get_cluster`. ``"cpu-gloo"`` holds constants measured once by
 ``bench/calibrate_cpu_gloo.py`` (which calls :func:`autopar.tools.calibrate.measure_cpu_gloo`);
 presets never measure when read, because every rank must compute the same plan.
@@ -33,8 +33,7 @@ from autopar.ir.layout import Layout, piece_size
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import dtype_name
 from autopar.ir.plan import CollectiveKind
-from autopar.planning.cluster import FALLBACK_DTYPE, ONE_HOST, Cluster, LinkSpec
-from autopar.planning.redistribution_steps import (
+from autopar.ir.redistribution_steps import (
     BACKWARD,
     ISSUE_ORDER,
     EdgeStep,
@@ -47,6 +46,7 @@ from autopar.planning.redistribution_steps import (
     to_layout,
     walk,
 )
+from autopar.planning.cost.cluster import FALLBACK_DTYPE, ONE_HOST, Cluster, LinkSpec
 
 
 def ring_terms(kind: CollectiveKind, n: int) -> tuple[int, float]:
@@ -301,7 +301,7 @@ class CostModel:
         ``Cluster.function_rates``: ``function``, ``<function>_backward``), that rate prices the
         forward, or the backward, instead of its transcendentals. A fused attention kernel
         (``attention``: scores and causal length, see ``DimSpec.attention``) is priced by the
-        cluster's :class:`~autopar.planning.cluster.AttentionRates` where it has them, its bytes
+        cluster's :class:`~autopar.planning.cost.cluster.AttentionRates` where it has them, its bytes
         still a floor."""
         if attention is not None and self.cluster.attention is not None:
             seconds = self.cluster.attention.seconds(flops, *attention, self.peak(dtype), grad)
@@ -473,7 +473,7 @@ class CostModel:
 
         A dim split over several axes is split outer axis first (DTensor's order); the
         order, and where no order works the unwinding of inner splits, is
-        :func:`autopar.planning.redistribution_steps.plan_steps`'s.
+        :func:`autopar.ir.redistribution_steps.plan_steps`'s.
         """
         return self._steps(axis_states(src), axis_states(dst))
 

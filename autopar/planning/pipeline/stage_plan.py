@@ -15,8 +15,9 @@ captured and planned for one microbatch, which is what a stage runs at a time.
 Stages come from ``pipeline_stage`` annotations when there are any (honoured exactly:
 every module with parameters must have one, stage numbers must run 0, 1, ... and follow
 the order of the forward), and otherwise from
-:func:`~autopar.planning.stage_split.partition`: the graph is cut into
-*units* (the repeated blocks with the ops around them, see :func:`~autopar.planning.stage_nodes.units`) and a
+:func:`~autopar.planning.pipeline.stage_split.partition`: the graph is cut into
+*units* (the repeated blocks with the ops around them, see
+:func:`~autopar.planning.pipeline.stage_nodes.units`) and a
 dynamic program picks the contiguous split into stages that minimises Alpa's pipeline
 latency ``Σ t_s + (m − 1) max t_s`` (``t_s``: one microbatch's forward and backward in
 stage ``s``, communication included) subject to each stage's memory fitting a device,
@@ -47,8 +48,9 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Pipeline
 from autopar.ir.plan import PipelinePlan, Plan, StagePlan
 from autopar.ir.report import GRADIENT_SUM
-from autopar.planning.cost import LinkSpec
-from autopar.planning.stage_nodes import (
+from autopar.planning.cost.model import LinkSpec
+from autopar.planning.cost.step_overheads import StepTerms, hidden_sends
+from autopar.planning.pipeline.stage_nodes import (
     annotated_anchors,
     complete_stages,
     node_held_bytes,
@@ -57,8 +59,7 @@ from autopar.planning.stage_nodes import (
     unit_memory,
     unit_name,
 )
-from autopar.planning.stage_split import partition
-from autopar.planning.step_overheads import StepTerms, hidden_sends
+from autopar.planning.pipeline.stage_split import partition
 
 
 def microbatch(args: tuple, kwargs: Mapping[str, Any], microbatches: int) -> tuple[tuple, dict]:
@@ -139,9 +140,9 @@ class PipelineInputs:
     ``memory_bytes`` what each device holds at most, ``local_bytes`` each tensor node's
     bytes on one rank, ``activation_bytes`` what each node keeps for backward,
     ``state_bytes`` each parameter's and buffer's bytes on one rank (itself, its
-    gradient, its optimizer state: see :mod:`autopar.planning.memory`), ``flows`` which
+    gradient, its optimizer state: see :mod:`autopar.planning.memory.model`), ``flows`` which
     nodes carry a gradient, ``terms`` the step's overheads, optimizer step and gradient-sum
-    buckets (:mod:`autopar.planning.step_overheads`), ``ranks_per_core`` the cluster's.
+    buckets (:mod:`autopar.planning.cost.step_overheads`), ``ranks_per_core`` the cluster's.
     """
 
     captured: Captured
@@ -273,7 +274,7 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
 
 def _hidden_sends(inputs: PipelineInputs, stage: StagePlan, cuts: list[Crossing]) -> float:
     """Seconds per microbatch of ``stage``'s sends that run while it computes (see
-    :func:`~autopar.planning.step_overheads.hidden_sends`): each hides behind the next
+    :func:`~autopar.planning.cost.step_overheads.hidden_sends`): each hides behind the next
     microbatch's forward (a third of the stage's seconds) or backward (two thirds) at most."""
     s, pipeline = stage.index, inputs.pipeline
     m = pipeline.microbatches

@@ -21,11 +21,11 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory
 from autopar.ir.plan import ChoiceKind
 from autopar.ir.strided import is_split
-from autopar.planning.gradient_sums import planned_edges
-from autopar.planning.laid_out import LaidOutGraph
-from autopar.planning.memory import local_bytes
-from autopar.planning.step_overheads import FP32_BYTES, OptimizerWork
-from autopar.planning.strategy_graph import Choice, StrategyGraph, fixed_strategy
+from autopar.planning.cost.step_overheads import FP32_BYTES, OptimizerWork
+from autopar.planning.graph.gradient_sums import planned_edges
+from autopar.planning.graph.laid_out import LaidOutGraph
+from autopar.planning.graph.strategy_graph import Choice, StrategyGraph, fixed_strategy
+from autopar.planning.memory.model import local_bytes
 from autopar.rules import shape_of
 
 Split = tuple[int, int]  # (mesh axis, tensor dim) ZeRO splits a parameter along
@@ -67,7 +67,7 @@ def with_split(layout: Layout, split: tuple[int, int]) -> Layout:
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Per-rank bytes of one parameter's state (see :mod:`autopar.planning.memory`'s docstring)."""
+    """Per-rank bytes of one parameter's state (see :mod:`autopar.planning.memory.model`'s docstring)."""
 
     param: float
     grad: float
@@ -104,10 +104,10 @@ class HeldState:
 def zero_splits(
     g: StrategyGraph, assignment: Mapping[str, int], memory: Memory
 ) -> dict[torch.fx.Node, Split]:
-    """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see :func:`~autopar.planning.memory.zero_split`).
+    """Each parameter ZeRO may split: ``(mesh axis, dim)`` (see ``memory.model.zero_split``).
 
     The axes a parameter's gradient is summed over are those the compiled program sums
-    (:func:`~autopar.planning.gradient_sums.planned_edges`) under the assignment. A table split
+    (:func:`~autopar.planning.graph.gradient_sums.planned_edges`) under the assignment. A table split
     by ``ManualSplit`` is not split further: its lookups read its rows as the user gave them.
     """
     laid = LaidOutGraph(

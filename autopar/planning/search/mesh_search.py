@@ -51,10 +51,10 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import LAYOUT_CONSTRAINT
 from autopar.ir.options import Pipeline
 from autopar.ir.plan import Plan
-from autopar.planning.cost import Cluster, CostModel
-from autopar.planning.forked import ForkedCalls
-from autopar.planning.saved_tensors import measure_saved
-from autopar.planning.strategy_graph import build_strategy_graph
+from autopar.planning.cost.model import Cluster, CostModel
+from autopar.planning.graph.strategy_graph import build_strategy_graph
+from autopar.planning.memory.saved_tensors import measure_saved
+from autopar.planning.search.forked import ForkedCalls
 
 Capture = Callable[[MeshSpec, Pipeline | None], Captured]
 # (capture, mesh, pipeline, time_limit, cutoff: the best step found so far or None) -> plan
@@ -170,7 +170,7 @@ def search_meshes(
     workers: int = 1,
 ) -> Plan:
     """The fastest plan over :func:`candidate_meshes` (see the module docstring), the candidates
-    planned in up to ``workers`` processes at once (:class:`~autopar.planning.forked.ForkedCalls`)."""
+    planned in up to ``workers`` processes at once (:class:`~autopar.planning.search.forked.ForkedCalls`)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise OptionError(f"mesh as a device count must be a positive int, got {devices!r}")
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """Which node runs in which pipeline stage: annotated stages, the units of the automatic split,
-and the placement of every other node (the rules are in :mod:`autopar.planning.pipeline`'s
+and the placement of every other node (the rules are in :mod:`autopar.planning.pipeline.stage_plan`'s
 docstring); :func:`check_stage_memory` asks whether any split of the units fits at all.
 """
 
@@ -14,7 +14,7 @@ from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import module_stack, storage_ref, written_storages
 from autopar.ir.options import Pipeline
-from autopar.planning.stage_split import UnitCosts, partition
+from autopar.planning.pipeline.stage_split import UnitCosts, partition
 
 
 def annotated_anchors(captured: Captured) -> dict[torch.fx.Node, int]:
@@ -185,7 +185,7 @@ def check_stage_memory(
     state_bytes: Mapping[str, tuple[float, ...]],
     activation_bytes: Mapping[str, float],
 ) -> None:
-    """Raise :class:`~autopar.planning.stage_split.PipelineFitError` when no split of the units
+    """Raise :class:`~autopar.planning.pipeline.stage_split.PipelineFitError` when no split of the units
     into stages fits ``memory_bytes``, judged by memory alone: the split :func:`partition` makes
     from the whole plan exists exactly when one does here, so a plan that cannot fit is refused
     before its costs, redistributions and printed program are assembled. Annotated stages are

@@ -13,10 +13,10 @@ aligned with one solver variable, its *root*:
 * layout constraints (``shard`` in/out strategies, ``constrain``) are fixed;
 * repeated blocks (``layers.0``, ``layers.1``, ... with identical ops and shapes)
   share the strategies, hence the variables, of the first such block
-  (:mod:`autopar.planning.tying`).
+  (:mod:`autopar.planning.graph.tying`).
 
 A node's compute is in seconds under each choice: its forward, plus backward as twice
-the forward when a gradient flows. Edges are priced in :mod:`autopar.planning.edge_costs`.
+the forward when a gradient flows. Edges are priced in :mod:`autopar.planning.graph.edge_costs`.
 The graph is data about the captured graph: building it, and reading layouts off it
 (:meth:`StrategyGraph.layouts`), leaves the captured graph untouched.
 """
@@ -41,9 +41,9 @@ from autopar.ir.meta import NodeLayouts, module_path, output_values
 from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
 from autopar.ir.plan import ChoiceKind
 from autopar.ir.strided import is_split, parts_of, strided
-from autopar.planning.cost import CostModel
-from autopar.planning.storages import computes_nothing
-from autopar.planning.tying import tie_blocks
+from autopar.planning.cost.model import CostModel
+from autopar.planning.graph.storages import computes_nothing
+from autopar.planning.graph.tying import tie_blocks
 from autopar.rules import (
     DimSpec,
     OpCall,
@@ -91,7 +91,7 @@ class StrategyGraph:
     requires_grad: dict[torch.fx.Node, bool]
     fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (op, module path)
     tied_blocks: int = 0
-    # the axes planned together (``autopar.planning.axis_groups``); None: each axis on its own
+    # the axes planned together (``autopar.planning.graph.axis_groups``); None: each axis on its own
     axis_groups: AxisGroups | None = None
     # parameters' gradient sums happen once per step: with m microbatches, 1/m of a microbatch's cost
     grad_sum_weight: float = 1.0
@@ -494,5 +494,5 @@ def build_strategy_graph(
     """See the module docstring; ``fixed_inputs`` pins the layouts of some user inputs (by
     placeholder); ``grad_sum_weight`` is the share of a parameter's gradient sum one
     microbatch pays (``1/m`` with ``m`` microbatches); ``groups`` plans the axes of each group
-    together (``autopar.planning.axis_groups``)."""
+    together (``autopar.planning.graph.axis_groups``)."""
     return _Builder(captured, mesh, cost, fixed_inputs or {}, groups).build(grad_sum_weight)

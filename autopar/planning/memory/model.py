@@ -1,4 +1,4 @@
-"""Memory: where ZeRO splits each parameter, and the per-rank memory model (options: ``ir.options``).
+"""The per-rank memory model of a plan: state and activations (options: ``ir.options``).
 
 Per rank, for one training step (bytes; ``n`` is the size of the mesh axis ZeRO
 splits a parameter over, ``s`` the optimizer's fp32 values per element)::

@@ -210,6 +210,19 @@ def shard(
     annotation wins) and return the class. ``target`` omitted: return a decorator.
     A later call replaces an earlier one on the same target. Only the forms are
     checked here; mesh and shape checks come at capture.
+
+    Args:
+        target: an ``nn.Module`` instance or subclass to annotate, or omitted for a decorator.
+        in_strategy: one strategy per tensor input of ``forward`` (``None``: that input free).
+        out_strategy: one strategy per tensor output (``None``: that output free).
+        parameter_plan: parameter name -> the layout it is stored and computed in.
+        parameter_storage: parameter name -> the layout it is stored in only.
+
+    Returns:
+        ``target`` (instance or class), or a decorator when ``target`` is omitted.
+
+    Raises:
+        AnnotationError: a form that is not a strategy, a parameter in both plans, or no strategy at all.
     """
     if target is None:
         where = "shard()"
@@ -263,6 +276,13 @@ def pipeline_stage(module: ModuleT, k: int) -> ModuleT:
 
     A module belongs to one stage: giving it another stage later is an error (giving
     the same one again is not).
+
+    Args:
+        module: the module instance whose forward runs in the stage.
+        k: the stage, a non-negative int.
+
+    Raises:
+        AnnotationError: ``module`` not a module, ``k`` not a non-negative int, or another stage given.
     """
     _require_module(module, "pipeline_stage")
     if not is_plain_int(k) or k < 0:
@@ -287,6 +307,13 @@ def recompute(module: ModuleT, policy: RecomputePolicy | str = RecomputePolicy.F
     recomputed. ``policy="selective"`` keeps the outputs of its matrix products and
     attention too and recomputes only the cheap ops. Communication is never repeated
     (collective outputs are kept), except gathers of ZeRO-3 parameters.
+
+    Args:
+        module: the module instance to recompute.
+        policy: ``"full"`` (the default) or ``"selective"``.
+
+    Raises:
+        AnnotationError: ``module`` not a module, or another policy.
     """
     _require_module(module, "recompute")
     if policy not in POLICIES:

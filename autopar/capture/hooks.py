@@ -61,6 +61,16 @@ def constrain(tensor: torch.Tensor, strategy: Strategy) -> torch.Tensor:
     Outside a capture this returns ``tensor`` itself. During one it returns
     ``layout_constraint(tensor, spec)``, after checking the strategy against the mesh
     and the tensor's shape.
+
+    Args:
+        tensor: a tensor computed in ``forward``.
+        strategy: its layout, as ``shard``'s strategies are written (split counts or axis names).
+
+    Returns:
+        ``tensor`` outside a capture, else the constrained value to use in its place.
+
+    Raises:
+        AnnotationError: ``tensor`` not a tensor, or a strategy the mesh or its shape cannot take.
     """
     capture = _ACTIVE.get()
     if capture is None:

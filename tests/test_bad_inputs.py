@@ -948,7 +948,7 @@ def _apart() -> dict[str, tuple[str, str, float]]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_step_on_some_ranks_only_fails_within_seconds_on_every_rank():
     zero, one = spawn(_apart, 2)
     for rank in (zero, one):  # the first rank's verdict on the file, on every rank

@@ -619,7 +619,7 @@ def _equal(a: nn.Module, a_opt: torch.optim.Optimizer, b: nn.Module, b_opt: torc
     return True
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_on_two_ranks_a_failure_one_rank_sees_is_raised_on_both(tmp_path):
     results = spawn(_two_ranks, 2, str(tmp_path))
     for out in results:

@@ -39,6 +39,7 @@ def autopar_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.smoke
 def test_plan_prints_the_plan_and_saves_it(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
     model = ["examples/gpt.py:build", "--mesh", "dp=2,tp=2", "batch_size=4"]
@@ -171,6 +172,7 @@ def _screenshot(page: Path, out: Path, fragment: str = "") -> Any:
     return Image.open(out).convert("RGB")
 
 
+@pytest.mark.smoke
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_viz_page_renders_in_headless_chromium(tmp_path: Path) -> None:
     page = tmp_path / "graph.html"

@@ -353,7 +353,7 @@ def _rank_main(rank: int, port: int, world_size: int) -> None:
         raise AssertionError(f"rank {rank}:\n" + "\n".join(failures))
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_collectives_on_gloo_ranks():
     # A fork server that imports torch and autopar once (and torch._dynamo, which a custom op's
     # first call imports) starts the ranks ~3x faster than spawn, which imports them in every

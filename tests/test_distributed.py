@@ -385,7 +385,7 @@ WORLD_4 = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,cases", [(2, WORLD_2), (4, WORLD_4)], ids=["2-ranks", "4-ranks"])
 def test_training_on_gloo_ranks_equals_one_device(world, cases, tmp_path):
     results = spawn(_world, world, cases, str(tmp_path) if world == 4 else None)
@@ -411,7 +411,7 @@ WORLD_8 = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_pipelines_on_8_gloo_ranks_equal_one_device(tmp_path):
     """pp x dp x tp and pp x dp, each schedule, automatic and annotated stages, a loss
     function or the model's own loss: every parameter's gradient is checked on the

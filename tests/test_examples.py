@@ -58,6 +58,7 @@ def test_export_on_meta_captures_the_loss(name: str, overrides: dict[str, bool])
     assert set(ep.graph_signature.parameters) == set(dict(model.named_parameters(remove_duplicate=False)))
 
 
+@pytest.mark.smoke
 def test_script_prints_the_parameter_count(
     example: ModuleType, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ):
@@ -72,6 +73,7 @@ def test_script_prints_the_parameter_count(
         assert "autopar plan on mesh dp=2×tp=2" in out and "blocks.0.mlp.fc" in out
 
 
+@pytest.mark.smoke
 def test_gpt_script_searches_the_mesh_for_a_device_count(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ):
@@ -153,6 +155,7 @@ def test_gpt_rejects_bad_sizes(gpt: ModuleType):
         model(torch.zeros(1, model.config.seq_len + 1, dtype=torch.long))
 
 
+@pytest.mark.smoke
 def test_cnn_script_plans_without_ranks(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
     """Without torchrun, examples/cnn.py prints its size and its plan for 4 ranks."""
     cnn = importlib.import_module("examples.cnn")
@@ -164,6 +167,7 @@ def test_cnn_script_plans_without_ranks(capsys: pytest.CaptureFixture[str], monk
     assert "no sharding rule" not in out
 
 
+@pytest.mark.smoke
 def test_megatron_gpt2_script_plans_heads_and_vocabulary(capsys: pytest.CaptureFixture[str], monkeypatch):
     """Without torchrun, examples/megatron_gpt2.py prints its plan: c_attn by heads, loss by vocabulary."""
     script = importlib.import_module("examples.megatron_gpt2")
@@ -177,6 +181,7 @@ def test_megatron_gpt2_script_plans_heads_and_vocabulary(capsys: pytest.CaptureF
     assert re.search(r"│ \S*P\(max\)\S*->\S* *│ all_reduce", out)
 
 
+@pytest.mark.smoke
 def test_recommender_script_plans_the_user_table_in_chosen_rows(
     capsys: pytest.CaptureFixture[str], monkeypatch
 ):
@@ -190,6 +195,7 @@ def test_recommender_script_plans_the_user_table_in_chosen_rows(
     assert "manual users.weight: dim 0 (1000) over tp in rows of 700, 300 (ManualSplit)" in out
 
 
+@pytest.mark.smoke
 def test_handwritten_script_plans_the_reference_llama_by_heads(
     capsys: pytest.CaptureFixture[str], monkeypatch
 ):

@@ -25,7 +25,7 @@ def test_the_seeds_cover_the_grammar():
     assert len(merged) == 3 and {case.zero for case in merged} == {1, 2, 3}
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_fuzzed_cases_train_as_on_one_device():
     results = fuzz(SEEDS)
     failed = {seed: outcome for seed, outcome, _ in results if outcome != "ok"}

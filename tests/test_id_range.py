@@ -246,6 +246,7 @@ def _world() -> dict:
     return out
 
 
+@pytest.mark.distributed
 def test_out_of_range_ids_raise_on_every_rank_as_on_one_device():
     ids, target = _batch()
     ignored = target.clone()

@@ -67,7 +67,7 @@ def test_a_loss_holding_class_weights_compiles_on_one_rank():
         assert got == pytest.approx(want, abs=1e-6) and worst < 1e-6, name
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_weighted_loss_over_a_batch_split_on_2_gloo_ranks_equals_one_device():
     found = spawn(_weighted_losses_equal_one_device, 2, (2,))[0]
     for name, (got, want, worst) in found.items():

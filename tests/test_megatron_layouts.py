@@ -309,7 +309,7 @@ def _world(names: list[str], checkpoint_dir: str) -> dict:
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_vocab_parallel_models_train_on_4_gloo_ranks_as_on_one_device(tmp_path):
     results = spawn(_world, 4, list(CASES), str(tmp_path))[0]
     errors = {name: r["error"] for name, r in results.items() if "error" in r}

@@ -23,10 +23,13 @@ selective recompute, against one device.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autopar
 from autopar.tools.launch import spawn
+
+pytestmark = pytest.mark.distributed
 
 ATOL, RTOL = 1e-5, 1e-4
 

@@ -229,7 +229,7 @@ def _all_worlds(names: list[str]) -> tuple[dict, dict]:
     return _world(names), _scaled_world()
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_mixed_precision_trains_on_4_gloo_ranks_as_on_one_device_with_the_same_casts():
     outcomes = spawn(_all_worlds, 4, list(CASES))
     results, scaled = outcomes[0]

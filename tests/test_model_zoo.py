@@ -146,7 +146,7 @@ def _zoo_world(names: list[str]) -> dict:
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_model_zoo_trains_on_4_gloo_ranks_as_on_one_device():
     from tests.zoo_models import ZOO
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.smoke
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Run by the probed interpreter; its arguments are folders to put first on sys.path, where PYTHONPATH

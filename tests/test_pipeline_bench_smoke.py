@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.smoke
 def test_pipeline_bench_measures_what_the_plan_predicts(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     args = [

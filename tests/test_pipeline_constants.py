@@ -178,7 +178,7 @@ def _world() -> dict[str, list[list[str]]]:
     return states
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_pipelines_reading_a_rotary_buffer_train_as_one_device():
     """The reference Llama (its table sliced once, the slice sent along) on 2 stages, and the
     same model slicing the table in every layer on 4 stages (2 per rank), each stage program

@@ -74,7 +74,7 @@ def _plan_on_one_core() -> dict[int, list[str]]:
     return {n: _said(autopar.plan(model, args, {"dp": 2}, cluster=c), SHARED) for n, c in clusters.items()}
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_spawned_ranks_without_torchrun_are_the_world_where_the_cluster_has_one_node():
     """Without LOCAL_WORLD_SIZE, ranks of a real process group count as this host's where the
     cluster puts the world on one node (cpu-gloo's), and are unknown where it spreads it over more."""

@@ -82,7 +82,7 @@ def _through_plans(folder: str) -> list[tuple[str, int, float]]:
     return losses
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_checkpoint_resumes_under_other_plans_with_the_same_losses(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -101,7 +101,7 @@ def test_a_checkpoint_resumes_under_other_plans_with_the_same_losses(tmp_path):
     assert state["optimizer"]["param_groups"][0]["lr"] == 0.01 and "cpu" in state["rng"]
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     """Rank 1 dies by SIGKILL at step 3 (saved after steps 2 and 4): torchrun restarts both ranks,
     which load step 2's checkpoint and redo step 2; every step's last loss is one device's."""

@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.smoke
 def test_train_speed_prints_a_row_and_checks_losses(tmp_path: Path) -> None:
     # ddp-tp-2x2 because it leans on the most torch machinery (2-D mesh, DTensor params under DDP),
     # so a torch upgrade that breaks any of the variants most likely breaks this one.

@@ -95,7 +95,7 @@ def test_rejoin_mesh_refuses_units_of_several_ranks() -> None:
         autopar.rejoin_mesh(UPDATE, WORKERS, rank=2)
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_killed_worker_rejoins_and_the_servers_keep_their_state() -> None:
     port, ctx = free_port(), mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # outlives the ranks

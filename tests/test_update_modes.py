@@ -206,7 +206,7 @@ def _modes(folder: str) -> dict:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_parameter_server_and_staleness_0_are_synchronous_and_the_bound_holds(tmp_path: Path) -> None:
     ranks = spawn(_modes, 3, str(tmp_path))
     torch.manual_seed(0)

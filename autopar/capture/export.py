@@ -238,7 +238,7 @@ def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 @contextmanager
 def _stack_traces(kept: bool) -> Iterator[None]:
     """Export with a Python stack trace on every node only where ``kept``: taking and symbolizing
-    one per op is a fifth of capturing a Llama-3-8B (about 1 s of 5); planning reads none of them
+    one per op is a large share of a large model's capture; planning reads none of them
     (it names modules, from ``nn_module_stack``), while a compiled program's errors name the line
     of the user's code that recorded the failing op from them.
     ``tests/test_planner.py`` fails if torch drops the switch."""

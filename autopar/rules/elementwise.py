@@ -72,10 +72,10 @@ TRANSCENDENTALS: dict[object, tuple[int, int]] = {
 
 # The elementwise functions whose rates `autopar calibrate` measures (``Cluster.function_rates``),
 # which then price them in place of their transcendental count: a CPU computes them at rates
-# several times apart (this machine: exp 3.9 G values/s on one core, erf 1.7, GELU's tanh
-# approximation 0.47). Name -> the op and its keyword arguments; the functions whose backward
-# computes them again have that backward timed too, named ``<name>_backward``
-# (:data:`TIMED_BACKWARD`: the op, called with the output's gradient and the input).
+# several times apart (docs/cost_model.md). Name -> the op and its keyword arguments; the
+# functions whose backward computes them again have that backward timed too, named
+# ``<name>_backward`` (:data:`TIMED_BACKWARD`: the op, called with the output's gradient and the
+# input).
 TIMED_FUNCTIONS: dict[str, tuple[torch._ops.OpOverload, dict[str, str]]] = {
     "exp": (aten.exp.default, {}),
     "log": (aten.log.default, {}),

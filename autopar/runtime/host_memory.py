@@ -3,12 +3,11 @@
 A training step allocates its activations afresh and frees them by the end of the step. glibc's
 malloc serves blocks of 128 KiB and up (a threshold that rises with the blocks freed) from fresh
 ``mmap`` regions and hands the top of its heap back to the system once more than twice that is
-free, so the next step touches new pages, each a page fault the kernel must zero first. Measured
-on the example GPT on 4 gloo ranks sharing 2 cores (docs/benchmarks.md): Megatron tensor
-parallelism, whose activations are whole on every rank, page-faulted 87 MiB a step and took
-919 ms a step against 834 ms with freed memory kept; data parallelism 8 MiB, 512 against 496 ms.
-The cost model prices no page faults (calibration writes into buffers it allocated once), so
-keeping freed memory is also what makes its predictions hold on a CPU mesh.
+free, so the next step touches new pages, each a page fault the kernel must zero first: a step
+whose activations are large (Megatron tensor parallelism, whose activations are whole on every
+rank) runs measurably slower (the figures: docs/memory.md). The cost model prices no page faults
+(calibration writes into buffers it allocated once), so keeping freed memory is also what makes
+its predictions hold on a CPU mesh.
 
 :func:`keep_freed_host_memory` tells glibc's malloc (``mallopt``) to serve blocks up to 1 GiB
 from its heap and to keep up to 2 GiB of freed heap: a process's memory then stays at its peak,

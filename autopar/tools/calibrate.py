@@ -44,10 +44,9 @@ _FIT_ROUNDS = 20  # reweightings of fit_ring's least squares (it settles in a fe
 _STALLED = 2.0  # a collective this many times slower than its fit stalled (fit_ring leaves it out)
 _BURSTS = (2, 8, 32, 128)  # 256 x 256 fp32 products per burst timed for straggling
 _BURST_REPEATS = 7  # per round
-# the bursts' series, repeated: a wait per burst size is their median. One round's waits read
-# 2-3 ms either side of the median here, and the fit moved ZeRO-3's prediction (205 waits) by
-# 10%: three rounds fitted a base wait of 0 to 3.2 ms in five calibrations of one hour, five
-# rounds a wait after a 5 ms stretch of 1.1 to 2.9 ms
+# the bursts' series, repeated: a wait per burst size is their median. One round's waits, or a
+# few rounds', scatter widely on a shared host and move a prediction summing many waits with them
+# (the spread measured: docs/cost_model.md, "stragglers")
 _BURST_ROUNDS = 12
 # 1 KiB .. 16 MiB input per rank: the small ones fix latency, the large ones bandwidth; larger
 # buffers add little to the fit but seconds to a run (an all_gather's output is n times its input).
@@ -60,11 +59,12 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 def _straggling() -> dict[str, Any]:
     """How long a synchronising collective waits for its slowest rank after the ranks compute apart.
 
-    Every rank computes bursts of :data:`_BURSTS` products (about 1 to 80 ms on a rank sharing a
-    core), each followed by a one-element all_reduce over the world, in :data:`_BURST_ROUNDS`
-    rounds of the whole series; it returns, per round and burst size, its typical burst (the
-    median) and the mean span of burst and all_reduce (a step adds spans up), and per round the
-    all_reduce's time back to back; :func:`_straggle` turns every rank's into the figure.
+    Every rank computes bursts of :data:`_BURSTS` products (short to long beside a scheduler's
+    slice on a rank sharing a core), each followed by a one-element all_reduce over the world,
+    in :data:`_BURST_ROUNDS` rounds of the whole series; it returns, per round and burst size,
+    its typical burst (the median) and the mean span of burst and all_reduce (a step adds spans
+    up), and per round the all_reduce's time back to back; :func:`_straggle` turns every rank's
+    into the figure.
     """
     a, one = torch.randn(256, 256), torch.zeros(1)
     back_to_back, rounds = [], []
@@ -93,7 +93,7 @@ def _straggle(per_rank: list[dict[str, Any]]) -> tuple[float, float]:
     """``(Cluster.straggler_base_s, Cluster.straggler_s)`` from every rank's :func:`_straggling`:
     a burst's wait is the slowest rank's mean span less its typical burst (what the cost model
     prices) and the all_reduce back to back (what its latency prices), the median over the rounds
-    (one round's fit put a 10 ms burst's wait anywhere from 0.8 to 3.7 ms), each round less its own
+    (one round's fit scatters: docs/cost_model.md), each round less its own
     back-to-back time; fitted to ``straggler_base_s + straggler_s * sqrt(burst / 1 s)`` by least
     squares with both figures at least 0 (both 0 where the ranks never wait)."""
     rows = []
@@ -179,9 +179,9 @@ def _measure_world(per_node: int, threads: int) -> dict[str, Any] | None:
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(threads)
-    # the memory bandwidth a rank gets moves with what else the host's memory serves (7 to 18 GB/s
-    # from one minute to the next here, each window alone 7.5-13 GB/s within a minute): the
-    # median of six windows spread over the calibration, one between each of its measurements
+    # the memory bandwidth a rank gets moves with what else the host's memory serves, from one
+    # minute to the next (docs/cost_model.md): the median of six windows spread over the
+    # calibration, one between each of its measurements
     measurements: dict[str, Callable[[], Any]] = {
         "peak_flops": lambda: {dtype_name(dtype): matmul_flops(dtype) for dtype in MEASURED_DTYPES},
         "transcendentals_per_s": transcendentals,
@@ -212,9 +212,8 @@ def _measure_world(per_node: int, threads: int) -> dict[str, Any] | None:
         mine["ranks"][level] = len(groups[0])
         mine["links"][level] = _collective_samples(group, len(groups[0]))
     bandwidths.append(memory_bandwidth())
-    # last, with the levels' groups in place as a run has its mesh's: timed amid the rest, before
-    # them, a 20 ms burst's wait read 0.2-2.5 ms in four calibrations, 2-12 ms in ten timed once
-    # the groups existed, and tensor parallelism was priced up to 35% fast with the former
+    # last, with the levels' groups in place as a run has its mesh's: timed before them, the waits
+    # read well below those of a run and tensor parallelism was priced fast (docs/cost_model.md)
     mine["straggling"] = _straggling()
     mine["memory_bandwidth_Bps"] = statistics.median([*bandwidths, memory_bandwidth()])
     everyone: list[Any] | None = [None] * world if rank == 0 else None

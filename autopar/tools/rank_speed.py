@@ -28,21 +28,21 @@ from autopar.planning.cost.step_overheads import FP32_BYTES, update_passes
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 
 MEASURED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# the largest product timed: on a GPU a 2048-cube takes some 20 us, too short to time its arithmetic
+# the largest product timed: on a GPU a 2048-cube is too short to time its arithmetic rather than its launch
 _MATMUL_N = {"cpu": 2048, "cuda": 8192}
 _MEMORY_NUMEL = 1 << 25  # 128 MiB per fp32 tensor: far beyond any cache
 # 256 KiB per fp32 vector on a CPU: in cache, so that exp's arithmetic is what is timed; on a GPU
 # 64 MiB, so that its launch is not (exp's arithmetic there runs at the memory's pace anyway)
 _EXP_NUMEL = {"cpu": 1 << 16, "cuda": 1 << 24}
-_EXP_CALLS = 64  # exps per timed call (one takes some 40 us on a CPU)
+_EXP_CALLS = 64  # exps per timed call: one alone is short beside the timer and a scheduler's slice
 # 1 MiB per fp32 vector on a CPU: one of a small layer's activations; 64 MiB on a GPU, whose launch
 # a 1 MiB vector's few microseconds would time instead (the cost model prices launches per op)
 _FUNCTION_NUMEL = {"cpu": 1 << 18, "cuda": 1 << 24}
-# calls per timed call: 11 single calls (4 to 20 ms in all) read rates up to 3x apart from one
-# calibration to the next on ranks sharing cores, whose scheduler slices are some 4 ms
+# calls per timed call: single calls last about a scheduler's slice on ranks sharing cores, and read
+# rates far apart from one calibration to the next (docs/cost_model.md)
 _FUNCTION_CALLS = 8
 # (batch, heads, sequence) of the attention timed, at head dims 64 and 128 (products a head's width
-# apart, the same scores): 1 x 2 x 1024 takes 10-30 ms a call on one CPU thread
+# apart, the same scores): on one CPU thread a call long enough to time, short enough to repeat
 _ATTENTION = {"cpu": (1, 2, 1024), "cuda": (4, 16, 2048)}
 _CHAIN = 64  # links of the tiny autograd chain timed for the per-op overhead
 _BLOCK_LAYERS = 4  # layers of the small transformer block timed for a recompute region's unit
@@ -57,8 +57,8 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2, device: str = "cpu") -> float:
-    # Median, not min: on a shared 2-core host single calls stall for a scheduler tick
-    # (~4 ms) now and then, and the plan should price the typical call, not the luckiest.
+    # Median, not min: on a shared host single calls stall for a scheduler tick now and then,
+    # and the plan should price the typical call, not the luckiest.
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -90,7 +90,7 @@ def together_seconds(fn: Callable[[], object], repeats: int, device: str = "cpu"
 
 def matmul_flops(dtype: torch.dtype, device: str = "cpu") -> float:
     # The largest square up to _MATMUL_N whose product takes under 50 ms: a dtype the CPU has no
-    # fast kernel for (fp16 on some: 0.3 GFLOP/s) is timed on a small one rather than for minutes.
+    # fast kernel for (fp16 on some, docs/cost_model.md) is timed on a small one rather than for minutes.
     n = 256
     while n < _MATMUL_N[torch.device(device).type] and _one_product_seconds(n, dtype, device) < 0.05:
         n *= 2
@@ -104,14 +104,14 @@ def matmul_flops(dtype: torch.dtype, device: str = "cpu") -> float:
 
 def _one_product_seconds(n: int, dtype: torch.dtype, device: str) -> float:
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    # one warm-up: a process's first product loads its kernels (40-50 ms on a CPU here, more on
-    # some hosts), which would stop the search at the smallest size, far below the rate
+    # one warm-up: a process's first product loads its kernels, which takes longer than the
+    # search's 50 ms and would stop it at the smallest size, far below the rate
     return median_seconds(lambda: torch.mm(a, b), 1, warmup=1, device=device)
 
 
 def memory_bandwidth(device: str = "cpu") -> float:
     # filled, not random: an add's speed does not depend on its values, and drawing 3 x 2^25
-    # random numbers took 0.8 s of each call on one core (calibrate calls it 11 times per rank)
+    # random numbers costs far more than the adds timed (calibrate calls it 11 times per rank)
     x, y, out = (torch.ones(_MEMORY_NUMEL, device=device) for _ in range(3))
     # add reads two buffers and writes one
     return 3 * x.nbytes / together_seconds(lambda: torch.add(x, y, out=out), 11, device)
@@ -164,7 +164,7 @@ def attention_rates(times: tuple[float, float, float], peak: float, device: str 
     scores = batch * heads * length * length
     counted = 3 * 2 * scores * 2 * 64  # the rule's forward products at head dim 64, and backward's
     # a head's products run no faster than a large product, nor take longer than the whole call:
-    # on ranks outnumbering their cores the calls' difference once read 3x that rate
+    # on ranks outnumbering their cores the calls' difference can read faster (docs/cost_model.md)
     per_flop = min(max((wide - narrow) / counted, 1 / peak), narrow / counted)
     score_s = max(narrow - per_flop * counted, 0.0) / scores  # 0 but for rounding at the upper bound
     block = length * min(1.0, max(0.0, 2 * causal / narrow - 1))
@@ -217,7 +217,7 @@ def op_overhead(device: str = "cpu") -> float:
     forward, two backward), each too small for its arithmetic to count; launch, dispatch and the
     autograd engine's bookkeeping are what is timed, as a training step's ops pay them. The
     forward runs as the compiled program's code does, a ``GraphModule`` calling ATen's overloads
-    (their Python entry costs some 1 us more per op than a tensor method's on a CPU)."""
+    (whose Python entry costs more per op than a tensor method's, docs/cost_model.md)."""
     return together_seconds(_chain(device), 25, device) / (3 * _CHAIN)
 
 
@@ -230,8 +230,7 @@ def recompute_overhead(device: str = "cpu", selective: bool = True) -> float:
     tensor, and where ``selective`` the selective checkpoint's policy consulted for each op in
     forward and again in recompute (``Cluster.recompute_unit_s``; without it, a full region of
     plain ops, ``Cluster.checkpoint_unit_s``). A chain of one op kind misprices a model's regions:
-    per op on a CPU here, under the policy, a chain of matrix products cost 62 us, of additions
-    13, of ``aten.linear`` on 3-D inputs 134, and the block's ops 93 on average."""
+    the cost per op differs several times between op kinds (docs/cost_model.md)."""
     program, inputs = _block_program(device)
     regions = [Recomputed(program, FULL) for _ in range(_BLOCK_LAYERS)]
     for region in regions:
@@ -263,8 +262,8 @@ def _in_turns(fns: list[Callable[[], None]], calls: int, device: str) -> list[fl
     """The median seconds per call of each of ``fns``, called in turns ``calls`` times each, on every
     rank at once (between barriers). Timed in turns, a slow stretch of the host (a scheduler tick,
     a collection of the many small objects a checkpoint's hooks make, ranks outnumbering cores)
-    weighs on all alike: timed apart, windows of two read their difference below zero on 8
-    threads sharing 2 cores."""
+    weighs on all alike, where timed apart it can fall on one alone and turn a difference of two
+    negative (docs/cost_model.md)."""
     for fn in fns:
         fn()
     synchronize(device)

@@ -2,9 +2,8 @@
 
 An op's strategies are one choice per mesh axis, so they number about ``(labels + 1) ** axes``,
 and the table of edge costs between two ops has the product of their counts: a tiny GPT needs
-87 thousand table entries on 3 axes of size 2 (4 s to price, 7 s to solve) and 1.4 million on
-4 (80 s to price, and an ILP of 880 thousand variables that 30 s of solver time leaves 85% from
-its bound).
+87 thousand table entries on 3 axes of size 2 and 1.4 million on 4, more than a time limit a
+user gives can price and solve (the times: docs/benchmarks_history.md, "meshes of many axes").
 
 :func:`graph_within` builds the strategy graph of the mesh as given when its tables hold at most
 :data:`ENTRIES_PER_SECOND` entries per second of the time limit, and otherwise merges axes into
@@ -36,9 +35,9 @@ from autopar.ir.mesh import AxisGroups, MeshSpec
 from autopar.planning.graph.edge_costs import table_entries
 from autopar.planning.graph.strategy_graph import StrategyGraph
 
-#: Edge-table entries planned per second of ``time_limit``. Pricing an entry takes about 40 µs;
-#: the ILP sets the bound: a Llama-2-7B shape's 103 000 variables (117 000 entries) did not
-#: solve in 30 s, where 7 000 solve in one (this 2-core machine; docs/benchmarks.md).
+#: Edge-table entries planned per second of ``time_limit``. The ILP sets the bound, not pricing the
+#: entries: a larger budget gives problems the solver leaves far from optimal within the limit
+#: (the measurements: docs/benchmarks_history.md, "meshes of many axes").
 ENTRIES_PER_SECOND = 2000
 
 

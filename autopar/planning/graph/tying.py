@@ -66,7 +66,7 @@ def _signature(captured: Captured, block: str, nodes: list[torch.fx.Node]) -> tu
 
 Ties = tuple[dict[torch.fx.Node, torch.fx.Node], int]
 # per graph, with its node count: the automatic mesh plans one capture on many meshes, and the
-# signatures are a third of building its strategy graph; lowering, which adds nodes, starts afresh
+# signatures are a large share of building its strategy graph; lowering, which adds nodes, starts afresh
 _FOUND: weakref.WeakKeyDictionary[torch.fx.Graph, tuple[int, Ties]] = weakref.WeakKeyDictionary()
 
 

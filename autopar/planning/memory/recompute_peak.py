@@ -60,10 +60,8 @@ def recompute_peak(log: RegionLog, kept: KeptOnDevice, dead: set[tuple]) -> floa
     kept was freed by their backward: the region makes it again), one it does not
     save lives from its op to its last use or the recomputation's end (torch stops it in its last
     saving op, whose own output is made only where autograd packs after the op ran, its outputs
-    or statistics, rather than operands before it: the example GPT's sequence-parallel full
-    recompute, whose last saver packs operands, measured 903 KB against 969 KB when its output
-    was counted, and a BERT layer ending in a layer norm 2 KB above the prediction when it was
-    not); a kept output
+    or statistics, rather than operands before it: the measurements that show it are in
+    docs/benchmarks_history.md); a kept output
     that nothing saves for backward (in ``dead``) is freed once the recomputation has used it."""
     adds: dict[int, float] = {}
     frees: dict[int, float] = {}

@@ -24,8 +24,9 @@ from typing import Any
 
 from autopar.ir.errors import AutoparError, PlanError
 
-# Each child copies the pages of the parent it writes to (a few hundred MiB for a Llama-3-8B
-# capture): more than this many at once is seldom faster and can exhaust a large host's memory.
+# Each child copies the pages of the parent it writes to (docs/automatic_mesh.md: a large model's
+# capture makes them many): more than this many at once is seldom faster and can exhaust a large
+# host's memory.
 DEFAULT_MAX_WORKERS = 8
 
 Outcome = tuple[bool, Any]  # (True, the call's value) or (False, the exception it raised)

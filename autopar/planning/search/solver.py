@@ -20,7 +20,8 @@ v projections of attention, say) is consistent and does not hang on the search's
 terms the ILP leaves out can tell such plans apart by a few percent: a parameter's layouts
 list replicated before split, and a gradient sum of a replicated weight overlaps backward
 where the gather of a split one does not (preferring the split, least-memory, layouts instead
-made the automatic mesh's Llama-3-8B plan 16% slower, 381 against 328 ms).
+made the automatic mesh's Llama-3-8B plan slower: docs/benchmarks_history.md, "the solver's
+settings").
 
 Constraints
     (one-hot)        \sum_i s_{r,i} = 1                                 for every r
@@ -53,8 +54,8 @@ constraint per non-zero entry (Alpa's needs a variable for every entry).
 Determinism: one search worker, a fixed seed and a *deterministic* time limit, so
 every rank computes the same plan from the same graph. Where one process plans (``autopar.plan``,
 the first rank of ``autopar.compile``, which sends the plan to the others) the wall clock also
-ends the search (:class:`SolverClock`): CP-SAT's deterministic seconds ran 4-6 wall seconds each
-on the 2-core development machine, so a limit of 30 took over two minutes. A search the limit
+ends the search (:class:`SolverClock`): a deterministic second of CP-SAT can run several wall
+seconds on a small host (docs/plans.md), so that limit alone can overrun the user's. A search the limit
 stops, on either clock, returns the best plan found with its optimality gap; one the wall clock
 stops may return another plan on another run. The search starts from a
 hinted plan: the one the caller gives (the memory search's last, for an ILP that differs from
@@ -260,9 +261,10 @@ class StrategyILP:
         solver.parameters.max_deterministic_time = time_limit
         if wall_limit is not None:
             solver.parameters.max_time_in_seconds = wall_limit
-        # the LP relaxation of every edge constraint: it proves strategy ILPs optimal 4-20x
-        # sooner than the default level (1), which left some small models at the time limit;
-        # presolve finds little to simplify in them and took half of the 405B shape's solves
+        # the LP relaxation of every edge constraint: it proves strategy ILPs optimal much sooner
+        # than the default level (1), which left some small models at the time limit; presolve
+        # finds little to simplify in them and costs large shapes' solves a large share of their
+        # time (the figures: docs/benchmarks_history.md, "the solver's settings")
         solver.parameters.linearization_level = 2
         solver.parameters.cp_model_presolve = False
         return solver
@@ -342,8 +344,8 @@ class StrategyILP:
     ) -> dict[str, int]:
         """Hint a strategy per root, and return those choices: ``self.hint`` where it names a
         strategy of every root (the memory search passes its last solve's: the next ILP differs
-        in a few terms, and CP-SAT proves it optimal from there in a quarter of the time on the
-        405B shape), else each root's cheapest strategy by its own cost.
+        in a few terms, and CP-SAT proves it optimal sooner from there), else each root's cheapest
+        strategy by its own cost.
 
         Without a memory budget any one strategy per choice is a plan (the edge variables
         only add cost), so where the time limit runs out before the solver finds one, this

@@ -34,7 +34,7 @@ from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import Plan, load_plan
 from autopar.ir.updates import Async, Hybrid, ParameterServer
 from autopar.planning.cost.model import Cluster, LinkSpec, get_cluster
-from autopar.planning.planner import plan
+from autopar.planning.entry_points import plan
 from autopar.runtime.async_updates import rejoin_mesh, worker_mesh
 from autopar.runtime.checkpoint_files import latest_checkpoint
 from autopar.runtime.loss_scaler import LossScaler

@@ -1,46 +1,49 @@
 """``autopar.compile``: from a model, a mesh and a plan to a module that trains on the mesh.
 
 Called on every rank (under ``torchrun`` or spawned processes) with a real, named
-``DeviceMesh``. The model is captured once; without a plan it is planned once, on the
-mesh's first rank, and the plan sent to every other rank (see :func:`_plan_once`); then
-the passes in
-``autopar.passes.PASS_ORDER`` turn the captured graph into the per-rank program, and
-:class:`~autopar.runtime.module.DistributedModule` runs it. Under a pipeline, layouts and
-collectives live on the mesh of this rank's stages (the mesh without the pipeline
-axis), and the program is split into one program per stage.
+``DeviceMesh``. :func:`compile`, the keyword form users call, checks its options once
+(:class:`~autopar.ir.options.PlanOptions`) and hands them whole to one of the functions below, each
+returning one type: :func:`compile_module` (a ``DeviceMesh`` and example inputs),
+:func:`compile_for_devices` (a device count), :func:`compile_on_first_call` (no example inputs) or
+the update mode's compiler (:data:`UPDATE_COMPILERS`). The model is captured once; without a plan
+it is planned once, on the mesh's first rank, and the plan sent to every other rank (see
+:func:`_plan_once`); then the passes in ``autopar.passes.PASS_ORDER`` turn the captured graph into
+the per-rank program, and :class:`~autopar.runtime.module.DistributedModule` runs it. Under a
+pipeline, layouts and collectives live on the mesh of this rank's stages (the mesh without the
+pipeline axis), and the program is split into one program per stage.
 
 The runtime never plans: a loss function given to ``dmodel.train_step`` is compiled by
-:func:`compile_loss`, which every module built here carries.
+:class:`ProgramLosses`, the runtime's ``LossCompiler`` every module built here carries.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from autopar.capture.annotations import unclaimed_annotations
 from autopar.capture.export import Captured, capture
-from autopar.ir.arguments import check_bool
 from autopar.ir.errors import CompileError, PlanError
 from autopar.ir.fake import fake_on
 from autopar.ir.mesh import MeshSpec, check_in_world
-from autopar.ir.options import Memory, MixedPrecision, Pipeline
+from autopar.ir.options import Memory, MixedPrecision, Pipeline, PlanOptions
 from autopar.ir.plan import Plan
 from autopar.ir.printing import format_graph
-from autopar.ir.updates import Update, check_update
+from autopar.ir.updates import UPDATES, Update, check_update
 from autopar.passes import PASS_ORDER
 from autopar.passes.context import PassContext
+from autopar.planning.assembly.lowering_record import lowering_record
 from autopar.planning.assembly.plan_fit import check_plan_fits
-from autopar.planning.cost.model import Cluster, CostModel
+from autopar.planning.cost.model import Cluster
+from autopar.planning.entry_points import plan_for_devices, solving
 from autopar.planning.planner import capture_for, layout_mesh, plan_captured
-from autopar.planning.planner import plan as plan_model
 from autopar.runtime import collectives
-from autopar.runtime.async_updates import Rejoining, compile_for_update
+from autopar.runtime.async_updates import Rejoining, ServerRank, UpdatedModule, place_unit
 from autopar.runtime.lowered import LoweredProgram
 from autopar.runtime.materialize import materialize
 from autopar.runtime.module import DistributedModule, LossFn
@@ -65,39 +68,80 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     precision: MixedPrecision | None = None,
     update: Update | None = None,
     check_ids: bool = True,
-) -> torch.nn.Module:
-    """Compile ``model`` for ``mesh`` (a ``DeviceMesh`` with axis names); see the module docstring.
+) -> DistributedModule | CompiledOnFirstCall | UpdatedModule | ServerRank:
+    """Compile ``model`` for ``mesh``; see the module docstring.
 
-    ``example_args``/``example_kwargs`` are *global* example inputs (the whole batch).
-    Without them, compiling waits for the first call, whose inputs are the example (as
-    with ``torch.compile``): see :class:`CompiledOnFirstCall`.
-    ``pipeline`` pipelines over one mesh axis (a saved ``plan`` brings its own).
-    ``memory`` and ``memory_budget`` are :func:`autopar.plan`'s (a saved plan brings its
-    memory plan). ``precision`` computes in a lower precision with the parameters as fp32
-    master weights (:class:`~autopar.ir.options.MixedPrecision`; a saved plan brings its own).
-    Returns a :class:`~autopar.runtime.module.DistributedModule` whose parameters are
-    DTensors under the original names, each rank holding its piece of the model's
-    weights (under a pipeline, of its stages' weights only). A model built on ``meta``
-    is initialised by :func:`~autopar.runtime.materialize.materialize` as its own code
-    would (a transformers model's ``_init_weights``, other modules' ``reset_parameters()``),
+    A model built on ``meta`` is initialised by :func:`~autopar.runtime.materialize.materialize` as its
+    own code would (a transformers model's ``_init_weights``, other modules' ``reset_parameters()``),
     under ``seed``, identically on every rank; a meta tensor nothing initialises raises
     :class:`~autopar.ir.errors.InitializationError` naming it and the remedies.
-    ``update`` (:mod:`autopar.ir.updates`) replaces the data-parallel gradient sums by parameter
-    servers: ``mesh`` is the workers' (``autopar.worker_mesh``; a worker restarted alone passes
-    ``autopar.rejoin_mesh``), a server rank gets a ``ServerRank`` to ``serve()`` (docs/update_modes.md).
-    ``check_ids=False`` lets vocab-parallel lookups skip their ``IndexRangeError`` checks (docs/op_rules.md).
+
+    Args:
+        model: the model to compile.
+        mesh: a ``DeviceMesh`` with axis names, or a number of devices (the mesh is searched, as
+            ``autopar.plan`` does, and built over the whole process group).
+        example_args: *global* example inputs (the whole batch). Without them, compiling waits for the
+            first call, whose inputs are the example (as with ``torch.compile``): see
+            :class:`CompiledOnFirstCall`.
+        example_kwargs: global keyword example inputs (only with ``example_args``).
+        plan: a saved plan to compile (it brings its pipeline, memory plan and precision); None plans.
+        cluster, time_limit, seed, memory, memory_budget: as :func:`autopar.plan`'s.
+        pipeline: a pipeline over one mesh axis (a saved ``plan`` brings its own).
+        precision: compute in a lower precision with the parameters as fp32 master weights
+            (:class:`~autopar.ir.options.MixedPrecision`; a saved plan brings its own).
+        update: an update mode (:mod:`autopar.ir.updates`) in place of the data-parallel gradient sums:
+            ``mesh`` is the workers' (``autopar.worker_mesh``; a worker restarted alone passes
+            ``autopar.rejoin_mesh``), and a server rank gets a ``ServerRank`` to ``serve()``
+            (docs/update_modes.md).
+        check_ids: False lets vocab-parallel lookups skip their ``IndexRangeError`` checks
+            (docs/op_rules.md).
+
+    Returns:
+        A :class:`~autopar.runtime.module.DistributedModule` (:func:`compile_module`,
+        :func:`compile_for_devices`) whose parameters are DTensors under the original names, each rank
+        holding its piece of the model's weights (under a pipeline, of its stages' weights only); a
+        :class:`CompiledOnFirstCall` without example inputs; under ``update``, an ``UpdatedModule`` on a
+        worker rank and a ``ServerRank`` on a server rank.
     """
-    _check_arguments(model, check_ids)
-    if update is not None:
-        options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, precision=precision)
-        return _compile_for_update(
-            model, mesh, example_args, example_kwargs, update, pipeline, memory, options, check_ids
+    _check_model(model)
+    options = PlanOptions(
+        cluster=cluster,
+        time_limit=time_limit,
+        seed=seed,
+        pipeline=pipeline,
+        memory=memory,
+        memory_budget=memory_budget,
+        precision=precision,
+        check_ids=check_ids,
+        update=update,
+    )
+    if options.update is not None:
+        return update_compiler(options.update).compile(
+            model, mesh, example_args, example_kwargs, options, plan
         )
-    if isinstance(mesh, int) and not isinstance(mesh, bool) and example_args is not _ON_FIRST_CALL:
-        options = dict(cluster=cluster, time_limit=time_limit, seed=seed, pipeline=pipeline, memory=memory)
-        more = {"memory_budget": memory_budget, "precision": precision}
-        mesh, plan = _searched_mesh(model, mesh, example_args, example_kwargs, plan, {**options, **more})
-        pipeline = precision = None  # the plan brings them
+    if example_args is _ON_FIRST_CALL:
+        if example_kwargs is not None:
+            raise CompileError("example_kwargs were given without example_args: pass example_args=() too")
+        return compile_on_first_call(model, mesh, options, plan)
+    return _compile_now(model, mesh, example_args, example_kwargs, options, plan)
+
+
+def _compile_now(
+    model: torch.nn.Module,
+    mesh: Any,
+    example_args: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    options: PlanOptions,
+    plan: Plan | None,
+) -> DistributedModule:
+    """:func:`compile_for_devices` for a device count, else :func:`compile_module`."""
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        return compile_for_devices(model, mesh, example_args, example_kwargs, options, plan)
+    return compile_module(model, mesh, example_args, example_kwargs, options, plan)
+
+
+def _check_mesh(mesh: object) -> None:
+    """Raise unless ``mesh`` is a ``DeviceMesh`` with axis names of this world's ranks (or a count)."""
     if not hasattr(mesh, "get_group") and not isinstance(mesh, int):
         raise CompileError(
             "autopar.compile needs a DeviceMesh with axis names (init_device_mesh(..., mesh_dim_names=...)); "
@@ -105,13 +149,53 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         )
     if hasattr(mesh, "get_group"):
         check_in_world(mesh)  # a mesh of ranks the world does not have
-    if example_args is _ON_FIRST_CALL:
-        if example_kwargs is not None:
-            raise CompileError("example_kwargs were given without example_args: pass example_args=() too")
-        options = dict(plan=plan, cluster=cluster, time_limit=time_limit, seed=seed, pipeline=pipeline)
-        more = {"memory": memory, "memory_budget": memory_budget, "precision": precision}
-        return CompiledOnFirstCall(model, mesh, {**options, **more, "check_ids": check_ids})
+
+
+def compile_module(
+    model: torch.nn.Module,
+    mesh: Any,
+    example_args: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    options: PlanOptions,
+    plan: Plan | None = None,
+) -> DistributedModule:
+    """``model`` compiled for ``mesh`` on its example inputs, planned under ``options`` unless ``plan``
+    is given (``options.update`` is not read: see :data:`UPDATE_COMPILERS`).
+
+    Args:
+        model: the model to compile.
+        mesh: a ``DeviceMesh`` with axis names, of this world's ranks.
+        example_args: the global positional example inputs.
+        example_kwargs: the global keyword example inputs, or None.
+        options: what :func:`compile` was given.
+        plan: a saved plan (its pipeline and precision must agree with ``options``'), or None.
+    """
+    _check_mesh(mesh)
     spec = MeshSpec.of(mesh)
+    pipeline = _pipeline_of(plan, options.pipeline)
+    stage_spec = layout_mesh(spec, pipeline)
+    stage_mesh = mesh if pipeline is None else mesh[stage_spec.axis_names]
+    unapplied = unclaimed_annotations(model)  # here: a model on meta is captured as a copy
+    model = materialize(model, options.seed)
+    t0 = time.perf_counter()
+    precision = _precision_of(plan, options.precision)
+    captured = capture_for(model, example_args, example_kwargs, spec, pipeline, precision, stack_traces=True)
+    captured.unapplied[:0] = unapplied
+    if plan is None:
+        solve = {**solving(options), "pipeline": pipeline, "capture_s": time.perf_counter() - t0}
+        plan = _plan_once(
+            mesh, lambda deterministic: plan_captured(captured, spec, deterministic=deterministic, **solve)
+        )
+    if plan.device_mesh_spec != spec:
+        raise PlanError(
+            f"the plan is for mesh {plan.device_mesh_spec}, but the module is compiled for {spec}"
+        )
+    check_plan_fits(plan, captured)
+    return build_module(model, mesh, stage_mesh, captured, plan, pipeline, check_ids=options.check_ids)
+
+
+def _pipeline_of(plan: Plan | None, pipeline: Pipeline | None) -> Pipeline | None:
+    """The pipeline to compile with: the one given, else a saved plan's (which must agree)."""
     if plan is not None and plan.pipeline is not None:
         saved = plan.pipeline
         in_plan = Pipeline(
@@ -122,72 +206,112 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         )
         if pipeline not in (None, in_plan):
             raise PlanError(f"the plan pipelines with {in_plan}, but compile was given {pipeline}")
-        pipeline = in_plan
-    elif plan is not None and pipeline is not None:
+        return in_plan
+    if plan is not None and pipeline is not None:
         raise PlanError("the plan has no pipeline, but compile was given one: plan again with the pipeline")
-    stage_spec = layout_mesh(spec, pipeline)
-    stage_mesh = mesh if pipeline is None else mesh[stage_spec.axis_names]
-    unapplied = unclaimed_annotations(model)  # here: a model on meta is captured as a copy
-    model = materialize(model, seed)
-    t0 = time.perf_counter()
-    precision = _precision_of(plan, precision)
-    captured = capture_for(model, example_args, example_kwargs, spec, pipeline, precision, stack_traces=True)
-    captured.unapplied[:0] = unapplied
-    if plan is None:
-        solving = {"cluster": cluster, "time_limit": time_limit, "seed": seed, "pipeline": pipeline}
-        more = {"memory": memory, "memory_budget": memory_budget, "capture_s": time.perf_counter() - t0}
-        plan = _plan_once(
-            mesh,
-            lambda deterministic: plan_captured(
-                captured, spec, deterministic=deterministic, **solving, **more
-            ),
-        )
-    if plan.device_mesh_spec != spec:
-        raise PlanError(
-            f"the plan is for mesh {plan.device_mesh_spec}, but the module is compiled for {spec}"
-        )
-    check_plan_fits(plan, captured)
-    return build_module(model, mesh, stage_mesh, captured, plan, pipeline, check_ids=check_ids)
+    return pipeline
 
 
-def _compile_for_update(
+def compile_for_devices(
     model: torch.nn.Module,
-    mesh: Any,
+    devices: int,
     example_args: Any,
     example_kwargs: Mapping[str, Any] | None,
-    update: Update,
-    pipeline: Pipeline | None,
-    memory: Memory | None,
-    options: dict[str, Any],
-    check_ids: bool,
-) -> Any:
-    """``compile`` under an update mode: each unit compiled on its own mesh for its share of the
-    batch, without ZeRO (the optimizer state lives on the servers)."""
-    rejoining = isinstance(mesh, Rejoining)
-    if not (rejoining or hasattr(mesh, "get_group")) or example_args is _ON_FIRST_CALL:
-        raise CompileError(
-            "compile(..., update=...) needs the workers' DeviceMesh (autopar.worker_mesh, or "
-            "autopar.rejoin_mesh for a restarted worker) and example_args"
+    options: PlanOptions,
+    plan: Plan | None = None,
+) -> DistributedModule:
+    """``model`` compiled for ``devices`` devices: the mesh searched (``autopar.plan``'s automatic mesh)
+    unless ``plan`` is given, and built over the whole process group, which has ``devices`` ranks.
+
+    Args:
+        model: the model to compile.
+        devices: the number of devices, the process group's size.
+        example_args: the global positional example inputs.
+        example_kwargs: the global keyword example inputs, or None.
+        options: what :func:`compile` was given.
+        plan: a saved plan for ``devices`` devices, or None.
+    """
+    mesh, plan = _searched_mesh(model, devices, example_args, example_kwargs, plan, options)
+    brought = replace(options, pipeline=None, precision=None)  # the plan brings them
+    return compile_module(model, mesh, example_args, example_kwargs, brought, plan)
+
+
+def compile_on_first_call(
+    model: torch.nn.Module, mesh: Any, options: PlanOptions, plan: Plan | None = None
+) -> CompiledOnFirstCall:
+    """``model`` to compile on its first call, that call's inputs the example (:class:`CompiledOnFirstCall`).
+
+    Args:
+        model: the model to compile.
+        mesh: a ``DeviceMesh`` with axis names, or a number of devices.
+        options: what :func:`compile` was given.
+        plan: a saved plan, or None.
+    """
+    _check_mesh(mesh)
+    return CompiledOnFirstCall(model, mesh, options, plan)
+
+
+class UpdateCompiler(Protocol):
+    """How :func:`compile` compiles under one kind of update mode (registered in :data:`UPDATE_COMPILERS`)."""
+
+    def compile(
+        self,
+        model: torch.nn.Module,
+        mesh: Any,
+        example_args: Any,
+        example_kwargs: Mapping[str, Any] | None,
+        options: PlanOptions,
+        plan: Plan | None,
+    ) -> UpdatedModule | ServerRank:
+        """This rank's part of the job under ``options.update``: a worker's module or a server."""
+
+
+class ServerUpdatesCompiler:
+    """The update modes of :mod:`autopar.ir.updates` (:mod:`autopar.runtime.async_updates`): each unit
+    compiled on its own mesh for its share of the batch, without ZeRO (the servers hold the optimizer
+    state)."""
+
+    def compile(
+        self,
+        model: torch.nn.Module,
+        mesh: Any,
+        example_args: Any,
+        example_kwargs: Mapping[str, Any] | None,
+        options: PlanOptions,
+        plan: Plan | None,
+    ) -> UpdatedModule | ServerRank:
+        rejoining = isinstance(mesh, Rejoining)
+        if not (rejoining or hasattr(mesh, "get_group")) or example_args is _ON_FIRST_CALL:
+            raise CompileError(
+                "compile(..., update=...) needs the workers' DeviceMesh (autopar.worker_mesh, or "
+                "autopar.rejoin_mesh for a restarted worker) and example_args"
+            )
+        memory = options.memory or Memory(zero=0)
+        world = dist.get_world_size() if dist.is_initialized() and not rejoining else None
+        spec = mesh.spec if rejoining else MeshSpec.of(mesh)
+        zero, offload = memory.zero, memory.offload_optimizer
+        check_update(options.update, spec, world=world, pipeline=options.pipeline, zero=zero, offload=offload)
+        place = place_unit(options.update, mesh, example_args, example_kwargs)
+        if isinstance(place, ServerRank):
+            return place
+        unit = replace(options, memory=memory, memory_budget=None, update=None)
+        return UpdatedModule.of(
+            compile_module(model, place.mesh, place.args, place.kwargs, unit, plan), place
         )
-    memory = memory or Memory(zero=0)
-    world = dist.get_world_size() if dist.is_initialized() and not rejoining else None
-    check_update(
-        update,
-        mesh.spec if rejoining else MeshSpec.of(mesh),
-        world=world,
-        pipeline=pipeline,
-        zero=memory.zero,
-        offload=memory.offload_optimizer,
-    )
-    return compile_for_update(
-        update,
-        mesh,
-        example_args,
-        example_kwargs,
-        lambda unit_mesh, args, kwargs: compile(
-            model, unit_mesh, args, example_kwargs=kwargs, memory=memory, check_ids=check_ids, **options
-        ),
-    )
+
+
+#: The compiler of each kind of update mode; a new mode registers its own here (and its planner in
+#: :data:`autopar.planning.entry_points.UPDATE_PLANNERS`).
+UPDATE_COMPILERS: dict[type, UpdateCompiler] = dict.fromkeys(UPDATES, ServerUpdatesCompiler())
+
+
+def update_compiler(update: Update) -> UpdateCompiler:
+    """The compiler registered for ``update``'s kind (or the nearest kind it derives from).
+
+    Args:
+        update: an update mode, already checked (:class:`~autopar.ir.options.PlanOptions`).
+    """
+    return next(UPDATE_COMPILERS[kind] for kind in type(update).__mro__ if kind in UPDATE_COMPILERS)
 
 
 def _precision_of(plan: Plan | None, precision: MixedPrecision | None) -> MixedPrecision | None:
@@ -236,13 +360,16 @@ def lower(
 
     ``stage_mesh`` is the ``DeviceMesh`` layouts refer to (one stage's under a pipeline);
     ``check_ids`` is :func:`compile`'s.
-    Needs no weights: a model captured on ``meta`` lowers as well (``autopar show``).
+    Needs no weights: a model captured on ``meta`` lowers as well (``autopar show``). A plan
+    without a lowering record (saved in format 4) is lowered as a copy holding the record the
+    planner would have made; the plan given is left as it is.
     """
+    if plan.lowering is None:
+        plan = replace(plan, lowering=lowering_record(captured, plan))
     ctx = PassContext(
         mesh=MeshSpec.of(stage_mesh),
         device=device_of(stage_mesh.device_type),
         plan=plan,
-        cost=CostModel(MeshSpec.of(stage_mesh), Cluster.from_dict(plan.cluster)),
         captured=captured,
         axis_keys=collectives.register_mesh(stage_mesh),
         coordinates=tuple(stage_mesh.get_local_rank(a) for a in range(stage_mesh.ndim)),
@@ -286,10 +413,26 @@ def build_module(
         snapshots=ctx.snapshots,
         number_outputs=ctx.captured.number_outputs,
     )
-    losses = functools.partial(compile_loss, check_ids=check_ids)
+    losses = ProgramLosses(check_ids)
     return DistributedModule(
         model, mesh, lowered, compile_loss=losses, stage_mesh=stage_mesh, pipeline=pipeline
     )
+
+
+@dataclass(frozen=True)
+class ProgramLosses:
+    """The runtime's :class:`~autopar.runtime.module.LossCompiler`, as the compiler implements it: each
+    loss function a module's ``train_step`` is given is compiled by :func:`compile_loss`, checking ids
+    as the module does (``check_ids``: :func:`compile`'s). The runtime declares the interface and the
+    compiler hands an instance to every module it builds, so the runtime never imports the compiler.
+    """
+
+    check_ids: bool = True
+
+    def __call__(
+        self, module: DistributedModule, loss_fn: LossFn, output: Any, target: torch.Tensor
+    ) -> DistributedModule:
+        return compile_loss(module, loss_fn, output, target, check_ids=self.check_ids)
 
 
 class _Loss(torch.nn.Module):
@@ -303,11 +446,10 @@ class _Loss(torch.nn.Module):
         return self.loss_fn(output, target)
 
 
-def _check_arguments(model: object, check_ids: object) -> None:
-    """What :func:`compile` is given that no later step checks first: the model and ``check_ids``."""
+def _check_model(model: object) -> None:
+    """What :func:`compile` checks before its options: the model."""
     if not isinstance(model, torch.nn.Module):
         raise CompileError(f"autopar.compile compiles an nn.Module, got {type(model).__name__} {model!r:.80}")
-    check_bool(check_ids, "compile(check_ids=...)")
 
 
 def compile_loss(
@@ -341,7 +483,7 @@ def _searched_mesh(
     example_args: Any,
     example_kwargs: Mapping[str, Any] | None,
     plan: Plan | None,
-    options: dict[str, Any],
+    options: PlanOptions,
 ) -> tuple[Any, Plan]:
     """For ``compile(model, devices)``: the plan (the mesh searched unless ``plan`` is given) and a
     ``DeviceMesh`` of its axes over the whole process group."""
@@ -359,7 +501,7 @@ def _searched_mesh(
         )
     if plan is None:
         plan = _plan_once(
-            None, lambda _: plan_model(model, example_args, devices, example_kwargs=example_kwargs, **options)
+            None, lambda _: plan_for_devices(model, example_args, devices, example_kwargs, options)
         )
     spec = plan.device_mesh_spec
     if spec.size != devices:
@@ -385,16 +527,21 @@ class CompiledOnFirstCall(torch.nn.Module):
     so an optimizer cannot silently be built on the plain model's.
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: Any, options: dict[str, Any]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, mesh: Any, options: PlanOptions, plan: Plan | None = None
+    ) -> None:
+        """``model`` to compile for ``mesh`` (a ``DeviceMesh`` or a device count) under ``options``, and
+        ``plan`` (a saved plan) unless None, as :func:`compile` would with the first call's inputs."""
         super().__init__()
         self.__dict__["_model"] = model  # not a submodule: its parameters are not this module's
         self.__dict__["_mesh"] = mesh
         self.__dict__["_options"] = options
+        self.__dict__["_plan"] = plan
         self.compiled: DistributedModule | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is None:
-            self.compiled = compile(self._model, self._mesh, args, example_kwargs=kwargs, **self._options)
+            self.compiled = _compile_now(self._model, self._mesh, args, kwargs, self._options, self._plan)
         local_args, local_kwargs = self.compiled.shard_inputs(*args, **kwargs)
         return self.compiled(*local_args, **local_kwargs)
 

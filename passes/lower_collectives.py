@@ -1,10 +1,11 @@
 """Lower each ``redistribute`` to autograd-aware collective ops, one per step on a mesh axis.
 
-The forward steps and their order come from the cost model (``CostModel.edge_plan``),
-so the bytes moved at run time are the bytes the plan predicted (``CostModel.backward``
-prices the backward as the adjoints of these steps in reverse order). Each op's backward
-is chosen from the gradient's transition on the same axis, the gradient ``g`` being laid
-out as the op's backward receives it (``EdgeStep.grad``):
+The forward steps and their order are the plan's record (``ctx.plan.lowering.edges``, which
+``insert_redistributions`` carries on each ``redistribute`` as ``autopar.redistribution``): the
+planner ordered them with its cost model (``CostModel.edge_plan``), so the bytes moved at run time
+are the bytes the plan predicted (``CostModel.backward`` prices the backward as the adjoints of
+these steps in reverse order). Each op's backward is chosen from the gradient's transition on the
+same axis, the gradient ``g`` being laid out as the op's backward receives it (``EdgeStep.grad``):
 
 | forward (before -> after) | op | gradient (g -> what backward leaves) | backward |
 | --- | --- | --- | --- |
@@ -21,13 +22,13 @@ A strided shard (``S(d)xk``, :mod:`autopar.ir.strided`) moves with the same ops,
 ``parts``; to or from any other split it passes through Replicate
 (``autopar.ir.redistribution_steps``). A tensor dim split over several mesh axes is split
 outer axis first, so the steps never change the split of a dim while an inner axis splits it
-too: where no order avoids that, the cost model unwinds the inner split first (an extra
+too: where no order avoids that, the planner unwinds the inner split first (an extra
 ``all_gather``) and redoes it after (``shard``); see ``autopar.ir.redistribution_steps``.
 Only an axis's last step can receive a partial-sum gradient: before it, the gradient is laid
 out like the value.
 
-Reads: ``autopar.redistribution``, ``autopar.stage``. Writes: collective nodes with
-``autopar.layouts`` (the layout before and after their step) and the ``redistribute``'s
+Reads: ``autopar.redistribution`` (the plan's record of the edge), ``autopar.stage``. Writes:
+collective nodes with ``autopar.layouts`` (the layout before and after their step) and the ``redistribute``'s
 ``autopar.stage``; removes the ``redistribute`` nodes.
 """
 
@@ -87,8 +88,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     for node in list(graph.nodes):
         if node.target is not redistribute:
             continue
-        have, need, grad_need, grad_have = node.meta[REDISTRIBUTION]
-        steps = ctx.cost.edge_plan(have, need, grad_need, grad_have)
+        have, need, grad_need, grad_have, steps = node.meta[REDISTRIBUTION]
         for step in steps:
             a = step.axis
             g, gh = grad_need[a], grad_have[a]

@@ -27,7 +27,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autopar.ir.errors import CompileError
 from autopar.ir.meta import GRADS, LAYOUTS, RECOMPUTE, REGATHER, STAGE
+from autopar.ir.ops import is_autopar_op
 from autopar.ir.options import FULL, SELECTIVE
+from autopar.ir.plan import Lowering
 from autopar.passes import apply_recompute
 from autopar.passes.apply_recompute import region_nodes
 from autopar.runtime import collectives
@@ -402,8 +404,13 @@ def test_a_gather_of_a_view_of_a_parameter_is_gathered_again(fake_process_group:
     for n in gm.graph.nodes:
         if n.op == "call_function":  # the layer's ops, as if the module had made them
             n.meta["nn_module_stack"] = {"L__self___layer": ("layer", Gathered)}
-    memory = SimpleNamespace(recompute={"layer": FULL}, zero=0)
-    gm = mark_recompute.run(gm, SimpleNamespace(plan=SimpleNamespace(memory=memory)))
+    # the plan's record: the layer's ops in its region, weight.T a view of a parameter (held anyway)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and not is_autopar_op(n.target)]
+    view = next(n.name for n in ops if n.target is torch.ops.aten.t.default)
+    regions = {n.name: ("layer", FULL) for n in ops}
+    lowering = Lowering(edges=(), gradient_sums={}, regions=regions, gathered={}, held=(view,))
+    plan = SimpleNamespace(nodes=[SimpleNamespace(name=n.name) for n in gm.graph.nodes], lowering=lowering)
+    gm = mark_recompute.run(gm, SimpleNamespace(plan=plan, lowering=lowering))
     (gather,) = gm.graph.find_nodes(op="call_function", target=torch.ops.autopar.all_gather.default)
     assert gather.args[0].target is torch.ops.aten.t.default
     assert gather.meta[REGATHER] and gather.meta[RECOMPUTE] == ("layer", FULL)

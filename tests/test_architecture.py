@@ -30,7 +30,7 @@ ALLOWED = {
     CAPTURE: {IR},
     RUNTIME: {IR},
     PLANNING: {IR, RULES, CAPTURE},
-    PASSES: {IR, RULES, CAPTURE, PLANNING, RUNTIME},
+    PASSES: {IR, RULES, CAPTURE, RUNTIME},
     COMPILER: {IR, RULES, CAPTURE, PLANNING, RUNTIME, PASSES},
     ROOT: {IR, RULES, CAPTURE, PLANNING, RUNTIME, PASSES, COMPILER},
     TOOLS: {IR, RULES, CAPTURE, PLANNING, RUNTIME, PASSES, COMPILER, ROOT},
@@ -135,19 +135,19 @@ def test_no_import_cycles():
 # Each package's lines (its own modules, not its subpackages'): a budget to notice growth by, not a cap to
 # cut files to. Raising one is a decision to record in the commit that does it.
 LINE_BUDGETS = {
-    "autopar": 600,
+    "autopar": 700,
     "autopar.ir": 2900,
     "autopar.capture": 2700,
     "autopar.rules": 2400,
     "autopar.runtime": 4900,
     "autopar.tools": 3300,
     "autopar.passes": 1500,
-    "autopar.planning": 500,
-    "autopar.planning.cost": 1600,
+    "autopar.planning": 750,
+    "autopar.planning.cost": 1750,
     "autopar.planning.graph": 1300,
     "autopar.planning.pipeline": 900,
     "autopar.planning.memory": 1300,
-    "autopar.planning.assembly": 900,
+    "autopar.planning.assembly": 1050,
     "autopar.planning.search": 1800,
 }
 

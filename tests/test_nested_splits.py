@@ -95,17 +95,17 @@ def edges(mesh: MeshSpec, placements: tuple = (R, P, S0, S1)) -> Iterator[Edge]:
 
 
 def lower(edge: Edge, mesh: MeshSpec, cost: CostModel, shape: tuple = SHAPE) -> torch.fx.GraphModule:
-    """A program ``x -> redistribute(x)`` with ``edge``'s layouts, after ``lower_collectives``
-    (its graph: ``recompile()`` it to run it)."""
+    """A program ``x -> redistribute(x)`` with ``edge``'s layouts and the steps ``cost`` orders (as
+    the plan records them), after ``lower_collectives`` (its graph: ``recompile()`` it to run it)."""
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     x.meta["val"] = torch.empty(shape)
     node = graph.call_function(redistribute, (x, *(format_layout(lay) for lay in edge)))
-    node.meta.update({"val": x.meta["val"], REDISTRIBUTION: edge})
+    node.meta.update({"val": x.meta["val"], REDISTRIBUTION: (*edge, cost.edge_plan(*edge))})
     graph.output(node)
     keys = {a: a for a in mesh.axis_names}
     cpu = torch.device("cpu")
-    ctx = PassContext(mesh=mesh, device=cpu, plan=None, cost=cost, captured=None, axis_keys=keys)
+    ctx = PassContext(mesh=mesh, device=cpu, plan=None, captured=None, axis_keys=keys)
     return lower_collectives.run(torch.fx.GraphModule(torch.nn.Module(), graph), ctx)
 
 
@@ -422,7 +422,7 @@ def _predicted(collectives: tuple) -> dict[tuple[str, str], int]:
     return total
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_nested_redistributions_on_4_gloo_ranks():
     cost = CostModel(MESH_2D, FAST_LINKS)
     nested = [e for e in edges(MESH_2D) if _nesting_matters(e, cost)]

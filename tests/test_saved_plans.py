@@ -1,7 +1,7 @@
 """Plans saved by an earlier autopar still load and lower to the programs they lowered to then.
 
 ``tests/data/saved_plans/<case>.json`` are plans the code of commit 217d1df (plan format 4) saved,
-and ``<case>.program.py`` the per-rank programs it lowered them to on rank 0 (each pass's graph,
+and ``<case>.program.txt`` the per-rank programs it lowered them to on rank 0 (each pass's graph,
 ``PassContext.snapshots``, by its digest, then the final program; under a pipeline, each stage's). Both were
 written by this file's ``write_saved_plans`` run on that commit's tree. Each case is lowered
 again here from the saved plan, and planned afresh: both must give the same text byte for byte,
@@ -122,13 +122,13 @@ def write_saved_plans() -> None:
     for case in CASES:
         plan = _plan(case)
         plan.save(str(DATA / f"{case}.json"))
-        (DATA / f"{case}.program.py").write_text(programs(case, plan))
+        (DATA / f"{case}.program.txt").write_text(programs(case, plan))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_saved_plan_lowers_to_the_program_it_lowered_to(case: str):
     saved = load_plan(str(DATA / f"{case}.json"))
-    expected = (DATA / f"{case}.program.py").read_text()
+    expected = (DATA / f"{case}.program.txt").read_text()
     assert programs(case, saved) == expected
 
 
@@ -137,7 +137,7 @@ def test_planning_again_decides_what_the_saved_plan_did(case: str):
     saved = load_plan(str(DATA / f"{case}.json"))
     fresh = _plan(case)
     assert decisions(fresh) == decisions(saved)
-    assert programs(case, fresh) == (DATA / f"{case}.program.py").read_text()
+    assert programs(case, fresh) == (DATA / f"{case}.program.txt").read_text()
 
 
 if __name__ == "__main__":

@@ -45,6 +45,12 @@ def is_autopar_op(target: object) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace == "autopar"
 
 
+def is_collective(node: torch.fx.Node) -> bool:
+    """One of the ops the passes insert (``torch.ops.autopar.*``: collectives, a lookup's index
+    arithmetic), not the layout constraint capture records (dropped before recompute is marked)."""
+    return node.op == "call_function" and is_autopar_op(node.target) and str(node.target) != LAYOUT_CONSTRAINT
+
+
 def is_selective_save(target: object) -> bool:
     """True for an aten matrix product or attention op, overload or packet (:data:`SELECTIVE_SAVES`)."""
     packet = getattr(target, "overloadpacket", target)

@@ -1,4 +1,5 @@
-"""The options a user passes to ``plan``/``compile``: :class:`Memory`, :class:`Pipeline`, recompute policies.
+"""The options a user passes to ``plan``/``compile``: :class:`PlanOptions`, holding :class:`Memory`,
+:class:`Pipeline` and :class:`MixedPrecision`, and the recompute policies.
 
 Plain frozen data, checked when built; the planner, the passes and the runtime read them.
 """
@@ -7,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 
-from autopar.ir.arguments import check_bool, check_int, is_int
+from autopar.ir.arguments import check_bool, check_instance, check_int, check_number, is_int
 from autopar.ir.errors import OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.updates import Update, check_update_kind
 
 
 class RecomputePolicy(StrEnum):
@@ -229,3 +232,56 @@ class MixedPrecision:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: how plans and ``Cluster.peak_flops`` name a dtype."""
     return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What ``autopar.plan`` and ``autopar.compile`` share, checked once when built and passed whole
+    to the planner, the automatic mesh, lazy compilation and the update modes.
+
+    Args:
+        cluster: a preset name (None: ``"cpu-gloo"``), a cluster file (``.json``) or an
+            ``autopar.Cluster``; the planner resolves it (``autopar.planning.cost.model.get_cluster``).
+        time_limit: seconds of solver time per solve (wall clock and CP-SAT's deterministic seconds).
+        seed: the solver's seed: the same seed gives the same plan.
+        pipeline: a pipeline over one mesh axis, or None.
+        memory: ZeRO, the optimizer's state and offload (None: the planner's default, ``Memory()``).
+        memory_budget: bytes per device the plan must fit in (None: the cluster's memory).
+        precision: mixed precision, or None (the model's own dtypes).
+        workers: processes the automatic mesh plans its candidates in (None: one per usable CPU, at
+            most 8).
+        check_ids: whether vocab-parallel lookups check their ids' range (``IndexRangeError``).
+        update: an update mode (``autopar.ParameterServer``, ``Async``, ``Hybrid``), or None: the
+            synchronous all-reduce.
+
+    Raises:
+        OptionError: naming the option and what it takes, for a value of the wrong kind or range.
+    """
+
+    cluster: Any = None  # str | os.PathLike | autopar.Cluster | None: a planning type, resolved there
+    time_limit: float = 30.0
+    seed: int = 0
+    pipeline: Pipeline | None = None
+    memory: Memory | None = None
+    memory_budget: float | None = None
+    precision: MixedPrecision | None = None
+    workers: int | None = None
+    check_ids: bool = True
+    update: Update | None = None
+
+    def __post_init__(self) -> None:
+        check_number(self.time_limit, "time_limit", unit="seconds of solver time")
+        check_int(self.seed, "seed")
+        if self.pipeline is not None:
+            check_instance(self.pipeline, Pipeline, "pipeline", "an autopar.Pipeline(...)")
+        if self.memory is not None:
+            check_instance(self.memory, Memory, "memory", "autopar.Memory(...)")
+        if self.memory_budget is not None:
+            check_number(self.memory_budget, "memory_budget", unit="bytes per device, such as 40 * 2**30")
+        if self.precision is not None:
+            check_instance(self.precision, MixedPrecision, "precision", "autopar.MixedPrecision(...)")
+        if self.workers is not None:
+            check_int(self.workers, "workers", minimum=1)
+        check_bool(self.check_ids, "compile(check_ids=...)")
+        if self.update is not None:
+            check_update_kind(self.update)

@@ -21,9 +21,11 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory
 from autopar.ir.report import render_summary
 
-FORMAT_VERSION = 4  # 2: pipeline plans; 3: memory plans; 4: the annotations and shapes planned for
-
-# The destination named by a redistribution that is a parameter's gradient sum (no consumer node).
+# 2: pipeline plans; 3: memory plans; 4: the annotations and shapes planned for; 5: the decisions
+# lowering applies (Plan.lowering)
+FORMAT_VERSION = 5
+# formats load_plan reads: a format-4 plan has no lowering record (derived when it is lowered)
+READABLE_FORMATS = (4, FORMAT_VERSION)
 
 
 class ChoiceKind(StrEnum):
@@ -123,6 +125,61 @@ class Redistribution:
     forward: tuple[CollectiveStep, ...]
     backward: tuple[CollectiveStep, ...]
     seconds: float
+
+
+@dataclass(frozen=True)
+class LoweringStep:
+    """One op of an edge's redistribution, on one mesh axis, as the lowering issues it."""
+
+    axis: str  # the mesh axis's name
+    # a StepKind's value (autopar.ir.redistribution_steps, which imports this module, names them)
+    kind: str
+    before: str  # the value's layout before the op
+    after: str  # and after it
+    grad: str  # the gradient's placement on ``axis`` where the op's backward receives it ("P": it sums)
+
+
+@dataclass(frozen=True)
+class EdgeLowering:
+    """The layouts of the edge into operand ``slot`` of ``dst`` (``"output"``: the graph's output)
+    from ``src``, and the ops that lower it, in forward order (``steps``).
+
+    ``have`` is ``src``'s output layout, ``need`` the layout ``dst`` reads, ``grad_need`` the
+    gradient ``dst`` hands back (with the sums the runtime's buckets do instead dropped) and
+    ``grad_have`` the layout ``src``'s gradient must have. Run in reverse, the steps' backwards
+    turn ``grad_need`` into ``grad_have``.
+    """
+
+    src: str
+    dst: str
+    slot: int
+    have: str
+    need: str
+    grad_need: str
+    grad_have: str
+    steps: tuple[LoweringStep, ...]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """Every decision the passes apply to the captured graph besides the nodes' layouts.
+
+    ``edges``: every edge whose value or gradient changes layout (in graph order of the
+    consumers, then operand slot). ``gradient_sums``: each parameter (or buffer) placeholder
+    whose gradient the runtime sums in buckets after backward, with the mesh axes it sums over;
+    a parameter not named is summed where its edges say, in the graph. Recompute regions,
+    ``(region, policy)`` per node: ``regions`` for the ops of the plan's recompute modules (and
+    the ``getitem`` of one), ``gathered`` for an op outside them that reads a ZeRO-3 weight
+    gathered (``zero3:<op>``); ``held`` names the ops whose value is a view of a placeholder:
+    held anyway, as placeholders are, so collectives from one into a region run again in
+    backward instead of being kept.
+    """
+
+    edges: tuple[EdgeLowering, ...]
+    gradient_sums: dict[str, tuple[str, ...]]
+    regions: dict[str, tuple[str, str]]
+    gathered: dict[str, tuple[str, str]]
+    held: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -286,6 +343,8 @@ class Plan:
     mesh_candidates: list[dict[str, Any]] = field(default_factory=list)
     # with update=...: the mode, a unit's clock (slowest unit) and samples/s against sync's, replicas nominal
     update: dict[str, Any] | None = None
+    # what the passes apply beyond layouts; None: a format-4 plan, whose record lowering derives
+    lowering: Lowering | None = None
     # the file load_plan read it from (not saved): the summary says the solver's line is the saved one
     loaded_from: str | None = field(default=None, compare=False)
 
@@ -368,8 +427,11 @@ class Plan:
                 else ""
             )
             raise PlanError(f"this is not a plan autopar saved: it has no 'format' field{kind}")
-        if data["format"] != FORMAT_VERSION:
-            raise PlanError(f"plan format {data['format']!r} is not supported (expected {FORMAT_VERSION})")
+        if data["format"] not in READABLE_FORMATS:
+            raise PlanError(
+                f"plan format {data['format']!r} is not supported (expected {FORMAT_VERSION}, or 4 from "
+                "an earlier autopar)"
+            )
 
         def steps(items: list) -> tuple[CollectiveStep, ...]:
             return tuple(
@@ -430,6 +492,7 @@ class Plan:
             parameter_nodes=dict(data.get("parameter_nodes", {})),
             mesh_candidates=[dict(c) for c in data.get("mesh_candidates", [])],
             update=data.get("update"),
+            lowering=_lowering_from_dict(data["lowering"]) if data.get("lowering") is not None else None,
             alternatives={
                 root: [
                     Alternative(**{**a, "operands": tuple(a["operands"]), "outputs": tuple(a["outputs"])})
@@ -447,6 +510,25 @@ def _memory_from_dict(data: dict[str, Any]) -> MemoryPlan:
             "zero_splits": {k: (v[0], int(v[1])) for k, v in data["zero_splits"].items()},
             "recompute": dict(data["recompute"]),
         }
+    )
+
+
+def _lowering_from_dict(data: dict[str, Any]) -> Lowering:
+    def region(item: list) -> tuple[str, str]:
+        name, policy = item
+        return name, policy
+
+    return Lowering(
+        edges=tuple(
+            EdgeLowering(
+                **{**e, "steps": tuple(LoweringStep(**s) for s in e["steps"])},
+            )
+            for e in data["edges"]
+        ),
+        gradient_sums={p: tuple(axes) for p, axes in data["gradient_sums"].items()},
+        regions={n: region(r) for n, r in data["regions"].items()},
+        gathered={n: region(r) for n, r in data["gathered"].items()},
+        held=tuple(data["held"]),
     )
 
 

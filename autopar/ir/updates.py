@@ -111,6 +111,20 @@ def _check_staleness(value: object, name: str) -> None:
         )
 
 
+def check_update_kind(update: object) -> Update:
+    """``update`` if it is an update mode (:data:`UPDATES`); an :class:`OptionError` naming them otherwise.
+
+    Args:
+        update: the value given as ``update=...``, other than None (the synchronous update).
+    """
+    if not isinstance(update, UPDATES):
+        raise OptionError(
+            "update=... is autopar.ParameterServer(...), autopar.Async(...), autopar.Hybrid(...) or None "
+            f"(synchronous), got {type(update).__name__} {update!r}"
+        )
+    return update
+
+
 def check_update(
     update: object,
     mesh: MeshSpec,
@@ -130,11 +144,7 @@ def check_update(
     ``example`` names the example inputs (``{"example_args": ...}``): a batch the units cannot
     share equally is a :class:`ShapeError` (:func:`check_unit_batch`).
     """
-    if not isinstance(update, UPDATES):
-        raise OptionError(
-            "update=... is autopar.ParameterServer(...), autopar.Async(...), autopar.Hybrid(...) or None "
-            f"(synchronous), got {type(update).__name__} {update!r}"
-        )
+    update = check_update_kind(update)
     name = type(update).__name__
     if update.axis not in mesh.axis_names:
         raise OptionError(

@@ -1,15 +1,15 @@
-"""The planner's entry: from a model (or its captured graph) to the fastest plan that fits in memory.
+"""The planner: from a captured model to the fastest plan that fits in memory.
 
-:func:`plan` captures the model (:func:`capture_for`) and hands it to
-:func:`plan_captured`, which builds the strategy graph
+``autopar.plan`` (:mod:`autopar.planning.entry_points`) captures the model (:func:`capture_for`)
+and hands it to :func:`plan_captured`, which builds the strategy graph
 (:mod:`autopar.planning.graph.strategy_graph`), prices its edges
 (:mod:`autopar.planning.graph.edge_costs`) and runs the memory search: every candidate of
 :func:`memory_choices` (a ZeRO stage and the modules recomputed) is solved by the ILP
 (:mod:`autopar.planning.search.solver`, with the memory terms of
-:mod:`autopar.planning.search.memory_tables`) and assembled into a plan
-(:mod:`autopar.planning.assembly.assemble`), whose exact memory decides whether it fits.
-Planning only reads the captured graph: it can be planned any number of times, then
-compiled.
+:mod:`autopar.planning.search.memory_tables`) and evaluated
+(:func:`~autopar.planning.assembly.assemble.evaluate_plan`), whose exact memory decides whether
+it fits; the plan returned is recorded once (its report and its lowering record). Planning only
+reads the captured graph: it can be planned any number of times, then compiled.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,128 +31,24 @@ from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Memory, MixedPrecision, Pipeline
 from autopar.ir.plan import CollectiveKind, Plan
-from autopar.ir.updates import Update, check_update
 from autopar.planning.assembly.assemble import PlanSetting
+from autopar.planning.assembly.lowering_record import lowering_record
+from autopar.planning.cost.device_model import device_model
 from autopar.planning.cost.model import Cluster, CostModel, get_cluster
-from autopar.planning.cost.update_cost import with_update
 from autopar.planning.graph.axis_groups import graph_within, merged_axes
 from autopar.planning.graph.edge_costs import cost_tables
 from autopar.planning.graph.strategy_graph import build_strategy_graph
 from autopar.planning.pipeline.stage_plan import microbatch
-from autopar.planning.search.forked import default_workers
-from autopar.planning.search.memory_search import Search, memory_choices, memory_search, no_fit
+from autopar.planning.search.memory_search import (
+    Found,
+    Search,
+    memory_choices,
+    memory_search,
+    no_fit,
+    record,
+)
 from autopar.planning.search.memory_tables import MemoryTerms, stage_shares
-from autopar.planning.search.mesh_search import search_meshes
 from autopar.planning.search.solver import SolverClock
-
-
-def plan(
-    model: torch.nn.Module,
-    example_args: Any,
-    mesh: MeshSpec | Mapping[str, int] | int | Any,
-    *,
-    example_kwargs: Mapping[str, Any] | None = None,
-    cluster: str | Cluster | None = None,
-    time_limit: float = 30.0,
-    seed: int = 0,
-    pipeline: Pipeline | None = None,
-    memory: Memory | None = None,
-    memory_budget: float | None = None,
-    precision: MixedPrecision | None = None,
-    update: Update | None = None,
-    workers: int | None = None,
-) -> Plan:
-    """Plan ``model`` for ``mesh``: capture, read annotations, solve, report.
-
-    ``mesh`` is a ``{axis: size}`` mapping, a :class:`MeshSpec` or a named ``DeviceMesh``; no
-    process group is needed. A number of devices instead searches the mesh too (``pp``, ``dp`` and
-    ``tp`` axes and the pipeline: see :mod:`autopar.planning.search.mesh_search`; ``pipeline`` then fixes
-    the pipeline of meshes with one, ``time_limit`` bounds each mesh's planning, and the meshes are
-    planned in up to ``workers`` processes at once: by default one per CPU this process may use, at
-    most 8; 1 plans them here, one after another). ``cluster`` is a preset name (default
-    ``"cpu-gloo"``) or a :class:`Cluster`. ``time_limit`` bounds the solver in seconds, every solve
-    of the memory search included (on the wall clock and in CP-SAT's deterministic seconds,
-    whichever ends first), and sizes the ILP (``autopar.planning.graph.axis_groups``); with the same
-    ``seed`` every call returns the same plan unless the wall clock ended a search (the plan's
-    ``solver.status`` is then ``FEASIBLE``). ``pipeline`` runs a pipeline over one mesh axis (see
-    :mod:`autopar.planning.pipeline.stage_plan`); the example inputs are the whole batch.
-    ``memory`` sets ZeRO,
-    the optimizer's state and offload (:class:`~autopar.ir.options.Memory`); ``memory_budget``
-    (bytes per device) makes the planner choose sharding, the ZeRO stage and recompute so that the
-    plan fits, or raise :class:`~autopar.ir.errors.PlanError` with the least memory it could reach.
-    ``precision`` computes in a lower precision with fp32 master weights
-    (:class:`~autopar.ir.options.MixedPrecision`). ``update`` (:mod:`autopar.ir.updates`) plans the
-    workers' mesh as ``compile(..., update=...)`` compiles it (the synchronous plan, without ZeRO:
-    the servers hold the optimizer state) and adds what the mode makes of its step (``Plan.update``;
-    :mod:`autopar.planning.cost.update_cost`)."""
-    if not isinstance(cluster, Cluster):
-        cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
-    if update is not None:
-        if isinstance(mesh, int):
-            raise OptionError(
-                f"update={update!r} plans the workers' mesh you give, such as {{'dp': 4}}; a device count "
-                f"({mesh}) searches meshes for the synchronous update only"
-            )
-        memory = memory or Memory(zero=0)  # as compile(update=...): the servers hold the optimizer state
-        spec = MeshSpec.of(mesh)
-        example = {"example_args": example_args, "example_kwargs": example_kwargs}
-        zero, offload = memory.zero, memory.offload_optimizer
-        check_update(update, spec, pipeline=pipeline, zero=zero, offload=offload, example=example)
-        synchronous = plan(
-            model, example_args, spec, example_kwargs=example_kwargs, cluster=cluster, time_limit=time_limit,
-            seed=seed, memory=memory, memory_budget=memory_budget, precision=precision,
-        )  # fmt: skip
-        return with_update(synchronous, update)
-    if isinstance(mesh, int) and not isinstance(mesh, bool):
-
-        def plan_one(
-            captured: Captured, spec: MeshSpec, p: Pipeline | None, limit: float, cutoff: float | None
-        ) -> Plan:
-            return plan_captured(
-                captured,
-                spec,
-                cluster=cluster,
-                time_limit=limit,
-                seed=seed,
-                pipeline=p,
-                memory=memory,
-                memory_budget=memory_budget,
-                cutoff_s=cutoff,
-            )
-
-        return search_meshes(
-            mesh,
-            cluster,
-            _batch(example_args, example_kwargs),
-            pipeline,
-            lambda spec, p: capture_for(model, example_args, example_kwargs, spec, p, precision),
-            plan_one,
-            time_limit,
-            default_workers() if workers is None else check_int(workers, "workers", minimum=1),
-        )
-    mesh = MeshSpec.of(mesh)
-    t0 = time.perf_counter()
-    captured = capture_for(model, example_args, example_kwargs, mesh, pipeline, precision)
-    return plan_captured(
-        captured,
-        mesh,
-        cluster=cluster,
-        time_limit=time_limit,
-        seed=seed,
-        capture_s=time.perf_counter() - t0,
-        pipeline=pipeline,
-        memory=memory,
-        memory_budget=memory_budget,
-    )
-
-
-def _batch(example_args: Any, example_kwargs: Mapping[str, Any] | None) -> int | None:
-    """Dim 0 of the first tensor input: the batch a pipeline cuts into microbatches."""
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
-    for t in (*args, *(example_kwargs or {}).values()):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    return None
 
 
 def layout_mesh(mesh: MeshSpec, pipeline: Pipeline | None) -> MeshSpec:
@@ -199,7 +95,7 @@ def capture_for(
     return capture(model, args, kwargs, layout_mesh(mesh, pipeline), precision, stack_traces)
 
 
-def plan_captured(
+def evaluate_captured(
     captured: Captured,
     mesh: MeshSpec,
     *,
@@ -213,32 +109,37 @@ def plan_captured(
     memory_budget: float | None = None,
     deterministic: bool = False,
     cutoff_s: float | None = None,
-) -> Plan:
-    """:func:`plan` for a model captured by :func:`capture_for` (``autopar.compile`` captures once).
+) -> Planned:
+    """The plan of a model captured by :func:`capture_for`, evaluated but not yet recorded
+    (:class:`Planned`; :func:`plan_captured` records it).
 
-    ``deterministic`` limits the solver by CP-SAT's deterministic seconds alone, so that ranks
-    planning the same program apart get the same plan; otherwise the wall clock limits it too
-    (:class:`~autopar.planning.search.solver.SolverClock`).
+    The fastest plan of the first candidate of :func:`memory_choices` wins if it fits; otherwise
+    the memory search (:func:`memory_search`) finds the fastest that fits.
 
-    ``fixed_inputs`` pins the layouts of user inputs by placeholder name (a loss compiled for a
-    model's outputs takes them as they come). The budget is ``memory_budget`` or the cluster's
-    memory. The fastest plan of the first candidate of :func:`memory_choices` wins if it fits;
-    otherwise the memory search (:func:`memory_search`) finds the fastest that fits, or a
-    :class:`PlanError` where its first solve is bounded at or above ``cutoff_s``, a step
-    another plan reaches (the automatic mesh's best so far).
+    Args:
+        captured: the model, captured for ``mesh``.
+        mesh: the mesh to plan for (the whole mesh under a pipeline).
+        cluster: a preset name (None: ``"cpu-gloo"``) or a :class:`Cluster`.
+        time_limit: seconds of solver time, every solve of the memory search included.
+        seed: the solver's seed.
+        capture_s: the seconds capture took, recorded in the plan's solver report.
+        pipeline: the pipeline over one axis of ``mesh``, or None.
+        fixed_inputs: layouts of user inputs pinned by placeholder name (a loss compiled for a
+            model's outputs takes them as they come).
+        memory: ZeRO, the optimizer's state and offload (None: ``Memory()``).
+        memory_budget: bytes per device the plan must fit (None: the cluster's memory).
+        deterministic: limit the solver by CP-SAT's deterministic seconds alone, so that ranks
+            planning the same program apart get the same plan; otherwise the wall clock limits it
+            too (:class:`~autopar.planning.search.solver.SolverClock`).
+        cutoff_s: a step another plan reaches (the automatic mesh's best so far), or None.
+
+    Raises:
+        MemoryFitError: no plan fits the budget (:func:`no_fit`).
+        PlanError: the memory search's first solve is bounded at or above ``cutoff_s``.
     """
     if not isinstance(cluster, Cluster):
         cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
-    memory = Memory() if memory is None else check_instance(memory, Memory, "memory", "autopar.Memory(...)")
-    check_number(time_limit, "time_limit", unit="seconds of solver time")
-    check_int(seed, "seed")
-    if memory_budget is not None:
-        check_number(memory_budget, "memory_budget", unit="bytes per device, such as 40 * 2**30")
-    if pipeline is not None and memory.offload_activations:
-        raise PlanError(
-            "Memory(offload_activations=True) is not supported with a pipeline (its stages keep "
-            "activations per microbatch on the device); use recompute or ZeRO instead"
-        )
+    memory = _checked(memory, pipeline, time_limit, seed, memory_budget)
     t1 = time.perf_counter()
     stage_mesh = layout_mesh(mesh, pipeline)
     g = graph_within(
@@ -271,13 +172,104 @@ def plan_captured(
     build_s = time.perf_counter() - t1
     choices = memory_choices(captured, memory)
     best, searched = memory_search(search, choices)
-    if best is not None and searched and memory.zero is None:
-        best.memory = replace(best.memory, chosen=True)
     if best is None:
         raise no_fit(search, choices)
-    best.solver = replace(best.solver, capture_s=capture_s, build_s=best.solver.build_s + build_s)
-    _warn(best, captured, search.setting, merged_axes(stage_mesh, g.axis_groups), time_limit)
-    return best
+    return Planned(
+        step_time_s=best.evaluated.plan.step_time_s,
+        peak_memory_bytes=best.evaluated.plan.peak_memory_bytes,
+        _context=_Unrecorded(
+            search=search,
+            found=best,
+            chosen=searched and memory.zero is None,
+            captured=captured,
+            merged=merged_axes(stage_mesh, g.axis_groups),
+            time_limit=time_limit,
+            capture_s=capture_s,
+            build_s=build_s,
+        ),
+    )
+
+
+def _checked(
+    memory: Memory | None,
+    pipeline: Pipeline | None,
+    time_limit: float,
+    seed: int,
+    memory_budget: float | None,
+) -> Memory:
+    """``memory`` (None: ``Memory()``), the options of :func:`evaluate_captured` beside it checked."""
+    memory = Memory() if memory is None else check_instance(memory, Memory, "memory", "autopar.Memory(...)")
+    check_number(time_limit, "time_limit", unit="seconds of solver time")
+    check_int(seed, "seed")
+    if memory_budget is not None:
+        check_number(memory_budget, "memory_budget", unit="bytes per device, such as 40 * 2**30")
+    if pipeline is not None and memory.offload_activations:
+        raise PlanError(
+            "Memory(offload_activations=True) is not supported with a pipeline (its stages keep "
+            "activations per microbatch on the device); use recompute or ZeRO instead"
+        )
+    return memory
+
+
+def plan_captured(captured: Captured, mesh: MeshSpec, **options: Any) -> Plan:
+    """The plan of :func:`evaluate_captured`, recorded: :func:`plan` for a model captured by
+    :func:`capture_for` (``autopar.compile`` captures once).
+
+    Args:
+        captured: the model, captured for ``mesh``.
+        mesh: the mesh to plan for (the whole mesh under a pipeline).
+        options: the keywords of :func:`evaluate_captured`.
+    """
+    return evaluate_captured(captured, mesh, **options).record()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Unrecorded:
+    """What a plan found by the memory search is recorded from: the search, the plan it found
+    (``chosen``: picked by the search rather than the options), and what the plan's warnings and
+    solver report add."""
+
+    search: Search
+    found: Found
+    chosen: bool
+    captured: Captured
+    merged: list[str]
+    time_limit: float
+    capture_s: float
+    build_s: float
+
+
+@dataclass(kw_only=True)
+class Planned:
+    """A captured model planned, its plan evaluated but its report not yet written: the figures the
+    automatic mesh compares candidates by, and :meth:`record` to write the report, once (for the
+    candidate chosen). A copy sent to another process (a candidate planned in a forked child) goes
+    recorded: what it is recorded from (the strategy graph, the search) stays behind."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+    _context: _Unrecorded | None
+    _plan: Plan | None = None
+
+    def record(self) -> Plan:
+        """The plan with its report (:func:`~autopar.planning.search.memory_search.record`), its
+        solver times, warnings and lowering record (:mod:`~autopar.planning.assembly.lowering_record`);
+        written on the first call, the same plan on the next ones."""
+        if self._plan is None:
+            c = self._context
+            plan = record(c.search, c.found)
+            if c.chosen:
+                plan.memory = replace(plan.memory, chosen=True)
+            plan.solver = replace(plan.solver, capture_s=c.capture_s, build_s=plan.solver.build_s + c.build_s)
+            _warn(plan, c.captured, c.search.setting, c.merged, c.time_limit)
+            plan.lowering = lowering_record(c.captured, plan)
+            self._plan, self._context = plan, None
+        return self._plan
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state of a recorded copy: what the plan is recorded from does not travel."""
+        self.record()
+        return dict(self.__dict__)
 
 
 def _warn(plan: Plan, captured: Captured, setting: PlanSetting, merged: list[str], time_limit: float) -> None:
@@ -315,7 +307,7 @@ def _threads_unlike(cluster: Cluster) -> list[str]:
     """Say so where this rank computes on another number of threads than the cluster's ranks did
     when calibrate measured them: its rates are theirs. Nothing off a rank (``autopar plan``
     plans in one process, on whatever threads it has)."""
-    threads = cluster.threads_per_rank
+    threads = device_model(cluster).threads_per_rank
     if threads is None or not dist.is_initialized() or torch.get_num_threads() == threads:
         return []
     return [
@@ -327,16 +319,17 @@ def _threads_unlike(cluster: Cluster) -> list[str]:
 
 
 def _cores_shared(cluster: Cluster) -> list[str]:
-    """Say so where this host runs more ranks per core than ``cluster.ranks_per_core`` prices:
-    ranks sharing cores take turns on them, and the figures are for ranks that did not. Only for
-    ranks computing on the host's cores (not a GPU cluster's), and only where this host's ranks
-    are known (:func:`_host_ranks`)."""
-    ranks = None if cluster.asynchronous else _host_ranks(cluster)
+    """Say so where this host runs more ranks per core than the cluster's device model prices
+    (``shared_core_speedup``): ranks sharing cores take turns on them, and the figures are for ranks
+    that did not. Only for ranks computing on the host's cores (not a GPU cluster's), and only where
+    this host's ranks are known (:func:`_host_ranks`)."""
+    device = device_model(cluster)
+    ranks, priced = None if device.asynchronous else _host_ranks(cluster), device.shared_core_speedup
     cores = os.cpu_count() or 1
-    if ranks is None or ranks / cores <= cluster.ranks_per_core:
+    if ranks is None or ranks / cores <= priced:
         return []
     return [
-        f"cluster {cluster.name!r} prices ranks at {cluster.ranks_per_core:g} per core, and this host runs "
+        f"cluster {cluster.name!r} prices ranks at {priced:g} per core, and this host runs "
         f"{ranks / cores:g} per core ({ranks} ranks, os.cpu_count() {cores}), taking turns on them, so steps "
         "run slower than predicted; for predictions of this host run `autopar calibrate` with the ranks "
         "launched as the training run launches them (docs/cost_model.md)"

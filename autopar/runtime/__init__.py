@@ -4,6 +4,6 @@
 (bucketed gradient sums), ``materialize`` (weights and this rank's pieces), ``offload``
 (activations on the host), ``optimizer`` (ZeRO and optimizer offload), ``loss_scaler`` (fp16
 loss scaling), ``pipeline_runtime`` (stage programs and torch's schedules), ``collectives`` (the
-program's per-axis ops). It never plans or runs passes: loss functions are compiled by the
-compiler's ``compile_loss``.
+program's per-axis ops). It never plans or runs passes: loss functions are compiled through the
+``LossCompiler`` interface ``module`` declares, which the compiler implements and hands over.
 """

@@ -1,12 +1,12 @@
 """Workers and servers of an update mode: the units, their programs, the exchange each step.
 
 ``autopar.compile(model, mesh, example_args, update=...)`` (``mesh`` the workers' mesh, from
-:func:`worker_mesh`) lands here through :func:`compile_for_update`. The data-parallel axis's
+:func:`worker_mesh`) asks :func:`place_unit` where this rank stands. The data-parallel axis's
 replicas are cut into ``units`` (each replica, or each ``Hybrid`` group); every unit compiles the
 model for its own mesh (the workers' mesh without the units: under ``Hybrid`` its replicas
 all-reduce there) and its share of the batch (dim 0 of every input cut in ``units``), so its
-program has no collective across units. On a worker rank the result is an
-:class:`UpdatedModule`; on a server rank a :class:`ServerRank` whose :meth:`~ServerRank.serve`
+program has no collective across units. On a worker rank the compiler wraps the unit's module in
+an :class:`UpdatedModule`; on a server rank a :class:`ServerRank` whose :meth:`~ServerRank.serve`
 runs :mod:`autopar.runtime.param_server`.
 
 A worker's step: ``train_step`` (forward and backward of its unit's share), then
@@ -38,14 +38,22 @@ from autopar.runtime import update_wire as wire
 from autopar.runtime.checkpoint_files import checkpoint_path
 
 UNIT_AXIS = "autopar_unit"  # the axis of units in the mesh built over the workers
-# compile_unit(unit_mesh, args, kwargs) -> the unit's DistributedModule (the compiler's compile)
-UnitCompiler = Callable[[Any, tuple, dict], Any]
 _generations = [0]  # modules compiled under an update mode in this process (every rank alike)
 
 
 def worker_mesh(update: Update, sizes: Mapping[str, int], device_type: str = "cpu") -> DeviceMesh:
     """The workers' ``DeviceMesh`` (axes ``sizes``, in order) over the job's first ranks, the last
-    ``update.servers`` ranks left to the servers. Every rank of the job calls it (servers too)."""
+    ``update.servers`` ranks left to the servers. Every rank of the job calls it (servers too).
+
+    Args:
+        update: the update mode the job trains under (it says how many servers there are).
+        sizes: the workers' mesh as ``{axis: size}``, such as ``{"dp": 4}``; with the servers, the
+            job's ranks.
+        device_type: the workers' device type, such as ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        OptionError: no process group, or ``sizes`` and ``update`` that do not fit the job's ranks.
+    """
     spec = _workers(update, sizes, device_type, "worker_mesh")
     if not dist.is_initialized():
         raise OptionError(
@@ -88,6 +96,15 @@ def rejoin_mesh(update: Update, sizes: Mapping[str, int], rank: int, device_type
     ``MASTER_ADDR:MASTER_PORT`` (which must outlive the dead rank: torchrun's agent store, or a
     store the launcher hosts). Only units of one rank can rejoin, each replica a unit and no
     other axis: a unit of several ranks that lost one would need all of them restarted.
+
+    Args:
+        update: the update mode the job trains under.
+        sizes: the job's workers' mesh as ``{axis: size}``, as given to :func:`worker_mesh`.
+        rank: the worker rank this process replaces.
+        device_type: the worker's device type, such as ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        OptionError: a rank outside the workers, or units of more than one rank.
     """
     spec = _workers(update, sizes, device_type, "rejoin_mesh")
     check_update(update, spec)
@@ -127,57 +144,63 @@ def _example(example_args: Any, example_kwargs: Mapping[str, Any] | None) -> dic
     return {"example_args": example_args, "example_kwargs": dict(example_kwargs or {})}
 
 
-def compile_for_update(
-    update: Update,
-    mesh: Any,
-    example_args: Any,
-    example_kwargs: Mapping[str, Any] | None,
-    compile_unit: UnitCompiler,
-) -> UpdatedModule | ServerRank:
-    """This rank's part of a job under ``update``: see the module docstring (every rank calls it;
-    a restarted worker rank alone, with a :func:`rejoin_mesh`). ``update`` is checked against the
-    mesh, the job's world and the other options by the caller (``autopar.compile``)."""
-    if isinstance(mesh, Rejoining):
-        return _rejoin(update, mesh, example_args, example_kwargs, compile_unit)
+@dataclass(frozen=True)
+class WorkerUnit:
+    """A worker rank's unit under ``update`` (see the module docstring): the ``mesh`` its model is
+    compiled for, its share of the example inputs (``args``, ``kwargs``), and what its
+    :class:`UpdatedModule` exchanges with the servers over (``store``, this ``rank``, ``servers``)."""
+
+    update: Update
+    unit: int
+    units: int
+    mesh: Any
+    args: Any
+    kwargs: Any
+    store: Any
+    rank: int
+    servers: int
+
+
+def place_unit(
+    update: Update, mesh: Any, example_args: Any, example_kwargs: Mapping[str, Any] | None
+) -> WorkerUnit | ServerRank:
+    """This rank's part of a job under ``update``: a server's :class:`ServerRank`, or the worker's unit
+    to compile (every rank calls it; a restarted worker rank alone, with a :func:`rejoin_mesh`).
+
+    ``update`` is checked against the mesh, the job's world and the other options by the caller
+    (``autopar.compile``), which compiles the unit and wraps it (:meth:`UpdatedModule.of`).
+
+    Args:
+        update: the update mode.
+        mesh: the workers' ``DeviceMesh`` (:func:`worker_mesh`), or a :class:`Rejoining`.
+        example_args: the whole batch's positional example inputs.
+        example_kwargs: its keyword example inputs, or None.
+    """
+    store = wire.launcher_store(_generations[0])
+    _generations[0] += 1
+    example = _example(example_args, example_kwargs)
+    if isinstance(mesh, Rejoining):  # a unit of one rank, its index the rank's (see rejoin_mesh)
+        units = mesh.spec.size
+        args, kwargs = unit_share(example, mesh.rank, units)
+        return WorkerUnit(update, mesh.rank, units, mesh.mesh, args, kwargs, store, mesh.rank, update.servers)
     spec = MeshSpec.of(mesh)
-    world = dist.get_world_size()
     axis = update.axis
     i, replicas = spec.axis_index(axis), spec.axis_sizes[spec.axis_index(axis)]
     units = update.units(replicas)
     others = [a for a in spec.axis_names if a != axis]
     shape = [units, replicas // units, *(spec.axis_sizes[spec.axis_index(a)] for a in others)]
-    ranks = mesh.mesh.movedim(i, 0).reshape(shape)
-    big = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(UNIT_AXIS, axis, *others))
+    big = DeviceMesh(
+        mesh.device_type, mesh.mesh.movedim(i, 0).reshape(shape), mesh_dim_names=(UNIT_AXIS, axis, *others)
+    )
     workers = [int(r) for r in mesh.mesh.flatten()]
-    servers = [r for r in range(world) if r not in set(workers)]
-    store = wire.launcher_store(_generations[0])
-    _generations[0] += 1
+    servers = [r for r in range(dist.get_world_size()) if r not in set(workers)]
     coordinate = big.get_coordinate()
     if coordinate is None:
         return ServerRank(servers.index(dist.get_rank()), store, workers)
-    unit = coordinate[0]
+    args, kwargs = unit_share(example, coordinate[0], units)
     unit_mesh = big[(axis, *others)]
-    args, kwargs = unit_share(_example(example_args, example_kwargs), unit, units)
-    module = compile_unit(unit_mesh, args, kwargs)
-    return UpdatedModule(module, update, unit, units, unit_mesh, store, dist.get_rank(), len(servers))
-
-
-def _rejoin(
-    update: Update,
-    rejoining: Rejoining,
-    example_args: Any,
-    example_kwargs: Mapping[str, Any] | None,
-    compile_unit: UnitCompiler,
-) -> UpdatedModule:
-    """The unit of a restarted worker rank: a unit of one rank, its index the rank's (the job's
-    workers' mesh has no other axis; see :func:`rejoin_mesh`)."""
-    units = rejoining.spec.size
-    store = wire.launcher_store(_generations[0])
-    _generations[0] += 1
-    args, kwargs = unit_share(_example(example_args, example_kwargs), rejoining.rank, units)
-    module = compile_unit(rejoining.mesh, args, kwargs)
-    return UpdatedModule(
-        module, update, rejoining.rank, units, rejoining.mesh, store, rejoining.rank, update.servers
+    return WorkerUnit(
+        update, coordinate[0], units, unit_mesh, args, kwargs, store, dist.get_rank(), len(servers)
     )
 
 
@@ -237,6 +260,16 @@ class UpdatedModule:
         self.log: list[tuple[int, int, int, int]] = []
         self._pairs: list[Any] = []
         self._pieces = _pieces(module, unit_mesh, servers)
+
+    @classmethod
+    def of(cls, module: Any, unit: WorkerUnit) -> UpdatedModule:
+        """``module``, compiled for ``unit`` (:func:`place_unit`), as its worker rank trains it.
+
+        Args:
+            module: the unit's ``DistributedModule``.
+            unit: where it runs and whom it exchanges with.
+        """
+        return cls(module, unit.update, unit.unit, unit.units, unit.mesh, unit.store, unit.rank, unit.servers)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)

@@ -53,7 +53,9 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]  # loss_fn(output, target) 
 
 
 class LossCompiler(Protocol):
-    """Compiles a loss function for a module's outputs (:func:`autopar.compiler.compile_loss`)."""
+    """Compiles a loss function for a module's outputs: the interface the runtime declares and the
+    compiler implements (:class:`autopar.compiler.ProgramLosses`), handed to each module it builds, so
+    that the runtime compiles losses without importing the compiler (the layer rule)."""
 
     def __call__(
         self, module: DistributedModule, loss_fn: LossFn, output: Any, target: torch.Tensor

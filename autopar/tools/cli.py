@@ -99,7 +99,7 @@ def cmd_plan(a: argparse.Namespace) -> None:
     if a.devices:
         from rich.console import Console
 
-        from autopar.planning.planner import plan as plan_model
+        from autopar.planning.entry_points import plan as plan_model
 
         with Console(stderr=True).status(f"searching meshes of {a.devices} devices ..."):
             plan = plan_model(

@@ -7,6 +7,11 @@ regions of its memory choice (:mod:`autopar.planning.memory.recompute`), and the
 step: compute, communication and memory per device (:mod:`autopar.planning.memory.model`),
 and under a pipeline its stages (:mod:`autopar.planning.pipeline.stage_plan`). Everything is
 computed from the strategy graph and the assignment; the captured graph is only read.
+
+In two steps: :func:`evaluate_plan` computes what the searches compare and fit candidates by
+(the decisions, collectives, predictions, memory and stages), for every solve;
+:func:`record_plan` writes the report (the program as text, named layouts, axis roles,
+alternatives, warnings, the annotations and inputs planned for), once, for the plan returned.
 """
 
 from __future__ import annotations
@@ -92,13 +97,38 @@ class PlanSetting:
     budget: float | None = None
 
 
-def assemble_plan(
-    setting: PlanSetting, choice: MemoryChoice, assignment: Mapping[str, int], report: SolverReport
-) -> Plan:
-    """Turn solver choices into a :class:`Plan` with costs, bytes and memory.
+@dataclass(frozen=True, kw_only=True)
+class Evaluated:
+    """A solved assignment evaluated under a memory choice: what the searches compare and fit by.
 
-    ``choice`` applies its ZeRO stage (ZeRO-3 stores each split parameter split, so the
-    consumers gather it) and its recompute; ``setting.pipeline`` adds the stages.
+    ``plan`` holds the decisions, collectives, predictions, memory and pipeline stages but not
+    the report :func:`record_plan` writes (its ``code`` is empty); ``graph`` is the strategy
+    graph it was evaluated on (its split parameters stored split under ZeRO-3) and ``layouts``
+    every node's layouts there.
+    """
+
+    plan: Plan
+    choice: MemoryChoice
+    assignment: Mapping[str, int]
+    graph: StrategyGraph
+    layouts: Mapping[torch.fx.Node, NodeLayouts]
+
+
+def evaluate_plan(
+    setting: PlanSetting, choice: MemoryChoice, assignment: Mapping[str, int], report: SolverReport
+) -> Evaluated:
+    """Evaluate the solver's ``assignment``: its decisions, collectives, predicted step and exact memory.
+
+    Args:
+        setting: what the plan is evaluated under (the graph, cluster, memory options, mesh,
+            pipeline and budget).
+        choice: the memory choice: its ZeRO stage (ZeRO-3 stores each split parameter split, so
+            the consumers gather it) and its recompute.
+        assignment: the strategy per root the solver picked.
+        report: the solve's report, recorded in the plan.
+
+    Raises:
+        PipelineFitError: under a pipeline with a budget, where no split into stages holds it.
     """
     g = setting.graph
     splits = zero_splits(g, assignment, setting.memory) if choice.zero else {}
@@ -157,22 +187,46 @@ def assemble_plan(
         inputs={n.name: format_layout(layouts[n].output) for n in g.choices if n.name in g.captured.inputs},
         prediction=prediction,
         solver=report,
+        code="",
+        memory=_memory_plan(setting, choice, splits, acts, state),
+    )
+    if setting.pipeline is not None:
+        result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state, terms))
+    return Evaluated(plan=result, choice=choice, assignment=assignment, graph=g, layouts=layouts)
+
+
+def record_plan(
+    setting: PlanSetting,
+    evaluated: Evaluated,
+    costs: tuple[Mapping[str, np.ndarray], Mapping[tuple[str, str], np.ndarray]] | None = None,
+) -> Plan:
+    """The :class:`Plan` of ``evaluated`` with its report: the program as text, named layouts, axis
+    roles, warnings of ops without a rule, the annotations, inputs and precision planned for, and
+    with ``costs`` every variable's alternatives.
+
+    Args:
+        setting: what ``evaluated`` was evaluated under.
+        evaluated: the plan to record, from :func:`evaluate_plan`.
+        costs: the node and pair costs of the ILP solved for it, which price the alternatives
+            (:func:`alternatives`); None: the plan lists none (a plan of least memory).
+    """
+    g, layouts, plan = evaluated.graph, evaluated.layouts, evaluated.plan
+    graph, captured = g.captured.graph, g.captured
+    return replace(
+        plan,
         code=format_graph(
             graph, f"Constructed by autopar.plan on mesh {g.mesh} ({setting.cluster.name})", layouts
         ),
         warnings=_warnings(g),
-        memory=_memory_plan(setting, choice, splits, acts, state),
-        named_layouts=named_layouts(g.captured, layouts, g.mesh),
-        manual_rows=dict(g.captured.annotations.parameter_rows),
-        annotations=annotation_record(g.captured),
-        input_shapes=input_shapes(g.captured),
-        precision=g.captured.precision.to_dict() if g.captured.precision else None,
-        axis_roles=axis_roles(graph, nodes, g.mesh),
-        parameter_nodes=dict(g.captured.params),
+        alternatives={} if costs is None else alternatives(setting.graph, *costs, evaluated.assignment),
+        named_layouts=named_layouts(captured, layouts, g.mesh),
+        manual_rows=dict(captured.annotations.parameter_rows),
+        annotations=annotation_record(captured),
+        input_shapes=input_shapes(captured),
+        precision=captured.precision.to_dict() if captured.precision else None,
+        axis_roles=axis_roles(graph, plan.nodes, g.mesh),
+        parameter_nodes=dict(captured.params),
     )
-    if setting.pipeline is not None:
-        result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state, terms))
-    return result
 
 
 def _decisions(g: StrategyGraph, assignment: Mapping[str, int]) -> list[NodeDecision]:
@@ -415,7 +469,7 @@ def _pipeline_inputs(
         state_bytes=state.held,
         flows=g.requires_grad,
         terms=terms,
-        ranks_per_core=setting.cluster.ranks_per_core,
+        ranks_per_core=terms.device.shared_core_speedup,
     )
 
 

@@ -46,16 +46,14 @@ FUNCTIONS = frozenset(TIMED_FUNCTIONS) | {f"{name}_backward" for name in TIMED_B
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """One network link: per-message latency and per-rank bandwidth in one direction.
+    """One network link: per-message latency and per-rank bandwidth in one direction, priced by the ring
+    alpha-beta model; :meth:`for_collective` picks a collective kind's own figures where it has them.
+    Measured by ``autopar calibrate`` (a cluster file), or a preset's vendor figures."""
 
-    ``collectives`` optionally maps a collective kind (a :class:`CollectiveKind` or its value) to
-    figures of its own, fitted to that kind's ring formula by ``autopar calibrate``;
-    :meth:`for_collective` picks them, falling back to the link's general figures. It is stored
-    read-only and left out of the hash (equality compares it), as ``Cluster.peak_flops`` is.
-    """
-
-    latency_s: float
-    bandwidth_Bps: float
+    latency_s: float  # alpha: seconds per message
+    bandwidth_Bps: float  # beta: bytes per second one rank sends in one direction
+    # Figures of a collective kind's own (keyed by CollectiveKind or its value), fitted to its ring formula
+    # by calibrate, else the link's; read-only, out of the hash (equality compares them); empty: none.
     collectives: Mapping[CollectiveKind, LinkSpec] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -95,18 +93,17 @@ class AttentionRates:
 
     Its forward and backward take ``flop_scale * 3 * flops / peak + score_s * scores``, times the
     causal fraction: ``flops`` the forward's products as the rule counts them (the backward counted
-    twice them; the kernels' backward recomputes the scores, and their small blocks run below a
-    large product's rate: ``flop_scale`` is what both cost on top, some 1.25 on a CPU), ``peak``
-    the dtype's product rate, ``scores`` the query-key pairs, each of which costs ``score_s``
-    besides (its exp, the softmax's bookkeeping, forward and backward). Under the implicit causal
-    mask a kernel skips the blocks of keys wholly after its block of queries: with blocks of
-    ``causal_block`` keys, a fraction ``(1 + causal_block / length) / 2`` of the pairs is computed
-    (at most 1; some 512 on a CPU, which computes a 512-long causal sequence whole).
+    twice them), ``peak`` the dtype's product rate, ``scores`` the query-key pairs. Under the implicit
+    causal mask a kernel skips the blocks of keys wholly after its block of queries: a fraction
+    ``(1 + causal_block / length) / 2`` of the pairs is computed (at most 1). ``docs/cost_model.md``
+    has the figures measured.
     """
 
+    # What the kernel's products cost over the dtype's product rate (>= 1): its backward recomputes
+    # the scores, and its small blocks run below a large product's rate.
     flop_scale: float
-    score_s: float
-    causal_block: float
+    score_s: float  # seconds a query-key pair costs besides its products (its exp, the softmax's share)
+    causal_block: float  # keys per block the kernel skips whole under the causal mask
 
     def __post_init__(self) -> None:
         check_number(self.flop_scale, "AttentionRates flop_scale", unit="times the products' time")
@@ -140,61 +137,16 @@ class AttentionRates:
 
 @dataclass(frozen=True)
 class Cluster:
-    """The hardware the plan runs on; every per-device figure is for one rank.
+    """The hardware the plan runs on: one rank's device, its links and its host.
 
-    ``peak_flops`` maps torch's dtype names (``"bfloat16"``, not ``"bf16"``: see :func:`dtype_name`)
-    to FLOP/s and must hold ``"float32"``, the fallback for dtypes it does not list. It is stored read-only;
-    it is left out of the hash (equality still compares it) so a Cluster can key caches.
-
-    ``op_overhead_s`` is what one executed op costs besides its roofline time (launch and
-    dispatch). ``straggler_s`` is how long a synchronising collective waits for the slowest rank
-    after the ranks computed apart for one second; after ``t`` seconds it waits
-    ``straggler_s * sqrt(t)`` (ranks drift apart like a random walk: on shared cores by the
-    scheduler's slices), and ``straggler_base_s`` more at every such wait however short the
-    compute before it (ranks sharing cores: the last to arrive waits for a core).
-    ``ranks_per_core`` is how many ranks share one core's worth of compute
-    where a host runs more ranks than it has cores (4 ranks on 2 cores: 2), else 1: a rank whose
-    neighbours wait then runs up to that many times faster. ``autopar calibrate`` measures these;
-    a file written before they existed reads 0, 0 and 1. ``transcendentals_per_s`` is how many
-    exp, log or erf values per second one rank computes (on a CPU, far fewer than its FLOP/s);
-    None where they are no limit (a GPU's special function units keep up with its memory).
-    ``optimizer_tensor_s`` is what the optimizer step spends per parameter tensor besides
-    moving its bytes: torch's AdamW on the compiled module's DTensor parameters, whose every op
-    goes through DTensor's dispatch (0.32-0.38 ms a tensor measured on 4 CPU ranks sharing 2
-    cores, three times the overhead of the ten plain ops it runs); None where not measured: ten
-    ops' ``op_overhead_s``.
-    ``function_rates`` is how many values per second one rank computes of each elementwise
-    function calibrate timed (:data:`~autopar.rules.elementwise.TIMED_FUNCTIONS`, and
-    ``<name>_backward`` for their backward), which then price those ops instead of their
-    transcendental count at ``transcendentals_per_s``; empty where not measured.
-    ``recompute_op_s`` is what one op of a recompute region costs besides its forward and
-    backward overhead: its second launch, and the selective-checkpoint policy's dispatch of it in
-    forward and again when backward recomputes it; None where not measured: one
-    ``op_overhead_s``, its relaunch alone. ``recompute_unit_s``, where calibrate measured it,
-    prices the same per op and per tensor autograd saves for it (the checkpoint's hooks pack and
-    unpack each): an op of the region costs ``recompute_unit_s * (1 + saved tensors)``, so a
-    cast or an addition (nothing saved) costs less than a ``linear`` (two) or a layer norm; it
-    replaces ``recompute_op_s`` then. On a CPU some 40 us a unit against 4 us for a plain op.
-    ``checkpoint_unit_s`` is the unit of a full region without collectives, which the runtime runs
-    under plain checkpointing (no policy to consult: some 20 us a unit on a CPU); None where not
-    measured: ``recompute_unit_s``.
-    ``asynchronous`` says the device runs an op after its launch returns (a GPU): the host then
-    launches ahead while the device computes, and the ops' overhead overlaps their compute
-    (:func:`~autopar.planning.cost.step_overheads.launch_queue`); False where the host computes (CPU
-    ranks), whose overhead adds to the compute.
-    ``host_op_overhead_s`` is what an op on the host's tensors costs (optimizer offload's update on
-    the host), None where the host is the device: ``op_overhead_s``.
-    ``host_link_Bps`` is one rank's bandwidth to host memory, one direction (optimizer offload's
-    copies), and ``host_memory_bandwidth_Bps`` the host memory bandwidth one rank's share of the
-    host gets (the offloaded update); None for both where the device is the host (CPU ranks):
-    a copy is then memory traffic and the host update runs at ``memory_bandwidth_Bps``.
-    ``attention`` prices ``scaled_dot_product_attention`` as its fused kernel runs
-    (:class:`AttentionRates`); None where not measured: its products at ``peak_flops`` and an exp
-    per score forward and backward at ``transcendentals_per_s``.
-    ``threads_per_rank`` is how many CPU threads each rank computed with when calibrate measured
-    it (``torch.get_num_threads()``): its rates hold for ranks computing on as many, and a plan
-    made on a rank computing on another number says so; None where not recorded (presets, one
-    device's file, ranks that differed).
+    Every per-device figure is for one rank. ``autopar calibrate`` measures them into a cluster file
+    (``docs/cost_model.md``, "Your machine"), presets hold vendor figures. The roofline figures and the
+    links price ops and collectives (:class:`~autopar.planning.cost.model.CostModel`); every other
+    term is read through the cluster's device model
+    (:func:`~autopar.planning.cost.device_model.device_model`), which prices the CPU-gloo terms only
+    where the cluster sets them. A file written before a figure existed reads its default. The
+    mappings (``peak_flops``, ``function_rates``) are stored read-only and left out of the hash
+    (equality compares them), so a Cluster can key caches.
 
     Every field is checked as given, nothing converted: a count is an int (not a bool or a float),
     a figure a finite int or float in its range, a flag a bool, a table's keys known ones; anything
@@ -202,28 +154,63 @@ class Cluster:
     """
 
     name: str
+    # FLOP/s of matrix products per dtype, keyed by torch's dtype names ("bfloat16", not "bf16": see
+    # dtype_name); must hold "float32", the fallback for dtypes it does not list.
     peak_flops: Mapping[str, float] = field(hash=False)
-    memory_bandwidth_Bps: float
-    memory_bytes: int
+    memory_bandwidth_Bps: float  # bytes per second one rank reads and writes: every op's floor
+    memory_bytes: int  # bytes of memory per device: the default memory budget
+    # Ranks per node: a mesh axis whose ranks span more crosses nodes; ONE_HOST where all share one host.
     devices_per_node: int
-    intra_node: LinkSpec
-    inter_node: LinkSpec
-    measured_on: str = ""  # the machine `autopar calibrate` measured (a cluster file's); "" for presets
+    intra_node: LinkSpec  # the link between ranks of one node
+    inter_node: LinkSpec  # the link between nodes
+    measured_on: str = ""  # the host `autopar calibrate` measured (a cluster file's); "" for presets
+    # Seconds one executed op costs besides its roofline time (launch, dispatch, autograd's
+    # bookkeeping): calibrate's, a preset's assumed; 0: none.
     op_overhead_s: float = 0.0
+    # Seconds a synchronising collective waits for the slowest rank after 1 s of compute apart, after t
+    # seconds straggler_s * sqrt(t) (the ranks drift like a random walk): calibrate's; 0: none.
     straggler_s: float = 0.0
+    # Seconds every such wait adds however short the compute before it (ranks sharing cores: the last
+    # to arrive waits for a core): calibrate's; 0: none.
     straggler_base_s: float = 0.0
+    # Ranks sharing a core where a host runs more ranks than cores (4 on 2: 2), so a rank whose neighbours
+    # wait runs up to that many times faster: calibrate's (ranks over os.cpu_count()); 1: cores of its own.
     ranks_per_core: float = 1.0
+    # Bytes per second one rank copies to or from host memory, one direction (optimizer offload's
+    # copies; a GPU's PCIe link): calibrate --device's or a preset's; None where the device is the host.
     host_link_Bps: float | None = None
+    # Bytes per second of host memory one rank's share of the host gets (the offloaded update):
+    # calibrate --device's or a preset's; None where the device is the host (memory_bandwidth_Bps).
     host_memory_bandwidth_Bps: float | None = None
+    # Exp, log or erf values one rank computes per second (on a CPU far fewer than its FLOP/s):
+    # calibrate's; None where they are no limit (a GPU's special function units keep up with memory).
     transcendentals_per_s: float | None = None
+    # Seconds the optimizer step spends per parameter tensor besides moving its bytes (torch's AdamW on
+    # DTensor parameters, each op through DTensor's dispatch): calibrate's; None: its ops' op_overhead_s.
     optimizer_tensor_s: float | None = None
+    # Values per second one rank computes of each elementwise function calibrate timed (TIMED_FUNCTIONS,
+    # "<name>_backward" for a backward), pricing those ops instead of their transcendentals; empty: none.
     function_rates: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # Seconds one op of a recompute region costs besides its own overhead (its relaunch, the policy's
+    # dispatch): files calibrated before recompute_unit_s; None: one op_overhead_s.
     recompute_op_s: float | None = None
+    # Seconds per unit of a recompute region under the selective policy, an op one unit and one per tensor
+    # autograd saves for it (packed and unpacked): calibrate's; replaces recompute_op_s; None: that prices.
     recompute_unit_s: float | None = None
+    # Seconds per unit of a full region without collectives, which runs under plain checkpointing (no
+    # policy to consult): calibrate's; None: recompute_unit_s.
     checkpoint_unit_s: float | None = None
+    # Whether the device runs an op after its launch returns (a GPU): the host launches ahead and the
+    # ops' overhead overlaps their compute. False where the host computes (CPU ranks).
     asynchronous: bool = False
+    # Seconds an op on the host's tensors costs (offload's update on the host): calibrate --device's;
+    # None where the host is the device (op_overhead_s).
     host_op_overhead_s: float | None = None
+    # CPU threads each rank computed on when calibrate measured it, whose rates hold for as many (a plan
+    # made on another number says so); None where not recorded (presets, one device's file, ranks apart).
     threads_per_rank: int | None = None
+    # How a fused attention kernel runs, timed by calibrate; None: its products at peak_flops and an exp
+    # per score, forward and backward, at transcendentals_per_s.
     attention: AttentionRates | None = None
 
     def __post_init__(self) -> None:
@@ -284,11 +271,8 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
-        """The cluster :meth:`to_dict` wrote; the figures added since (``op_overhead_s``,
-        the stragglers', ``ranks_per_core``, the host's, ``transcendentals_per_s``,
-        ``optimizer_tensor_s``, ``function_rates``, ``recompute_op_s``, ``recompute_unit_s``,
-        ``checkpoint_unit_s``, ``asynchronous``, ``host_op_overhead_s``, ``threads_per_rank``, ``attention``)
-        are optional, so files written before them still load.
+        """The cluster :meth:`to_dict` wrote; every field with a default (each added since the first
+        files) is optional, so files written before it still load.
 
         Nothing is converted: a field of another type than the constructor takes (``"false"`` for
         ``asynchronous``, ``2.5`` devices per node), a non-finite figure or an unknown key (at any

@@ -2,8 +2,9 @@
 
 All times are in seconds, all sizes in bytes, bandwidths in bytes per second.
 
-Compute follows a roofline: ``max(flops / peak_flops[dtype] + transcendentals /
-transcendentals_per_s, bytes / memory_bandwidth)``.
+Compute follows a roofline: ``max(flops / peak_flops[dtype] + the transcendentals' seconds,
+bytes / memory_bandwidth)``, the transcendentals and timed functions priced by the cluster's
+:class:`~autopar.planning.cost.device_model.DeviceModel`.
 Communication follows the ring alpha-beta model, one mesh axis at a time, with the
 link (latency alpha, per-rank one-direction bandwidth beta) of that axis: inside a
 node or across nodes. :meth:`CostModel.redistribute` turns a layout change into the
@@ -47,6 +48,7 @@ from autopar.ir.redistribution_steps import (
     walk,
 )
 from autopar.planning.cost.cluster import FALLBACK_DTYPE, ONE_HOST, Cluster, LinkSpec
+from autopar.planning.cost.device_model import device_model
 
 
 def ring_terms(kind: CollectiveKind, n: int) -> tuple[int, float]:
@@ -60,13 +62,8 @@ def ring_terms(kind: CollectiveKind, n: int) -> tuple[int, float]:
 
 
 _PRESETS: dict[str, Cluster] = {
-    # Measured on 2026-11-22 by bench/calibrate_cpu_gloo.py with world_size=2 on a 2-core
-    # Intel Xeon (KVM guest, AVX-512 + AMX), 24 GiB RAM, torch 2.13.0+cpu: one thread per
-    # rank, both ranks busy at once, gloo over 127.0.0.1. Each figure is the median of
-    # three runs on an otherwise idle host (docs/cost_model.md lists all three); alpha
-    # varied 117-340 µs and bf16 FLOP/s 0.41-0.98e12 between runs. Re-run the script to refresh.
-    # op_overhead_s and straggler_s: the same script on 2026-11-24, median of three idle runs
-    # (2.45 / 3.34 / 3.96 µs per op; 9.15 / 6.46 / 16.5 ms waited after 1 s of compute).
+    # This development machine's two gloo ranks, measured once by bench/calibrate_cpu_gloo.py (each
+    # figure the median of three runs; docs/cost_model.md, "Presets", has the runs, date and machine).
     "cpu-gloo": Cluster(
         name="cpu-gloo",
         peak_flops={"float32": 132e9, "bfloat16": 838e9, "float16": 144e9},
@@ -78,20 +75,9 @@ _PRESETS: dict[str, Cluster] = {
         op_overhead_s=3.34e-6,
         straggler_s=9.15e-3,
     ),
-    # Nodes of 8 H100-80GB SXM5 (DGX/HGX H100). Vendor peaks, not achievable rates:
-    # - FLOP/s, HBM: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100),
-    #   SXM column: BF16/FP16 Tensor Core 989 TFLOPS dense (the 1,979 figure assumes 2:4
-    #   sparsity), FP32 (non-tensor-core) 67 TFLOPS, HBM3 3.35 TB/s, 80 GB.
-    # - NVLink 4: 900 GB/s per GPU total over both directions (same datasheet) -> 450e9 B/s
-    #   each way. Latency ~3 µs is a typical NCCL small-message figure, not a vendor spec.
-    # - Across nodes: one ConnectX-7 NDR 400 Gb/s InfiniBand port per GPU (NVIDIA DGX H100
-    #   datasheet / user guide) -> 50e9 B/s; ~10 µs latency is again a typical, assumed figure.
-    # - Host: PCIe Gen5 x16 per GPU, 128 GB/s both ways (H100 datasheet) -> 64e9 B/s each way; two
-    #   Xeon Platinum 8480C per DGX H100, 8 channels of DDR5-4800 each (Intel ARK): 614 GB/s per
-    #   node, a GPU's share 76.8e9 B/s.
-    # - ~5 µs per op is a typical kernel launch with PyTorch's dispatch, assumed; a GPU runs its
-    #   kernels after their launch returns, so the launches overlap the compute (asynchronous).
-    #   Stragglers are not known without measuring (autopar calibrate does): 0.
+    # Nodes of 8 H100-80GB SXM5 (DGX/HGX H100): vendor peaks, not achievable rates, and typical
+    # latencies and op overhead, assumed; docs/cost_model.md, "Presets", gives each figure's source.
+    # A GPU runs its kernels after their launch returns (asynchronous); no stragglers are known.
     "h100": Cluster(
         name="h100",
         peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
@@ -224,6 +210,7 @@ class CostModel:
     def __init__(self, mesh: MeshSpec | Mapping[str, int], cluster: Cluster) -> None:
         self.mesh = MeshSpec.of(mesh)
         self.cluster = cluster
+        self.device = device_model(cluster)  # what the cluster's device spends beyond the roofline
         self._links = tuple(self._axis_link(i) for i in range(self.mesh.ndim))
         # Per instance so the cache key is just the tensor arguments; the planner asks
         # for the same (src, dst, shape) pairs many times.
@@ -277,12 +264,11 @@ class CostModel:
         transcendentals: float = 0.0,
         timed_s: float = 0.0,
     ) -> float:
-        """Roofline on one device: ``max(flops / peak + transcendentals / rate + timed_s,
-        bytes_accessed / memory_bandwidth)``; the transcendentals' rate is
-        ``Cluster.transcendentals_per_s`` (None: not a limit), ``timed_s`` what functions priced
-        at their calibrated rates take."""
-        rate = self.cluster.transcendentals_per_s
-        arithmetic = flops / self.peak(dtype) + (transcendentals / rate if rate else 0.0) + timed_s
+        """Roofline on one device: ``max(flops / peak + transcendentals' seconds + timed_s,
+        bytes_accessed / memory_bandwidth)``; the transcendentals are priced by the device
+        (:meth:`~autopar.planning.cost.device_model.DeviceModel.transcendental_s`), ``timed_s`` is
+        what functions priced at their calibrated rates take."""
+        arithmetic = flops / self.peak(dtype) + self.device.transcendental_s(transcendentals) + timed_s
         return max(arithmetic, bytes_accessed / self.cluster.memory_bandwidth_Bps)
 
     def op_time(
@@ -297,18 +283,19 @@ class CostModel:
     ) -> float:
         """One op's forward and, where a gradient flows (``grad``), its backward: twice the
         forward's flops and bytes, and the ``(forward, backward)`` transcendentals its rule counts.
-        Where the cluster timed the elementwise ``function`` the op evaluates (``flops`` values;
-        ``Cluster.function_rates``: ``function``, ``<function>_backward``), that rate prices the
-        forward, or the backward, instead of its transcendentals. A fused attention kernel
+        Where the device timed the elementwise ``function`` the op evaluates (``flops`` values;
+        :meth:`~autopar.planning.cost.device_model.DeviceModel.function_s` of ``function`` and of
+        ``<function>_backward``), that rate prices the forward, or the backward, instead of its
+        transcendentals. A fused attention kernel
         (``attention``: scores and causal length, see ``DimSpec.attention``) is priced by the
         cluster's :class:`~autopar.planning.cost.cluster.AttentionRates` where it has them, its bytes
         still a floor."""
         if attention is not None and self.cluster.attention is not None:
             seconds = self.cluster.attention.seconds(flops, *attention, self.peak(dtype), grad)
             return max(seconds, (3 if grad else 1) * bytes_accessed / self.cluster.memory_bandwidth_Bps)
-        rates, inverse = self.cluster.function_rates, f"{function}_backward"
-        timed_forward = flops / rates[function] if function in rates else 0.0
-        timed_backward = flops / rates[inverse] if function is not None and inverse in rates else 0.0
+        inverse = None if function is None else f"{function}_backward"
+        timed_forward = self.device.function_s(function, flops)
+        timed_backward = self.device.function_s(inverse, flops)
         forward = 0.0 if timed_forward else transcendentals[0]
         seconds = self.compute_time(flops, bytes_accessed, dtype, forward, timed_forward)
         if not grad:
@@ -358,7 +345,7 @@ class CostModel:
         scatter along a dim other than the first stacks the pieces (the gathered n, the scattered
         input), all_to_all on each side so split. A local slice or to_partial is left free: its
         copy is 1/n of the tensor or a fill, and a price on every layout change that moves nothing
-        would give the solver a variable for each (the 405B plan's ILP: 2% more, solved 37% slower).
+        would give the solver a variable for each (docs/cost_model.md: what that cost the ILP).
         """
         n = self.mesh.axis_sizes[step.axis]
         if n == 1:  # the lowering issues nothing on an axis of one device

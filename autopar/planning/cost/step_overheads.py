@@ -1,15 +1,16 @@
 """What a training step spends besides the operators' roofline and the layout changes between them.
 
-Each term is priced from the :class:`~autopar.planning.cost.cluster.Cluster`'s figures and models
-what the runtime does (``docs/cost_model.md``, "The whole step"):
+Each term is priced from the :class:`~autopar.planning.cost.cluster.Cluster`'s figures, what the
+device spends beyond its roofline asked of its
+:class:`~autopar.planning.cost.device_model.DeviceModel`, and models what the runtime does
+(``docs/cost_model.md``, "The whole step"):
 
-* **op overhead**: every op the program executes costs ``Cluster.op_overhead_s`` (launch and
+* **op overhead**: every op the program executes costs the device's op overhead (launch and
   dispatch) on top of its roofline time: once in forward, :data:`BACKWARD_OPS_PER_OP` times in
-  backward when a gradient flows through it, and ``Cluster.recompute_unit_s`` per unit (the op
-  and each tensor autograd saves for it; ``Cluster.checkpoint_unit_s`` in a full region without
-  collectives) when a recompute region runs it (:func:`op_seconds`);
-  on an asynchronous device (a GPU) the host launches ahead while the device computes, and what
-  of the two overlaps is taken off (:func:`launch_queue`);
+  backward when a gradient flows through it, and its recompute's cost
+  (:meth:`~autopar.planning.cost.device_model.DeviceModel.recompute_s`) when a recompute region runs it
+  (:func:`op_seconds`); on an asynchronous device (a GPU) the host launches ahead while the device
+  computes, and what of the two overlaps is taken off (:func:`launch_queue`);
 * **the optimizer step**: a memory-bound update of each rank's optimizer shard, as many passes
   as torch's default optimizer makes (:func:`update_passes`), plus its ops; under
   optimizer offload the gradients' copies to the host, the update there, and the copies back
@@ -34,7 +35,6 @@ the memory and mesh searches compare plans by it.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,48 +45,29 @@ from autopar.ir.buckets import pack
 from autopar.ir.options import Memory
 from autopar.ir.plan import Redistribution
 from autopar.planning.cost.cluster import Cluster
+from autopar.planning.cost.device_model import (
+    OPTIMIZER_OPS_PER_TENSOR,
+    DeviceModel,
+    RecomputeWork,
+    device_model,
+)
 
 # A matrix product's backward runs two (the operand's and the weight's gradients); elementwise
 # ops run one or two. Each backward op costs what a forward op does.
 BACKWARD_OPS_PER_OP = 2
-# Ops torch's for-loop Adam/AdamW runs per parameter tensor (torch's CPU default: a dispatch mode
-# counted 692 ops for the example GPT's 67 tensors); a foreach or fused optimizer runs fewer.
-OPTIMIZER_OPS_PER_TENSOR = 10
 # The share of an op's priced compute that runs in backward: the strategy graph prices an op a
 # gradient flows through at three times its forward (its backward computes two products per one).
 BACKWARD_SHARE = 2 / 3
 FP32_BYTES = 4
 
 
-@dataclass(frozen=True)
-class RecomputeWork:
-    """What the checkpoint does for one recomputed op: ``units``, one for the op and one per tensor
-    autograd saves for it (its hooks pack each in forward and unpack it in backward), under the
-    selective checkpoint's policy where ``selective`` (a selective region, or a full one with
-    collectives: :func:`~autopar.ir.options.uses_policy`)."""
-
-    units: int
-    selective: bool = True
-
-
 def op_seconds(cluster: Cluster, grad: bool, recompute: RecomputeWork | None = None) -> float:
     """Overhead of one op of the program per microbatch: its forward, its backward ops where a
-    gradient flows, and where it is recomputed its :func:`recompute_seconds`."""
+    gradient flows, and where it is recomputed the device's
+    :meth:`~autopar.planning.cost.device_model.DeviceModel.recompute_s`."""
+    device = device_model(cluster)
     ops = 1 + (BACKWARD_OPS_PER_OP if grad else 0)
-    return ops * cluster.op_overhead_s + (recompute_seconds(cluster, recompute) if recompute else 0.0)
-
-
-def recompute_seconds(cluster: Cluster, work: RecomputeWork) -> float:
-    """Overhead of recomputing one op, besides its forward's compute: its second forward and the
-    checkpoint's work for it. ``Cluster.recompute_unit_s`` per unit under the policy,
-    ``Cluster.checkpoint_unit_s`` without it (the policy's figure where that was not measured);
-    files calibrated before units price ``Cluster.recompute_op_s`` per op, and one more op's
-    overhead where nothing was measured."""
-    if cluster.recompute_unit_s is not None:
-        plain = cluster.checkpoint_unit_s
-        unit = cluster.recompute_unit_s if work.selective or plain is None else plain
-        return work.units * unit
-    return cluster.op_overhead_s if cluster.recompute_op_s is None else cluster.recompute_op_s
+    return ops * device.op_overhead_s + (device.recompute_s(recompute) if recompute else 0.0)
 
 
 def queue_end(jobs: Iterable[tuple[float, float]]) -> float:
@@ -139,24 +120,23 @@ def update_seconds(work: OptimizerWork, cluster: Cluster, memory: Memory) -> flo
     (``work.itemsize`` bytes each) and the ``memory.optimizer_states`` fp32 states, at
     ``memory_bandwidth_Bps``. Offloaded, the gradient is copied to an fp32 host copy, the update
     runs there on fp32 values (at ``host_memory_bandwidth_Bps``) and the parameter is copied back
-    (:func:`copy_seconds`). Each tensor the optimizer touches also costs its ops' overhead: on the
-    device, where it steps DTensors (parameters or ZeRO shards), ``Cluster.optimizer_tensor_s``
-    where calibrated, else :data:`OPTIMIZER_OPS_PER_TENSOR` ops'; on the host copies of offload,
-    as many host ops (``Cluster.host_op_overhead_s``).
+    (:meth:`~autopar.planning.cost.device_model.DeviceModel.host_copy_s`). Each tensor the optimizer
+    touches also costs its ops' overhead: on the device, where it steps DTensors (parameters or ZeRO
+    shards), the device's
+    :attr:`~autopar.planning.cost.device_model.DeviceModel.optimizer_tensor_s`; on the host copies of
+    offload, :data:`OPTIMIZER_OPS_PER_TENSOR` host ops.
     """
     if work.elements <= 0:
         return 0.0
+    device = device_model(cluster)
     e, item = work.elements, work.itemsize
     values, states = update_passes(memory.optimizer_states)
-    ops = OPTIMIZER_OPS_PER_TENSOR * cluster.op_overhead_s
     if not memory.offload_optimizer:
-        per_tensor = ops if cluster.optimizer_tensor_s is None else cluster.optimizer_tensor_s
+        per_tensor = device.optimizer_tensor_s
         return e * (values * item + states * FP32_BYTES) / cluster.memory_bandwidth_Bps + per_tensor
-    host_bandwidth = cluster.host_memory_bandwidth_Bps or cluster.memory_bandwidth_Bps
-    host_update = e * FP32_BYTES * (values + states) / host_bandwidth
-    copies = copy_seconds(e * item, e * FP32_BYTES, cluster) + copy_seconds(e * FP32_BYTES, e * item, cluster)
-    host_op = cluster.op_overhead_s if cluster.host_op_overhead_s is None else cluster.host_op_overhead_s
-    host_ops = OPTIMIZER_OPS_PER_TENSOR * host_op
+    host_update = e * FP32_BYTES * (values + states) / device.host_update_Bps
+    copies = device.host_copy_s(e * item, e * FP32_BYTES) + device.host_copy_s(e * FP32_BYTES, e * item)
+    host_ops = OPTIMIZER_OPS_PER_TENSOR * device.host_op_s
     return copies + host_update + host_ops + 2 * cluster.op_overhead_s  # the two copies are ops too
 
 
@@ -171,14 +151,6 @@ def gradient_seconds(leaf_bytes: float, passes: int, summed: bool, cluster: Clus
     accumulate = (passes - 1) * (3 * leaf_bytes / bandwidth + op)
     bucket = 2 * leaf_bytes / bandwidth + op if summed else 0.0
     return 2 * passes * op + accumulate + bucket
-
-
-def copy_seconds(source_bytes: float, target_bytes: float, cluster: Cluster) -> float:
-    """One copy between the device and the host: ``source_bytes`` over the host link, or, where the
-    device is the host (``host_link_Bps`` None), the source read and the target written in memory."""
-    if cluster.host_link_Bps is not None:
-        return source_bytes / cluster.host_link_Bps
-    return (source_bytes + target_bytes) / cluster.memory_bandwidth_Bps
 
 
 @dataclass(frozen=True)
@@ -298,19 +270,15 @@ class StepTerms:
     ``ops`` are in forward order; ``op_s`` is each op's overhead (:func:`op_seconds`), ``update_s``
     each parameter's optimizer step, ``grad_sums`` each summed gradient, in the order the runtime
     lists parameters; ``gradient_s`` what handling each parameter's gradient costs in the whole
-    step (:func:`gradient_seconds`); ``straggler_s`` and ``straggler_base_s`` are the cluster's
-    (see :meth:`waits`).
+    step (:func:`gradient_seconds`); ``device`` the cluster's model (its stragglers, its launches).
     """
 
     ops: tuple[OpTime, ...]
     op_s: Mapping[str, float]
     update_s: Mapping[str, float]
     grad_sums: Mapping[str, GradSum]
-    straggler_s: float  # the cluster's
-    straggler_base_s: float = 0.0  # the cluster's
+    device: DeviceModel
     gradient_s: Mapping[str, float] = field(default_factory=dict)
-    asynchronous: bool = False  # the cluster's: its ops' overhead overlaps their compute
-    op_overhead_s: float = 0.0  # the cluster's
 
     def launches(self, names: Collection[str] | None = None) -> list[tuple[float, float]]:
         """``(host, device)`` seconds of the forward of each op in ``names`` (all when None) in
@@ -318,7 +286,7 @@ class StepTerms:
         :func:`launch_queue`: the host's are its overhead (``op_s``: one op forward, the rest
         backward), the device's its compute, and in backward its operands' collectives."""
         ops = [op for op in self._kept(names) if op.name in self.op_s]
-        launch = self.op_overhead_s
+        launch = self.device.op_overhead_s
         forward = [(launch, op.forward_s) for op in ops]
         backward = [(self.op_s[op.name] - launch, op.backward_s + op.backward_comm_s) for op in ops]
         return forward + backward[::-1]
@@ -326,7 +294,7 @@ class StepTerms:
     def hidden_launches(self, names: Collection[str] | None = None) -> float:
         """What of the launches and compute of the ops in ``names`` (all when None) overlaps on an
         asynchronous device (:func:`launch_queue`); 0 where the host computes."""
-        return launch_queue(self.launches(names)) if self.asynchronous else 0.0
+        return launch_queue(self.launches(names)) if self.device.asynchronous else 0.0
 
     @property
     def recompute_s(self) -> dict[str, float]:
@@ -360,9 +328,9 @@ class StepTerms:
 
     def waits(self, stretches: Iterable[float]) -> float:
         """What the ranks wait for the slowest at the synchronising points that end ``stretches``
-        of compute: ``straggler_base_s`` at each, and ``straggler_s`` after one second of compute,
-        growing as the square root of the stretch (the ranks drift apart like a random walk)."""
-        return sum(self.straggler_base_s + self.straggler_s * math.sqrt(t) for t in stretches if t > 0)
+        of compute: the device's
+        :meth:`~autopar.planning.cost.device_model.DeviceModel.straggler_wait_s` at each."""
+        return sum(self.device.straggler_wait_s(t) for t in stretches if t > 0)
 
 
 @dataclass(frozen=True)
@@ -450,9 +418,6 @@ def step_terms(
         op_s={op.name: op_seconds(cluster, op.grad, op.recompute) for op in ops if op.runs},
         update_s=dict(update_s),
         grad_sums=dict(grad_sums),
-        straggler_s=cluster.straggler_s,
-        straggler_base_s=cluster.straggler_base_s,
+        device=device_model(cluster),
         gradient_s=dict(gradient_s),
-        asynchronous=cluster.asynchronous,
-        op_overhead_s=cluster.op_overhead_s,
     )

@@ -12,9 +12,9 @@ smallest such region.
 :func:`deferred_sums` finds, per axis, the largest such region (a greatest fixed
 point: a value stays in it while every use either needs the sum or feeds another
 value of the region unchanged) and returns which edge sums to drop and which
-parameters to sum instead. The planner uses it to predict the bytes (on the layouts of
-a plan being made), the ``insert_redistributions`` pass to place the collectives (on the
-layouts written on the graph), so both agree: see :class:`~autopar.planning.graph.laid_out.LaidOutGraph`.
+parameters to sum instead. The planner uses it to price the sums (on the layouts of a plan
+being made) and to record them in the plan (``assembly/lowering_record.py``), which the
+``insert_redistributions`` pass applies, so both agree.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ Two kinds of region (:data:`Region`: ``(name, policy)``):
   so the gather runs again in backward and the gathered weight is never kept
   (:func:`zero3_regions`).
 
-The planner prices the regions of :func:`recompute_regions` on the captured graph; the
-``mark_recompute`` pass marks the same ones on the lowered graph, where a gather is a chain
-of autopar collectives between the parameter and the op, so the plan predicts what runs.
+The planner prices the regions of :func:`recompute_regions` on the captured graph;
+``assembly/lowering_record.py`` records them in the plan as the lowered graph has them (where a
+gather is a chain of autopar collectives between the parameter and the op), and the
+``mark_recompute`` pass applies that record, so the plan predicts what runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 
 from autopar.ir.meta import NodeLayouts, module_stack
-from autopar.ir.ops import LAYOUT_CONSTRAINT, is_autopar_op, written_operand
+from autopar.ir.ops import LAYOUT_CONSTRAINT, is_collective, written_operand
 from autopar.ir.options import SELECTIVE
 from autopar.rules import OpCall
 
@@ -33,12 +34,6 @@ def _region_of(node: torch.fx.Node, recompute: Mapping[str, str]) -> Region | No
     """``(module path, policy)`` of the innermost recompute module ``node`` runs in, if any."""
     path = next((p for p in reversed(module_stack(node)) if p in recompute), None)
     return None if path is None else (path, recompute[path])
-
-
-def is_collective(node: torch.fx.Node) -> bool:
-    """One of autopar's collectives (``torch.ops.autopar.*`` but the layout constraint, which
-    the compiler drops before the collectives are placed)."""
-    return node.op == "call_function" and is_autopar_op(node.target) and str(node.target) != LAYOUT_CONSTRAINT
 
 
 def _is_op(node: torch.fx.Node) -> bool:

@@ -2,9 +2,10 @@
 
 :func:`memory_choices` lists the candidates (a ZeRO stage and the modules recomputed);
 :func:`memory_search` solves them by the ILP (:mod:`autopar.planning.search.solver`, with the memory
-terms of :mod:`autopar.planning.search.memory_tables`), pruning by bounds, and assembles each into a
-plan (:mod:`autopar.planning.assembly.assemble`) whose exact memory decides whether it fits;
-:func:`no_fit` is the error naming the least memory reached when none does.
+terms of :mod:`autopar.planning.search.memory_tables`), pruning by bounds, and evaluates each
+solve (:func:`~autopar.planning.assembly.assemble.evaluate_plan`), whose exact memory decides whether
+it fits; :func:`record` writes the report of the plan it returns, once; :func:`no_fit` is the error
+naming the least memory reached when none fits.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from autopar.capture.export import Captured, repeated_blocks
 from autopar.ir.errors import MemoryFitError, PlanError
 from autopar.ir.options import FULL, SELECTIVE, Memory
 from autopar.ir.plan import Plan, SolverReport
-from autopar.planning.assembly.assemble import PlanSetting, alternatives, assemble_plan
+from autopar.planning.assembly.assemble import Evaluated, PlanSetting, evaluate_plan, record_plan
 from autopar.planning.graph.edge_costs import CostTables
 from autopar.planning.graph.strategy_graph import StrategyGraph
 from autopar.planning.memory.model import MemoryChoice
@@ -27,10 +28,28 @@ from autopar.planning.search.memory_tables import MemoryTerms, summed_pairs
 from autopar.planning.search.solver import SolverClock, SolverStats, SolverTimeout, StrategyILP
 
 
+class Found(NamedTuple):
+    """The plan a memory search returns, evaluated, and the ILP solved for it: its costs price the
+    alternatives the plan's report lists (None for a plan of least memory, whose report lists none)."""
+
+    evaluated: Evaluated
+    ilp: StrategyILP | None
+
+
 class _Solved(NamedTuple):
-    plan: Plan
+    evaluated: Evaluated
     stats: SolverStats
-    assignment: dict[str, int]
+    ilp: StrategyILP
+
+    @property
+    def plan(self) -> Plan:
+        """The plan evaluated, without its report."""
+        return self.evaluated.plan
+
+    @property
+    def assignment(self) -> Mapping[str, int]:
+        """The strategy per root the solve picked."""
+        return self.evaluated.assignment
 
 
 class _Unfit(NamedTuple):
@@ -43,7 +62,7 @@ class _Unfit(NamedTuple):
 
 @dataclass(frozen=True, kw_only=True)
 class Search:
-    """What every candidate of the memory search is solved and assembled with: the setting
+    """What every candidate of the memory search is solved and evaluated with: the setting
     (whose ``budget`` is the bytes per device a plan must fit), the ILP's cost tables and
     each candidate's memory terms, the solver's time left (``time_limit`` shared by every
     solve) and its seed."""
@@ -55,9 +74,9 @@ class Search:
     seed: int
     # a step another plan reaches (the automatic mesh's best so far): none slower is wanted
     cutoff_s: float = math.inf
-    tried: list[tuple[Plan, MemoryChoice]] = field(default_factory=list)  # plans that did not fit
-    # solves whose split into pipeline stages did not fit, assembled without a budget if needed
-    unassembled: list[tuple[MemoryChoice, dict[str, int], SolverReport]] = field(default_factory=list)
+    tried: list[Evaluated] = field(default_factory=list)  # plans that did not fit
+    # solves whose split into pipeline stages did not fit, evaluated without a budget if needed
+    unevaluated: list[tuple[MemoryChoice, dict[str, int], SolverReport]] = field(default_factory=list)
     # solves without a limit, per choice
     unlimited: dict[tuple, _Solved | _Unfit | None] = field(default_factory=dict)
     # the last solve's strategy per root: the next solve's hint (see StrategyILP._hint)
@@ -70,7 +89,7 @@ class Search:
 _ROUNDING = 1e-6
 
 
-def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | None, bool]:
+def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Found | None, bool]:
     """The fastest plan that fits among ``choices``, and whether the budget had to be searched.
 
     The first choice solved without the memory constraint is the fastest plan of all: if it
@@ -89,7 +108,7 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
     """
     first = _solve_choice(search, choices[0], constrained=False)
     if first is not None and _fits(search, first.plan):
-        return first.plan, False
+        return Found(first.evaluated, first.ilp), False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
     least_step = base * _hidden_share(first)  # every choice's objective is at least base
@@ -136,20 +155,20 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Plan | N
         # the plan of least estimated memory (the error's candidate) is a plan too, when it fits:
         # the solves of faster ones may have run out of time, or their estimates missed a stage's
         least = _least_of(search, choices[-1])
-        return (least if _fits(search, least) else None), True
-    return best.plan, True
+        return (Found(least, None) if _fits(search, least.plan) else None), True
+    return Found(best.evaluated, best.ilp), True
 
 
 def _hopeless(search: Search, likeliest: MemoryChoice, least: MemoryChoice, ways: int) -> bool:
     """Under a pipeline, whether no choice can fit: neither the fastest plan of the choice
     ``likeliest`` to fit (solved first with a ``ways``-th of the time left, as the search would,
     and kept for it) nor the plan of least estimated memory of the choice holding ``least`` (the
-    most ZeRO and recompute) fits. The second takes a solve and an assembly of its own (5 s on
-    the 405B shape), spent only where the first fails."""
+    most ZeRO and recompute) fits. The second takes a solve and an evaluation of its own, spent
+    only where the first fails."""
     found = _solve_choice(search, likeliest, constrained=False, ways=ways)
     if found is not None and _fits(search, found.plan):
         return False
-    return not _fits(search, _least_of(search, least))
+    return not _fits(search, _least_of(search, least).plan)
 
 
 def _fastest_fitting(
@@ -243,9 +262,9 @@ def _solve_choice(
 
 
 def _hidden_share(solved: _Solved | None) -> float:
-    """What of the ILP's objective the assembled plan of ``solved`` takes as its step, at most 1:
+    """What of the ILP's objective the evaluated plan of ``solved`` takes as its step, at most 1:
     below 1 where the step hides communication or launches behind compute, which the objective
-    counts in full (Llama-3-8B on dp=8 x tp=8 for an H100: 294 ms of a 353 ms objective). A cutoff
+    counts in full (docs/automatic_mesh.md: by how much on Llama-3-8B). A cutoff
     compared with the objective alone could drop a mesh whose step would have won."""
     if solved is None or solved.stats.objective <= 0:
         return 1.0
@@ -265,12 +284,11 @@ def _peak(solved: _Solved | _Unfit) -> float:
 def _solve_within(
     search: Search, choice: MemoryChoice, limit: float | None, ways: int
 ) -> _Solved | _Unfit | None:
-    """One solve of ``choice``'s ILP with its bytes at most ``limit``, assembled into a plan;
+    """One solve of ``choice``'s ILP with its bytes at most ``limit``, evaluated (not recorded);
     None when the ILP has no solution, :class:`_Unfit` when no split into pipeline stages fits.
-    A plan that does not fit the budget is recorded for the error, a stage split that did not
-    fit as its solve (assembled by :func:`no_fit` only if nothing fits)."""
+    A plan that does not fit the budget is kept for the error, a stage split that did not
+    fit as its solve (evaluated by :func:`no_fit` only if nothing fits)."""
     setting = search.setting
-    g = setting.graph
     ilp = _ilp(search, choice, limit)
     clock = search.clock
     try:
@@ -285,16 +303,15 @@ def _solve_within(
     assignment, stats = solved
     search.last.clear()
     search.last.update(assignment)
-    report = _report(g, stats)
+    report = _report(setting.graph, stats)
     try:
-        result = assemble_plan(setting, choice, assignment, report)
+        result = evaluate_plan(setting, choice, assignment, report)
     except PipelineFitError as error:
-        search.unassembled.append((choice, assignment, report))
+        search.unevaluated.append((choice, assignment, report))
         return _Unfit(assignment, error.least_bytes)
-    result.alternatives = alternatives(g, ilp.node_costs, ilp.pair_costs, assignment)
-    if not _fits(search, result):
-        search.tried.append((result, choice))
-    return _Solved(result, stats, assignment)
+    if not _fits(search, result.plan):
+        search.tried.append(result)
+    return _Solved(result, stats, ilp)
 
 
 def _report(g: StrategyGraph, stats: SolverStats | None) -> SolverReport:
@@ -313,15 +330,15 @@ def _report(g: StrategyGraph, stats: SolverStats | None) -> SolverReport:
     )
 
 
-def _least_of(search: Search, choice: MemoryChoice) -> Plan:
+def _least_of(search: Search, choice: MemoryChoice) -> Evaluated:
     """:func:`_least_memory` of ``choice``, solved once per search."""
-    for plan, tried in search.tried:
-        if tried is choice and plan.solver.status == "MIN_MEMORY":
-            return plan
+    for tried in search.tried:
+        if tried.choice is choice and tried.plan.solver.status == "MIN_MEMORY":
+            return tried
     return _least_memory(search, choice)
 
 
-def _least_memory(search: Search, choice: MemoryChoice) -> Plan:
+def _least_memory(search: Search, choice: MemoryChoice) -> Evaluated:
     """The plan of ``choice`` minimising the ILP's memory estimate (recorded as tried), split into
     pipeline stages within the budget where a split fits."""
     ilp = _ilp(search, choice)
@@ -331,26 +348,39 @@ def _least_memory(search: Search, choice: MemoryChoice) -> Plan:
     clock.spend(ilp)
     report = _report(search.setting.graph, None)
     try:
-        plan = assemble_plan(search.setting, choice, assignment, report)
+        least = evaluate_plan(search.setting, choice, assignment, report)
     except PipelineFitError:
-        plan = assemble_plan(replace(search.setting, budget=None), choice, assignment, report)
-    search.tried.append((plan, choice))
-    return plan
+        least = evaluate_plan(replace(search.setting, budget=None), choice, assignment, report)
+    search.tried.append(least)
+    return least
+
+
+def record(search: Search, found: Found) -> Plan:
+    """The plan ``found`` with its report (:func:`~autopar.planning.assembly.assemble.record_plan`):
+    written once, for the plan the search returns.
+
+    Args:
+        search: the memory search that found it.
+        found: what :func:`memory_search` returned.
+    """
+    costs = None if found.ilp is None else (found.ilp.node_costs, found.ilp.pair_costs)
+    return record_plan(search.setting, found.evaluated, costs)
 
 
 def no_fit(search: Search, choices: list[MemoryChoice]) -> MemoryFitError:
     """The error when no plan fits: the least memory reached and what dominates it.
 
-    Candidates: the plans the search assembled that did not fit, and the last (least
+    Candidates: the plans the search evaluated that did not fit, and the last (least
     memory) choice's plan minimising the ILP's memory estimate; the least exact figure among
     them is reported, under a pipeline with the parts of the stage holding the most.
     """
     mesh, budget = search.setting.mesh, search.setting.budget
     spent = search.clock.share() <= 0 or bool(search.timed_out)
     unbounded = replace(search.setting, budget=None)
-    search.tried.extend((assemble_plan(unbounded, c, a, r), c) for c, a, r in search.unassembled)
+    search.tried.extend(evaluate_plan(unbounded, c, a, r) for c, a, r in search.unevaluated)
     _least_of(search, choices[-1])
-    least, choice = min(search.tried, key=lambda t: t[0].peak_memory_bytes)
+    closest = min(search.tried, key=lambda t: t.plan.peak_memory_bytes)
+    least, choice = closest.plan, closest.choice
     where = ""
     if least.pipeline is not None:
         stage = max(least.pipeline.stages, key=lambda s: s.memory_bytes)

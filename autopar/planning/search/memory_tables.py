@@ -4,7 +4,7 @@ Seconds: ZeRO-1 all-gathers the updated shard after the step, ZeRO-3 gathers in 
 again in backward and reduce-scatters as the gradient arises (ZeRO-2's reduce-scatter and
 all-gather cost what the all-reduce does, but for the gather's latency, paid per shard);
 recomputed ops run their forward again, with the checkpoint's work for each
-(:func:`~autopar.planning.cost.step_overheads.recompute_seconds`), and gather again the parameters
+(:meth:`~autopar.planning.cost.device_model.DeviceModel.recompute_s`), and gather again the parameters
 they read in another layout. Bytes: each parameter's state
 (:func:`~autopar.planning.memory.held_state.state_bytes`, split by ZeRO over an axis its first
 consumer sums its gradient over: per pair of strategies, as are ZeRO's seconds), and each op's
@@ -29,8 +29,8 @@ from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import is_selective_save
 from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
 from autopar.ir.plan import ChoiceKind, CollectiveKind
+from autopar.planning.cost.device_model import RecomputeWork
 from autopar.planning.cost.model import Collective
-from autopar.planning.cost.step_overheads import RecomputeWork, recompute_seconds
 from autopar.planning.graph.edge_costs import edge_layouts, edge_table, edge_value, fold_edge, table_key
 from autopar.planning.graph.gradient_sums import sums_over
 from autopar.planning.graph.storages import computes_nothing, source_of, storage_of
@@ -279,7 +279,7 @@ def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTabl
         if region is not None and g.requires_grad.get(node) and c.compute is not None:
             if region[1] == FULL or not is_selective_save(node.target):
                 # forward again: a third of forward + backward, and the checkpoint's work for it
-                again = recompute_seconds(g.cost.cluster, RecomputeWork(1 + spec.packed))
+                again = g.cost.device.recompute_s(RecomputeWork(1 + spec.packed))
                 tables.add_seconds(c, c.compute / 3.0 + again)
 
 

@@ -38,27 +38,19 @@ mesh (no ``shard`` annotations, no ``constrain`` calls); otherwise once per cand
 
 from __future__ import annotations
 
-import functools
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from autopar.capture.constraint_op import parse_constraint_spec
-from autopar.capture.export import Captured, gradient_flow, repeated_blocks
+from autopar.capture.export import Captured, repeated_blocks
 from autopar.ir.errors import AnnotationError, MemoryFitError, OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import LAYOUT_CONSTRAINT
 from autopar.ir.options import Pipeline
 from autopar.ir.plan import Plan
+from autopar.planning.cost.device_model import device_model
 from autopar.planning.cost.model import Cluster, CostModel
 from autopar.planning.graph.strategy_graph import build_strategy_graph
-from autopar.planning.memory.saved_tensors import measure_saved
-from autopar.planning.search.forked import ForkedCalls
-
-Capture = Callable[[MeshSpec, Pipeline | None], Captured]
-# (capture, mesh, pipeline, time_limit, cutoff: the best step found so far or None) -> plan
-PlanCaptured = Callable[[Captured, MeshSpec, Pipeline | None, float, float | None], Plan]
 
 
 @dataclass(frozen=True)
@@ -159,150 +151,152 @@ def mesh_free(captured: Captured) -> bool:
     return not (a.parameter_layouts or a.parameter_rows or constrained)
 
 
-def search_meshes(
-    devices: int,
-    cluster: Cluster,
-    batch: int | None,
-    pipeline: Pipeline | None,
-    capture: Capture,
-    plan_captured: PlanCaptured,
-    time_limit: float,
-    workers: int = 1,
-) -> Plan:
-    """The fastest plan over :func:`candidate_meshes` (see the module docstring), the candidates
-    planned in up to ``workers`` processes at once (:class:`~autopar.planning.search.forked.ForkedCalls`)."""
+def check_devices(devices: object) -> int:
+    """``devices`` if it is a device count the search can lay out: a positive int.
+
+    Args:
+        devices: the ``mesh`` given as a number of devices.
+    """
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise OptionError(f"mesh as a device count must be a positive int, got {devices!r}")
-    t0 = time.perf_counter()
-    one = MeshSpec.of({"dp": 1, "tp": 1})
-    whole = capture(one, None)
-    reuse = mesh_free(whole)
-    compute = whole_compute_s(whole, one, cluster)
-    blocks = len(repeated_blocks(whole.graph))
-    meshes = candidate_meshes(devices, cluster, blocks, batch, pipeline, names_matter=not reuse)
-    if pipeline is not None and pipeline.axis != "pp":
-        raise OptionError(
-            f"with a device count the pipeline axis is called 'pp', got Pipeline(axis={pipeline.axis!r})"
+    return devices
+
+
+class CandidatePlan(Protocol):
+    """A candidate mesh's plan as planning it returns it (:class:`autopar.planning.planner.Planned`):
+    the figures candidates are compared by, and :meth:`record` for the plan with its report,
+    written once, for the candidate chosen."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+
+    def record(self) -> Plan:
+        """The plan with its report."""
+        ...
+
+
+@dataclass
+class MeshSearch:
+    """The automatic mesh as data: the candidates in the order they are planned, each one's row of
+    ``plan.mesh_candidates``, and the fastest plan found so far. Its driver
+    (:func:`autopar.planning.entry_points.plan_for_devices`) asks it which candidate to plan next
+    (:meth:`next`) and tells it what came of each (:meth:`done`); it plans nothing itself.
+
+    ``reuse``: one capture per microbatch shape serves every mesh (:func:`mesh_free`).
+    """
+
+    devices: int
+    candidates: list[MeshCandidate]
+    reuse: bool
+    rows: list[dict[str, Any]]
+    left: list[int]
+    best: tuple[CandidatePlan, int] | None = field(default=None)
+
+    @classmethod
+    def of(
+        cls, devices: int, cluster: Cluster, whole: Captured, batch: int | None, pipeline: Pipeline | None
+    ) -> MeshSearch:
+        """The candidates for ``devices`` (see the module docstring), sorted by their bounds.
+
+        Args:
+            devices: the device count (:func:`check_devices`).
+            cluster: the hardware the steps are priced for.
+            whole: the model captured for a mesh of one device, ``{"dp": 1, "tp": 1}``.
+            batch: the example's batch (dim 0), which a pipeline's microbatches divide; None: unknown.
+            pipeline: the pipeline of every pipelined candidate, or None to enumerate them.
+        """
+        reuse = mesh_free(whole)
+        compute = whole_compute_s(whole, MeshSpec.of({"dp": 1, "tp": 1}), cluster)
+        blocks = len(repeated_blocks(whole.graph))
+        meshes = candidate_meshes(devices, cluster, blocks, batch, pipeline, names_matter=not reuse)
+        if pipeline is not None and pipeline.axis != "pp":
+            raise OptionError(
+                f"with a device count the pipeline axis is called 'pp', got Pipeline(axis={pipeline.axis!r})"
+            )
+        candidates = sorted(
+            (MeshCandidate(sizes, p, compute / devices * _bubble(sizes, p, cluster)) for sizes, p in meshes),
+            # at equal bounds the least data parallelism first: it holds the least state per device,
+            # likeliest to fit without a memory search, and its step then cuts the others' short
+            key=lambda c: (c.bound_s, c.sizes.get("dp", 1)),
         )
-    candidates = sorted(
-        (MeshCandidate(sizes, p, compute / devices * _bubble(sizes, p, cluster)) for sizes, p in meshes),
-        # at equal bounds the least data parallelism first: it holds the least state per device,
-        # likeliest to fit without a memory search, and its step then cuts the others' short
-        key=lambda c: (c.bound_s, c.sizes.get("dp", 1)),
-    )
-    rows: list[dict[str, Any]] = [{"mesh": c.describe(), "bound_s": c.bound_s} for c in candidates]
+        rows = [{"mesh": c.describe(), "bound_s": c.bound_s} for c in candidates]
+        return cls(devices, candidates, reuse, rows, list(range(len(candidates))))
 
-    def shared(made: Captured) -> Captured:
-        # a capture every candidate of its shape plans on: what its ops save is measured here
-        # once, before the children fork (each child's cache dies with it)
-        if reuse:
-            measure_saved(made.graph, gradient_flow(made))
-        return made
+    @property
+    def cutoff_s(self) -> float | None:
+        """The best step found so far (None: none yet): a candidate's planning stops at it."""
+        return None if self.best is None else self.best[0].step_time_s
 
-    captures: dict[int | None, Captured] = {None: shared(whole)}
-
-    attempted: set[int | None] = set()  # shapes captured ahead, or tried
-
-    def captured(c: MeshCandidate) -> Captured:
-        # captured here, in this process, so that every later candidate of the same microbatch
-        # shape reuses it; the plan may be made in another
-        if not reuse or c.shape not in captures:
-            captures[c.shape] = shared(capture(MeshSpec.of(c.sizes), c.pipeline))
-        return captures[c.shape]
-
-    def planning(c: MeshCandidate, cutoff: float | None) -> Callable[[], Plan]:
-        mesh = MeshSpec.of(c.sizes)
-        return functools.partial(plan_captured, captured(c), mesh, c.pipeline, time_limit, cutoff)
-
-    def ahead(c: MeshCandidate) -> None:
-        # a shape the next candidates need is captured while the children plan (a capture here
-        # when a worker is free leaves its core idle: 5 s a shape for Llama-3-8B), where reused
-        if reuse and c.shape not in attempted:
-            attempted.add(c.shape)
-            try:
-                captured(c)
-            except (PlanError, AnnotationError):  # raised again when the candidate is submitted
-                pass
-
-    with ForkedCalls(workers) as calls:
-        chosen = _plan_in_order(candidates, rows, calls, planning, ahead)
-    if chosen is None and not any("least_bytes" in r for r in rows):
-        raise PlanError(
-            f"no mesh of {devices} devices has a plan: "
-            + "; ".join(f"{r['mesh']}: {r['outcome']}" for r in rows)
-        )
-    if chosen is None:
-        closest = min((r for r in rows if "least_bytes" in r), key=lambda r: r["least_bytes"])
-        raise MemoryFitError(
-            f"no mesh of {devices} devices has a plan that fits; the closest, {closest['mesh']}: "
-            f"{closest['error']}",
-            closest["least_bytes"],
-        )
-    best, index = chosen
-    rows[index]["outcome"] = "chosen"
-    best.mesh_candidates = rows
-    processes = f" on {calls.workers} processes" if calls.workers > 1 else ""
-    best.warnings.append(
-        f"mesh chosen from {len(candidates)} candidates for {devices} devices in "
-        f"{time.perf_counter() - t0:.1f} s{processes} (plan.mesh_candidates lists them)"
-    )
-    return best
-
-
-def _plan_in_order(
-    candidates: list[MeshCandidate],
-    rows: list[dict[str, Any]],
-    calls: ForkedCalls,
-    planning: Callable[[MeshCandidate, float | None], Callable[[], Plan]],
-    ahead: Callable[[MeshCandidate], None],
-) -> tuple[Plan, int] | None:
-    """Plan ``candidates`` in their order on ``calls`` (``planning`` gives each one's call, told
-    the best step found so far as its cutoff), each only while its bound is below the best step
-    found; the fastest plan and its index (of equally fast ones the first), each candidate's
-    outcome written on its row of ``rows``. While every worker is busy, ``ahead`` prepares the
-    next candidate waiting (its capture)."""
-    best: tuple[Plan, int] | None = None
-    left = list(range(len(candidates)))
-    while left or calls.running:
-        while left and calls.running < calls.workers:
-            i = left.pop(0)
-            bound = candidates[i].bound_s
-            if best is not None and bound >= best[0].step_time_s:
-                rows[i]["outcome"] = f"not planned: its bound {bound * 1e3:.1f} ms is not below the best step"
+    def next(self) -> int | None:
+        """The index of the next candidate worth planning, its bound below the best step found;
+        each one passed over is marked on its row. None when no candidate is left."""
+        while self.left:
+            i = self.left.pop(0)
+            bound = self.candidates[i].bound_s
+            if self.best is not None and bound >= self.best[0].step_time_s:
+                outcome = f"not planned: its bound {bound * 1e3:.1f} ms is not below the best step"
+                self.rows[i]["outcome"] = outcome
                 continue
-            try:
-                calls.submit(i, planning(candidates[i], None if best is None else best[0].step_time_s))
-            except (PlanError, AnnotationError) as e:  # its capture: this mesh cannot run the annotations
-                _record(rows[i], e)
-        waiting = candidates[left[0]] if left else None
-        busy = calls.running >= calls.workers > 1
-        if busy and waiting and (best is None or waiting.bound_s < best[0].step_time_s):
-            ahead(waiting)
-        if calls.running:
-            i, (ok, found) = calls.next_done()
-            _record(rows[i], found)
-            if ok and (best is None or (found.step_time_s, i) < (best[0].step_time_s, best[1])):
-                best = found, i
-    return best
+            return i
+        return None
+
+    def waiting(self) -> MeshCandidate | None:
+        """The next candidate left if it may still win: worth preparing (capturing) meanwhile."""
+        c = self.candidates[self.left[0]] if self.left else None
+        return c if c is not None and (self.best is None or c.bound_s < self.best[0].step_time_s) else None
+
+    def done(self, i: int, found: CandidatePlan | BaseException) -> None:
+        """Candidate ``i``'s plan, or why it has none (raised again where it is no reason a mesh
+        cannot run the model); the fastest plan is kept (of equally fast ones the first)."""
+        _record(self.rows[i], found)
+        if not isinstance(found, BaseException) and (
+            self.best is None or (found.step_time_s, i) < (self.best[0].step_time_s, self.best[1])
+        ):
+            self.best = found, i
+
+    def chosen(self, elapsed_s: float, workers: int) -> Plan:
+        """The fastest plan, its ``mesh_candidates`` the rows; a :class:`PlanError` where no mesh has a
+        plan, a :class:`MemoryFitError` naming the closest where none fits."""
+        if self.best is None and not any("least_bytes" in r for r in self.rows):
+            raise PlanError(
+                f"no mesh of {self.devices} devices has a plan: "
+                + "; ".join(f"{r['mesh']}: {r['outcome']}" for r in self.rows)
+            )
+        if self.best is None:
+            closest = min((r for r in self.rows if "least_bytes" in r), key=lambda r: r["least_bytes"])
+            raise MemoryFitError(
+                f"no mesh of {self.devices} devices has a plan that fits; the closest, {closest['mesh']}: "
+                f"{closest['error']}",
+                closest["least_bytes"],
+            )
+        best, index = self.best[0].record(), self.best[1]
+        self.rows[index]["outcome"] = "chosen"
+        best.mesh_candidates = self.rows
+        processes = f" on {workers} processes" if workers > 1 else ""
+        best.warnings.append(
+            f"mesh chosen from {len(self.candidates)} candidates for {self.devices} devices in "
+            f"{elapsed_s:.1f} s{processes} (plan.mesh_candidates lists them)"
+        )
+        return best
 
 
-def _record(row: dict[str, Any], found: Plan | BaseException) -> None:
+def _record(row: dict[str, Any], found: CandidatePlan | BaseException) -> None:
     """Write a candidate's plan, or why it has none, on its ``row``; raise any other error."""
-    if isinstance(found, Plan):
-        row.update(step_s=found.step_time_s, memory_bytes=found.peak_memory_bytes, outcome="planned")
-    elif isinstance(found, MemoryFitError):
+    if isinstance(found, MemoryFitError):
         row["outcome"] = f"no plan fits: the least memory reached is {found.least_bytes / 2**30:.2f} GiB"
         row["least_bytes"], row["error"] = found.least_bytes, str(found)
     elif isinstance(found, (PlanError, AnnotationError)):  # this mesh cannot run the model as annotated
         row["outcome"] = f"no plan: {found}"
-    else:
+    elif isinstance(found, BaseException):
         raise found
+    else:
+        row.update(step_s=found.step_time_s, memory_bytes=found.peak_memory_bytes, outcome="planned")
 
 
 def _bubble(sizes: dict[str, int], pipeline: Pipeline | None, cluster: Cluster) -> float:
     """The factor a pipeline's bubble puts on a step at the least: ranks sharing a core fill
-    each other's bubbles (``Cluster.ranks_per_core``), down to no bubble at all."""
+    each other's bubbles (the device's ``shared_core_speedup``), down to no bubble at all."""
     if pipeline is None:
         return 1.0
     m, p = pipeline.microbatches, sizes["pp"]
-    return max((m + (p - 1) / pipeline.virtual_stages) / m / cluster.ranks_per_core, 1.0)
+    return max((m + (p - 1) / pipeline.virtual_stages) / m / device_model(cluster).shared_core_speedup, 1.0)

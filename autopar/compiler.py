@@ -40,8 +40,8 @@ from autopar.passes.context import PassContext
 from autopar.planning.assembly.lowering_record import lowering_record
 from autopar.planning.assembly.plan_fit import check_plan_fits
 from autopar.planning.cost.model import Cluster
-from autopar.planning.entry_points import plan_for_devices, solving
-from autopar.planning.planner import capture_for, layout_mesh, plan_captured
+from autopar.planning.entry_points import plan_for_devices
+from autopar.planning.planner import capture_for, evaluate_captured, layout_mesh, plan_captured
 from autopar.runtime import collectives
 from autopar.runtime.async_updates import Rejoining, ServerRank, UpdatedModule, place_unit
 from autopar.runtime.lowered import LoweredProgram
@@ -182,9 +182,12 @@ def compile_module(
     captured = capture_for(model, example_args, example_kwargs, spec, pipeline, precision, stack_traces=True)
     captured.unapplied[:0] = unapplied
     if plan is None:
-        solve = {**solving(options), "pipeline": pipeline, "capture_s": time.perf_counter() - t0}
+        solving, capture_s = replace(options, pipeline=pipeline), time.perf_counter() - t0
         plan = _plan_once(
-            mesh, lambda deterministic: plan_captured(captured, spec, deterministic=deterministic, **solve)
+            mesh,
+            lambda deterministic: evaluate_captured(
+                captured, spec, solving, capture_s=capture_s, deterministic=deterministic
+            ).record(),
         )
     if plan.device_mesh_spec != spec:
         raise PlanError(

@@ -11,6 +11,7 @@ import torch
 import autopar
 from autopar.capture.export import Captured
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import PlanOptions
 from autopar.planning import planner
 from autopar.planning.assembly import assemble
 from autopar.planning.assembly.assemble import evaluate_plan, record_plan
@@ -55,7 +56,7 @@ def test_a_memory_search_renders_only_the_plan_it_returns(counted, monkeypatch):
         planner, "record", lambda search, found: recorded.append((search, found)) or write(search, found)
     )
     counted.update(rendered=0, evaluated=0)
-    planned = evaluate_captured(captured, DP4, deterministic=True, memory_budget=budget)
+    planned = evaluate_captured(captured, DP4, PlanOptions(memory_budget=budget), deterministic=True)
     assert counted["rendered"] == 0 and counted["evaluated"] > 1  # several choices evaluated, none rendered
     plan = planned.record()
     assert planned.record() is plan and counted["rendered"] == 1  # written once, on the first call

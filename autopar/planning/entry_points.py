@@ -26,7 +26,7 @@ from autopar.ir.updates import UPDATES, Update, check_update
 from autopar.planning.cost.model import Cluster, get_cluster
 from autopar.planning.cost.update_cost import with_update
 from autopar.planning.memory.saved_tensors import measure_saved
-from autopar.planning.planner import capture_for, evaluate_captured, plan_captured
+from autopar.planning.planner import capture_for, cluster_of, evaluate_captured
 from autopar.planning.search.forked import ForkedCalls, default_workers
 from autopar.planning.search.mesh_search import MeshCandidate, MeshSearch, check_devices
 
@@ -103,18 +103,6 @@ def plan(
     return plan_on_mesh(model, example_args, mesh, example_kwargs, options)
 
 
-def cluster_of(options: PlanOptions) -> Cluster:
-    """The :class:`Cluster` ``options`` name (a preset, a cluster file or a cluster; None: ``cpu-gloo``)."""
-    given = options.cluster
-    return given if isinstance(given, Cluster) else get_cluster("cpu-gloo" if given is None else given)
-
-
-def solving(options: PlanOptions) -> dict[str, Any]:
-    """The keywords of :func:`~autopar.planning.planner.plan_captured` ``options`` sets."""
-    keys = ("cluster", "time_limit", "seed", "pipeline", "memory", "memory_budget")
-    return {key: getattr(options, key) for key in keys}
-
-
 def plan_on_mesh(
     model: torch.nn.Module,
     example_args: Any,
@@ -134,7 +122,7 @@ def plan_on_mesh(
     spec = MeshSpec.of(mesh)
     t0 = time.perf_counter()
     captured = capture_for(model, example_args, example_kwargs, spec, options.pipeline, options.precision)
-    return plan_captured(captured, spec, capture_s=time.perf_counter() - t0, **solving(options))
+    return evaluate_captured(captured, spec, options, capture_s=time.perf_counter() - t0).record()
 
 
 def plan_for_devices(
@@ -162,16 +150,18 @@ def plan_for_devices(
         devices, cluster, captures.whole, _batch(example_args, example_kwargs), options.pipeline
     )
     captures.share(search.reuse)
-    keywords = {**solving(options), "cluster": cluster}
+    candidate_options = replace(options, cluster=cluster)  # read once, here, not in every child
     with ForkedCalls(default_workers() if options.workers is None else options.workers) as calls:
         while search.left or calls.running:
             while calls.running < calls.workers and (i := search.next()) is not None:
                 c = search.candidates[i]
                 try:
                     made = captures.of(c)
-                    keywords.update(pipeline=c.pipeline, cutoff_s=search.cutoff_s)
-                    mesh = MeshSpec.of(c.sizes)
-                    calls.submit(i, functools.partial(evaluate_captured, made, mesh, **keywords))
+                    mesh, mine = MeshSpec.of(c.sizes), replace(candidate_options, pipeline=c.pipeline)
+                    planning = functools.partial(
+                        evaluate_captured, made, mesh, mine, cutoff_s=search.cutoff_s
+                    )
+                    calls.submit(i, planning)
                 except (PlanError, AnnotationError) as e:  # its capture: this mesh cannot run the annotations
                     search.done(i, e)
             waiting = search.waiting()

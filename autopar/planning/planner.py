@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from autopar.capture.export import Captured, capture
-from autopar.ir.arguments import check_instance, check_int, check_number
+from autopar.ir.arguments import check_instance
 from autopar.ir.errors import OptionError, PlanError
 from autopar.ir.layout import Layout
 from autopar.ir.mesh import MeshSpec
-from autopar.ir.options import Memory, MixedPrecision, Pipeline
+from autopar.ir.options import Memory, MixedPrecision, Pipeline, PlanOptions
 from autopar.ir.plan import CollectiveKind, Plan
 from autopar.planning.assembly.assemble import PlanSetting
 from autopar.planning.assembly.lowering_record import lowering_record
@@ -49,6 +49,8 @@ from autopar.planning.search.memory_search import (
 )
 from autopar.planning.search.memory_tables import MemoryTerms, stage_shares
 from autopar.planning.search.solver import SolverClock
+
+DEFAULT_OPTIONS = PlanOptions()  # every option at its default
 
 
 def layout_mesh(mesh: MeshSpec, pipeline: Pipeline | None) -> MeshSpec:
@@ -98,15 +100,10 @@ def capture_for(
 def evaluate_captured(
     captured: Captured,
     mesh: MeshSpec,
+    options: PlanOptions = DEFAULT_OPTIONS,
     *,
-    cluster: str | Cluster | None = None,
-    time_limit: float = 30.0,
-    seed: int = 0,
     capture_s: float = 0.0,
-    pipeline: Pipeline | None = None,
     fixed_inputs: Mapping[str, Layout] | None = None,
-    memory: Memory | None = None,
-    memory_budget: float | None = None,
     deterministic: bool = False,
     cutoff_s: float | None = None,
 ) -> Planned:
@@ -119,15 +116,11 @@ def evaluate_captured(
     Args:
         captured: the model, captured for ``mesh``.
         mesh: the mesh to plan for (the whole mesh under a pipeline).
-        cluster: a preset name (None: ``"cpu-gloo"``) or a :class:`Cluster`.
-        time_limit: seconds of solver time, every solve of the memory search included.
-        seed: the solver's seed.
+        options: the cluster, solver limits, pipeline, memory and budget to plan under
+            (``precision``, ``workers``, ``check_ids`` and ``update`` are read by the callers).
         capture_s: the seconds capture took, recorded in the plan's solver report.
-        pipeline: the pipeline over one axis of ``mesh``, or None.
         fixed_inputs: layouts of user inputs pinned by placeholder name (a loss compiled for a
             model's outputs takes them as they come).
-        memory: ZeRO, the optimizer's state and offload (None: ``Memory()``).
-        memory_budget: bytes per device the plan must fit (None: the cluster's memory).
         deterministic: limit the solver by CP-SAT's deterministic seconds alone, so that ranks
             planning the same program apart get the same plan; otherwise the wall clock limits it
             too (:class:`~autopar.planning.search.solver.SolverClock`).
@@ -137,9 +130,8 @@ def evaluate_captured(
         MemoryFitError: no plan fits the budget (:func:`no_fit`).
         PlanError: the memory search's first solve is bounded at or above ``cutoff_s``.
     """
-    if not isinstance(cluster, Cluster):
-        cluster = get_cluster("cpu-gloo" if cluster is None else cluster)
-    memory = _checked(memory, pipeline, time_limit, seed, memory_budget)
+    cluster, pipeline, time_limit = cluster_of(options), options.pipeline, options.time_limit
+    memory, memory_budget = _memory_of(options), options.memory_budget
     t1 = time.perf_counter()
     stage_mesh = layout_mesh(mesh, pipeline)
     g = graph_within(
@@ -166,7 +158,7 @@ def evaluate_captured(
         tables=cost_tables(g),
         terms=MemoryTerms(g, memory, stage_shares(pipeline, mesh)),
         clock=SolverClock.starting(time_limit, deterministic),
-        seed=seed,
+        seed=options.seed,
         cutoff_s=math.inf if cutoff_s is None else cutoff_s,
     )
     build_s = time.perf_counter() - t1
@@ -190,20 +182,16 @@ def evaluate_captured(
     )
 
 
-def _checked(
-    memory: Memory | None,
-    pipeline: Pipeline | None,
-    time_limit: float,
-    seed: int,
-    memory_budget: float | None,
-) -> Memory:
-    """``memory`` (None: ``Memory()``), the options of :func:`evaluate_captured` beside it checked."""
-    memory = Memory() if memory is None else check_instance(memory, Memory, "memory", "autopar.Memory(...)")
-    check_number(time_limit, "time_limit", unit="seconds of solver time")
-    check_int(seed, "seed")
-    if memory_budget is not None:
-        check_number(memory_budget, "memory_budget", unit="bytes per device, such as 40 * 2**30")
-    if pipeline is not None and memory.offload_activations:
+def cluster_of(options: PlanOptions) -> Cluster:
+    """The :class:`Cluster` ``options`` name (a preset, a cluster file or a cluster; None: ``cpu-gloo``)."""
+    given = options.cluster
+    return given if isinstance(given, Cluster) else get_cluster("cpu-gloo" if given is None else given)
+
+
+def _memory_of(options: PlanOptions) -> Memory:
+    """``options.memory`` (None: ``Memory()``), refused where the pipeline cannot hold it."""
+    memory = Memory() if options.memory is None else options.memory
+    if options.pipeline is not None and memory.offload_activations:
         raise PlanError(
             "Memory(offload_activations=True) is not supported with a pipeline (its stages keep "
             "activations per microbatch on the device); use recompute or ZeRO instead"
@@ -211,16 +199,36 @@ def _checked(
     return memory
 
 
-def plan_captured(captured: Captured, mesh: MeshSpec, **options: Any) -> Plan:
-    """The plan of :func:`evaluate_captured`, recorded: :func:`plan` for a model captured by
-    :func:`capture_for` (``autopar.compile`` captures once).
+def plan_captured(
+    captured: Captured,
+    mesh: MeshSpec,
+    *,
+    capture_s: float = 0.0,
+    fixed_inputs: Mapping[str, Layout] | None = None,
+    deterministic: bool = False,
+    cutoff_s: float | None = None,
+    **options: Any,
+) -> Plan:
+    """The plan of :func:`evaluate_captured`, recorded, its options given as keywords.
 
     Args:
         captured: the model, captured for ``mesh``.
         mesh: the mesh to plan for (the whole mesh under a pipeline).
-        options: the keywords of :func:`evaluate_captured`.
+        capture_s: as :func:`evaluate_captured`'s.
+        fixed_inputs: as :func:`evaluate_captured`'s.
+        deterministic: as :func:`evaluate_captured`'s.
+        cutoff_s: as :func:`evaluate_captured`'s.
+        options: the fields of :class:`~autopar.ir.options.PlanOptions` (checked as it checks them).
     """
-    return evaluate_captured(captured, mesh, **options).record()
+    return evaluate_captured(
+        captured,
+        mesh,
+        PlanOptions(**options),
+        capture_s=capture_s,
+        fixed_inputs=fixed_inputs,
+        deterministic=deterministic,
+        cutoff_s=cutoff_s,
+    ).record()
 
 
 @dataclass(frozen=True, kw_only=True)

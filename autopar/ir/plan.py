@@ -543,7 +543,15 @@ def _pipeline_from_dict(data: dict[str, Any]) -> PipelinePlan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan written by :meth:`Plan.save`."""
+    """Read a plan written by :meth:`Plan.save` (format 5, or 4: the lowering record is then made
+    when the plan is compiled).
+
+    Args:
+        path: the plan's JSON file.
+
+    Raises:
+        PlanError: the file cannot be read, is not a plan, or is a plan of another format.
+    """
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:

@@ -30,7 +30,7 @@ from autopar.ir.errors import PlanError
 from autopar.ir.layout import Layout, format_layout, grad_layout, parse_layout
 from autopar.ir.meta import REDISTRIBUTION, STAGE, GraphLayouts, NodeLayouts, write_layouts
 from autopar.ir.plan import EdgeLowering, Lowering
-from autopar.ir.redistribution_steps import EdgeStep, StepKind
+from autopar.ir.redistribution_steps import EdgeStep, StepKind, step_problem
 from autopar.passes.context import PassContext
 
 _FOUR = ("have", "need", "grad_need", "grad_have")  # an edge's layouts, in the record's order
@@ -97,6 +97,9 @@ def _steps(edge: EdgeLowering, ctx: PassContext, name: str) -> tuple[EdgeStep, .
             f"the plan's lowering record's steps for {name} end at {format_layout(current)}, "
             f"but its consumer needs {edge.need}"
         )
+    have, grad_need = _layout(edge.have, f"{name}'s have"), _layout(edge.grad_need, f"{name}'s grad_need")
+    if (problem := step_problem(have, current, grad_need, tuple(steps))) is not None:
+        raise PlanError(f"the plan's lowering record's steps for {name} cannot run: {problem}")
     return tuple(steps)
 
 

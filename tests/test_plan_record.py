@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,8 @@ from autopar.ir.plan import EdgeLowering, Lowering, LoweringStep, Plan
 from autopar.planning.planner import capture_for
 from autopar.tools.fake_ranks import fake_world
 from examples.gpt import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).parent))  # zoo_models
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=2, n_layers=2, d_ff=64)
 MESH = {"dp": 2, "tp": 2}
@@ -237,3 +241,102 @@ def test_an_unrecorded_plan_cannot_reach_the_passes(planned: Plan):
     with pytest.raises(PlanError, match="no lowering record"):
         insert_redistributions.run(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), ctx)
     assert isinstance(planned.lowering, Lowering)
+
+
+@pytest.fixture(scope="module")
+def three_axes() -> tuple[Plan, Any]:
+    """GPT-2 on dp × sp × tp (a plan saved in format 4, recorded here) and how to lower it."""
+    from zoo_models import build
+
+    from autopar.ir.plan import load_plan
+    from autopar.planning.assembly.lowering_record import lowering_record
+
+    plan = load_plan(str(Path(__file__).parent / "data" / "saved_plans" / "gpt2_three_axes.json"))
+    spec = MeshSpec.of(plan.mesh)
+
+    def lowered(edited: Plan) -> Any:
+        torch.manual_seed(0)
+        model, _, kwargs = build("gpt2")
+        captured = capture_for(model, (), kwargs, spec, None, None)
+        with fake_world(spec.size):
+            device_mesh = init_device_mesh("cpu", spec.axis_sizes, mesh_dim_names=spec.axis_names)
+            return lower(captured, edited, device_mesh)[0]
+
+    torch.manual_seed(0)
+    model, _, kwargs = build("gpt2")
+    plan.lowering = lowering_record(capture_for(model, (), kwargs, spec, None, None), plan)
+    return plan, lowered
+
+
+def _with_steps(plan: Plan, src: str, dst: str, *steps: tuple[str, str, str, str, str]) -> Plan:
+    """``plan`` with the steps of edge ``src -> dst`` replaced by ``(axis, kind, before, after, grad)``s."""
+    edges = tuple(
+        dataclasses.replace(e, steps=tuple(LoweringStep(*s) for s in steps))
+        if (e.src, e.dst) == (src, dst)
+        else e
+        for e in plan.lowering.edges
+    )
+    return _edited(plan, edges=edges)
+
+
+def _reductions_after(gm: torch.fx.GraphModule, name: str) -> list[str]:
+    """The mesh axes of the chain of ``all_reduce`` ops that starts at node ``name``, in order."""
+    axes, node = [], next(n for n in gm.graph.nodes if n.name == name)
+    while chain := [u for u in node.users if u.target is torch.ops.autopar.all_reduce.default]:
+        node = chain[0]
+        axes.append(node.args[1])
+    return axes
+
+
+def test_steps_reordered_by_hand_are_lowered_in_their_new_order(three_axes: tuple[Plan, Any]):
+    """Two partial sums reduced over sp then tp, or (edited) over tp then sp: both are valid orders."""
+    plan, lowered = three_axes
+    (edge,) = [e for e in plan.lowering.edges if (e.src, e.dst) == ("view_11", "dropout_2")]
+    assert [(s.axis, s.kind) for s in edge.steps] == [("sp", "all_reduce"), ("tp", "all_reduce")]
+    assert _reductions_after(lowered(plan), "view_11") == ["sp", "tp"]
+    swapped = _with_steps(
+        plan,
+        "view_11",
+        "dropout_2",
+        ("tp", "all_reduce", "S(2)PP", "S(2)PR", "R"),
+        ("sp", "all_reduce", "S(2)PR", "S(2)RR", "R"),
+    )
+    assert _reductions_after(lowered(swapped), "view_11") == ["tp", "sp"]
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "steps", "message"),
+    [
+        (  # sp would split dim 0 outside tp's split of it: the pieces would not be DTensor's
+            "dropout_2",
+            "add_7",
+            (
+                ("tp", "slice", "S(2)RR", "S(2)RS(0)", "S(0)"),
+                ("sp", "slice", "S(2)RS(0)", "S(2)S(0)S(0)", "S(0)"),
+            ),
+            r"step 1 \(slice on axis 1\) changes a dim that inner axis 2 splits",
+        ),
+        (  # a partial-sum gradient declared whole: backward would slice where it must reduce-scatter
+            "view_8",
+            "addmm_2",
+            (
+                ("tp", "all_gather", "RS(0)S(0)", "RS(0)R", "R"),
+                ("sp", "all_gather", "RS(0)R", "RRR", "P"),
+                ("dp", "slice", "RRR", "S(0)RR", "S(0)"),
+            ),
+            r"step 0 \(all_gather on axis 2\) receives a P gradient, not R",
+        ),
+        (  # an op that does not make the change it records
+            "view_11",
+            "dropout_2",
+            (("sp", "all_gather", "S(2)PP", "S(2)RP", "R"), ("tp", "all_reduce", "S(2)RP", "S(2)RR", "R")),
+            r"step 0 \(all_gather on axis 1\) does not turn P into R",
+        ),
+    ],
+)
+def test_steps_edited_into_what_cannot_run_are_refused(
+    three_axes: tuple[Plan, Any], src: str, dst: str, steps: tuple, message: str
+):
+    plan, lowered = three_axes
+    with pytest.raises(PlanError, match=rf"steps for the edge {src} -> {dst}.* cannot run: {message}"):
+        lowered(_with_steps(plan, src, dst, *steps))

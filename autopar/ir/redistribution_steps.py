@@ -29,7 +29,7 @@ from typing import NamedTuple
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.ir.layout import Layout
+from autopar.ir.layout import Layout, format_layout
 from autopar.ir.plan import CollectiveKind
 from autopar.ir.strided import is_split, parts_of, strided
 
@@ -248,3 +248,36 @@ class EdgeStep(NamedTuple):
     before: Layout  # the value's layout before the op
     after: Layout  # and after it
     grad: Placement  # the gradient's placement on ``axis`` where the op's backward receives it
+
+
+def step_problem(have: Layout, need: Layout, grad_need: Layout, steps: tuple[EdgeStep, ...]) -> str | None:
+    """What is wrong with ``steps`` as the ops of an edge from ``have`` to ``need``, None if nothing.
+
+    Each step must be the op its kind is (:func:`walk`'s replay: the layout after it, the gradient's
+    placement its backward receives), the change it makes on its axis must be :func:`step_kind`'s,
+    and no inner axis may split a dim the step changes at that moment (the nesting rule
+    :func:`plan_steps` keeps). Steps read from a plan edited by hand are checked so: a step the
+    runtime would lower to the wrong collective or the wrong backward is refused, not run.
+    """
+    replayed = walk(
+        axis_states(have), axis_states(need), axis_states(grad_need), tuple((s.axis, s.kind) for s in steps)
+    )
+    for i, (step, w) in enumerate(zip(steps, replayed)):
+        a, what = step.axis, f"step {i} ({step.kind} on axis {step.axis})"
+        if step.kind != StepKind.GRAD_ALL_REDUCE and step_kind(w.before[a], w.after[a]) != step.kind:
+            return f"{what} does not turn {_named(w.before[a])} into {_named(w.after[a])}"
+        if (to_layout(w.before), to_layout(w.after)) != (tuple(step.before), tuple(step.after)):
+            before, after = format_layout(to_layout(w.before)), format_layout(to_layout(w.after))
+            return f"{what} leads from {before} to {after}"
+        if to_layout(w.grad)[a] != step.grad:
+            return f"{what} receives a {_named(w.grad[a])} gradient, not {format_layout((step.grad,))}"
+        dims = _touched(w.before[a], w.after[a])
+        inner = [b for b in range(a + 1, len(w.before)) if split_dim(w.before[b]) in dims]
+        if step.kind != StepKind.GRAD_ALL_REDUCE and inner:
+            return f"{what} changes a dim that inner axis {inner[0]} splits"
+    return None
+
+
+def _named(state: State) -> str:
+    """One axis's state as layouts are written (``S(0)``, ``R``, ``P``)."""
+    return format_layout(to_layout((state,)))

@@ -12,13 +12,8 @@ from __future__ import annotations
 import torch
 
 from autopar.ir.errors import PlanError
-from autopar.ir.layout import parse_layout
-from autopar.ir.meta import STAGE, NodeLayouts, module_path, write_layouts
+from autopar.ir.meta import STAGE, module_path, write_layouts
 from autopar.passes.context import PassContext
-
-
-def _parse(items: tuple[str | None, ...]) -> tuple:
-    return tuple(None if s is None else parse_layout(s) for s in items)
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
@@ -43,10 +38,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
                 f"'{decision.module}' in the plan; the plan was made for another model: plan again"
             )
         seen.add(node.name)
-        layouts = NodeLayouts(
-            operands=_parse(decision.operands), outputs=_parse(decision.outputs), grads=_parse(decision.grads)
-        )
-        write_layouts(node, layouts)
+        write_layouts(node, decision.layouts())
         if ctx.plan.pipeline is not None:
             node.meta[STAGE] = ctx.plan.pipeline.node_stages[node.name]
     missing = sorted(set(decisions) - seen)

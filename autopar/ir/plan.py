@@ -18,6 +18,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar.ir.errors import PlanError
 from autopar.ir.layout import ManualRows, parse_layout
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.meta import NodeLayouts
 from autopar.ir.options import Memory
 from autopar.ir.report import render_summary
 
@@ -80,6 +81,16 @@ class NodeDecision:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", ChoiceKind(self.kind))
+
+    def layouts(self) -> NodeLayouts:
+        """The decision's layouts as data, as the passes write them on the node."""
+
+        def parsed(items: tuple[str | None, ...]) -> tuple:
+            return tuple(None if s is None else parse_layout(s) for s in items)
+
+        return NodeLayouts(
+            operands=parsed(self.operands), outputs=parsed(self.outputs), grads=parsed(self.grads)
+        )
 
 
 @dataclass(frozen=True)

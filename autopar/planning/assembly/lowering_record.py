@@ -20,7 +20,7 @@ import torch
 
 from autopar.capture.export import Captured, gradient_flow
 from autopar.ir.errors import PlanError
-from autopar.ir.layout import Layout, format_layout, parse_layout
+from autopar.ir.layout import Layout, format_layout
 from autopar.ir.meta import NodeLayouts
 from autopar.ir.ops import LAYOUT_CONSTRAINT
 from autopar.ir.options import SELECTIVE
@@ -64,10 +64,6 @@ def lowering_record(captured: Captured, plan: Plan) -> Lowering:
 
 def _plan_layouts(graph: torch.fx.Graph, plan: Plan) -> dict[torch.fx.Node, NodeLayouts]:
     """Each decided node's layouts, as the ``apply_plan`` pass writes them on the graph."""
-
-    def parsed(items: tuple[str | None, ...]) -> tuple:
-        return tuple(None if s is None else parse_layout(s) for s in items)
-
     decisions = {d.name: d for d in plan.nodes}
     found = {}
     for node in graph.nodes:
@@ -81,9 +77,7 @@ def _plan_layouts(graph: torch.fx.Graph, plan: Plan) -> dict[torch.fx.Node, Node
                     "other input shapes: plan again with this model and these example inputs"
                 )
             continue
-        found[node] = NodeLayouts(
-            operands=parsed(decision.operands), outputs=parsed(decision.outputs), grads=parsed(decision.grads)
-        )
+        found[node] = decision.layouts()
     return found
 
 

@@ -91,6 +91,21 @@ _PRESETS: dict[str, Cluster] = {
         host_link_Bps=64e9,
         host_memory_bandwidth_Bps=76.8e9,
     ),
+    # Nodes of 8 A100-80GB SXM4 (DGX A100): vendor peaks, NVLink 3 and eight 200 Gb/s HDR InfiniBand
+    # adapters per node; docs/cost_model.md, "Presets", gives each figure's source.
+    "a100": Cluster(
+        name="a100",
+        peak_flops={"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
+        memory_bandwidth_Bps=2.039e12,
+        memory_bytes=80_000_000_000,
+        devices_per_node=8,
+        intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=300e9),
+        inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=25e9),
+        op_overhead_s=5e-6,
+        asynchronous=True,
+        host_link_Bps=32e9,
+        host_memory_bandwidth_Bps=50e9,
+    ),
     # Not a machine: slow compute and fast links, so that splitting pays even for the tiny
     # models of tests and benchmarks, whose plans then exercise real communication (with the
     # measured cpu-gloo figures the solver keeps such models on one rank). No op overhead and no

@@ -363,7 +363,8 @@ def lower_strategy(
     """The layout meaning ``strategy`` for a tensor of ``shape`` on ``mesh``.
 
     Named form: ``Shard(d)`` on every axis named for dim ``d``, ``Replicate()`` on the
-    others; the names of one dim must follow mesh order (DTensor: earlier axis = outer
+    others (and on a named axis of one device, which splits nothing: the layouts are the same
+    tensor, and the plan's is the one the solver also reaches for it); the names of one dim must follow mesh order (DTensor: earlier axis = outer
     split). Integer form: each count > 1 goes to the unique set of disjoint runs of
     consecutive mesh axes with that size (see ``docs/annotations.md``). ``where``
     starts every error message. Symbolic sizes are not checked for divisibility. With
@@ -402,5 +403,6 @@ def lower_strategy(
                 f"parts ({what} mesh axes {_axes_str(mesh, axes)}); {_what_works(shape[d], k, mesh, uneven)}"
             )
         for a in axes:
-            layout[a] = strided(d, k)
+            if mesh.axis_sizes[a] > 1:  # an axis of one device splits nothing: the dim is whole on it
+                layout[a] = strided(d, k)
     return tuple(layout)

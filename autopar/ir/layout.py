@@ -43,6 +43,20 @@ def replicated(mesh: MeshSpec) -> Layout:
 
 
 @functools.cache  # plans print the same few layouts hundreds of thousands of times
+def on_one_device_whole(layout: Layout, mesh: MeshSpec) -> Layout:
+    """``layout`` with every placement on an axis of one device made ``Replicate``: such an axis
+    splits and sums nothing, so the tensor is the same, and layouts that differ only there compare
+    equal (no redistribution, no second copy in the memory model).
+
+    Args:
+        layout: one placement per axis of ``mesh``.
+        mesh: the mesh it lays a tensor out on.
+    """
+    if all(size > 1 for size in mesh.axis_sizes):
+        return layout
+    return tuple(p if size > 1 else REPLICATE for p, size in zip(layout, mesh.axis_sizes))
+
+
 def format_layout(layout: Layout) -> str:
     """Short form, e.g. ``S(0)R`` (see module docstring)."""
     out = []

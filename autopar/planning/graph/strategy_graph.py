@@ -23,6 +23,7 @@ The graph is data about the captured graph: building it, and reading layouts off
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Collection, Iterable, Mapping
@@ -35,7 +36,15 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.capture.constraint_op import parse_constraint_spec
 from autopar.capture.export import Captured, gradient_flow
 from autopar.ir.errors import AnnotationError
-from autopar.ir.layout import Layout, format_layout, grad_layout, is_valid_for, local_fraction, replicated
+from autopar.ir.layout import (
+    Layout,
+    format_layout,
+    grad_layout,
+    is_valid_for,
+    local_fraction,
+    on_one_device_whole,
+    replicated,
+)
 from autopar.ir.mesh import AxisGroups, MeshSpec, each_axis, grouped_product, refine_groups
 from autopar.ir.meta import NodeLayouts, module_path, output_values
 from autopar.ir.ops import LAYOUT_CONSTRAINT, written_operand
@@ -171,6 +180,17 @@ def all_layouts(
     return out
 
 
+def _whole(strategy: Strategy, mesh: MeshSpec) -> Strategy:
+    """``strategy`` with its layouts whole on the axes of one device."""
+
+    def each(layouts: tuple[Layout | None, ...]) -> tuple[Layout | None, ...]:
+        return tuple(None if lay is None else on_one_device_whole(lay, mesh) for lay in layouts)
+
+    return dataclasses.replace(
+        strategy, operands=each(strategy.operands), outputs=each(strategy.outputs), grads=each(strategy.grads)
+    )
+
+
 def _cut_into_parts(graph: torch.fx.Graph) -> frozenset[tuple[int, int]]:
     """``(size, k)`` for every dim of that size some op cuts into ``k`` equal parts (``split``,
     ``chunk``, slices: ``DimSpec.parts``): the dims a producer may split strided for it."""
@@ -252,6 +272,7 @@ class _Builder:
             self.choices[node] = self._op(node)
         for node in self.param_nodes:
             self.choices[node] = self._param(node)
+        self._whole_on_one_device()
         edges = self._edges()
         roots = {c.root: len(c.strategies) for c in self.choices.values() if c.root is not None}
         return StrategyGraph(
@@ -267,6 +288,19 @@ class _Builder:
             axis_groups=self.groups,
             grad_sum_weight=grad_sum_weight,
         )
+
+    def _whole_on_one_device(self) -> None:
+        """Every strategy's layouts with the axes of one device whole (``on_one_device_whole``): a
+        group of axes labels its size-1 axes too, and an annotation leaves them whole, so that the
+        same tensor would otherwise read as redistributed between them. Tied nodes keep one choice."""
+        if all(size > 1 for size in self.mesh.axis_sizes):
+            return
+        done: dict[int, Choice] = {}
+        for node, choice in self.choices.items():
+            if id(choice) not in done:
+                strategies = [s if s is None else _whole(s, self.mesh) for s in choice.strategies]
+                done[id(choice)] = dataclasses.replace(choice, strategies=strategies)
+            self.choices[node] = done[id(choice)]
 
     def _input(self, node: torch.fx.Node) -> Choice:
         # loading an input costs its local bytes once, so of equally good plans the one

@@ -112,9 +112,12 @@ def test_the_measured_model_without_its_terms_answers_as_the_roofline_one(cluste
 def test_the_cost_model_asks_its_clusters_device():
     assert CostModel({"dp": 2}, H100).device == RooflineDevice(H100)
     rated = CostModel({"dp": 2}, MEASURED)
-    # products at the fp32 peak, then 1e9 exps at 2e9 a second; the timed exp replaces its count
-    assert rated.compute_time(67e12, 0, torch.float32, transcendentals=1e9) == pytest.approx(1.5)
-    assert rated.op_time(4e9, 0, torch.float32, (4e9, 0), function="exp") == pytest.approx(1.0 + 4e9 / 67e12)
+    # products at the fp32 peak (and the kernel's floor), then 1e9 exps at 2e9 a second; the timed exp
+    # replaces its count
+    peak, floor = H100.peak_flops["float32"], H100.efficiency.kernel_floor_s
+    assert rated.compute_time(peak, 0, torch.float32, transcendentals=1e9) == pytest.approx(1.5 + floor)
+    timed = rated.op_time(4e9, 0, torch.float32, (4e9, 0), function="exp")
+    assert timed == pytest.approx(1.0 + 4e9 / peak + floor)
 
 
 def _plan(cluster: autopar.Cluster) -> autopar.Plan:

@@ -19,6 +19,7 @@ from autopar.ir.arguments import check_bool, check_instance, check_int, check_ke
 from autopar.ir.errors import OptionError
 from autopar.ir.options import dtype_name
 from autopar.ir.plan import CollectiveKind
+from autopar.planning.cost.efficiency import Efficiency
 from autopar.rules.elementwise import TIMED_BACKWARD, TIMED_FUNCTIONS
 
 # Dtypes without an entry of their own in ``Cluster.peak_flops`` are priced as this one.
@@ -48,7 +49,7 @@ FUNCTIONS = frozenset(TIMED_FUNCTIONS) | {f"{name}_backward" for name in TIMED_B
 class LinkSpec:
     """One network link: per-message latency and per-rank bandwidth in one direction, priced by the ring
     alpha-beta model; :meth:`for_collective` picks a collective kind's own figures where it has them.
-    Measured by ``autopar calibrate`` (a cluster file), or a preset's vendor figures."""
+    Measured by ``autopar calibrate`` (a cluster file), or a preset's (NCCL's bus bandwidth on a GPU's)."""
 
     latency_s: float  # alpha: seconds per message
     bandwidth_Bps: float  # beta: bytes per second one rank sends in one direction
@@ -140,8 +141,10 @@ class Cluster:
     """The hardware the plan runs on: one rank's device, its links and its host.
 
     Every per-device figure is for one rank. ``autopar calibrate`` measures them into a cluster file
-    (``docs/cost_model.md``, "Your machine"), presets hold vendor figures. The roofline figures and the
-    links price ops and collectives (:class:`~autopar.planning.cost.model.CostModel`); every other
+    (``docs/cost_model.md``, "Your machine"); the GPU presets hold the rates their kernels reach at
+    their best and an ``efficiency`` for the rest (:mod:`~autopar.planning.cost.efficiency`), each
+    sourced in "Presets" there beside the datasheet's. The roofline figures and the links price ops
+    and collectives (:class:`~autopar.planning.cost.model.CostModel`); every other
     term is read through the cluster's device model
     (:func:`~autopar.planning.cost.device_model.device_model`), which prices the CPU-gloo terms only
     where the cluster sets them. A file written before a figure existed reads its default. The
@@ -212,6 +215,13 @@ class Cluster:
     # How a fused attention kernel runs, timed by calibrate; None: its products at peak_flops and an exp
     # per score, forward and backward, at transcendentals_per_s.
     attention: AttentionRates | None = None
+    # How a GPU's kernels fall below the figures above by shape (a small product, flash attention): the
+    # GPU presets'; None: every kernel at the figures (CPU presets, calibrate's files).
+    efficiency: Efficiency | None = None
+    # Network adapters of a node, each a rank's own inter_node link (a DGX's eight): a collective whose
+    # ring has g ranks on each node crosses nodes over min(g, nics_per_node) of them at once; None: one
+    # inter_node link per ring, however many of its ranks share a node.
+    nics_per_node: int | None = None
 
     def __post_init__(self) -> None:
         check_instance(self.name, str, "a cluster's name", "a string")
@@ -239,6 +249,10 @@ class Cluster:
             check_instance(getattr(self, link), LinkSpec, f"{owner}: {link}", "an autopar.LinkSpec")
         if self.attention is not None:
             check_instance(self.attention, AttentionRates, f"{owner}: attention", "AttentionRates or None")
+        if self.efficiency is not None:
+            check_instance(self.efficiency, Efficiency, f"{owner}: efficiency", "an Efficiency or None")
+        if self.nics_per_node is not None:
+            check_int(self.nics_per_node, f"{owner}: nics_per_node (or None)", minimum=1)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict; :meth:`from_dict` reads it back."""
@@ -267,6 +281,8 @@ class Cluster:
             "host_op_overhead_s": self.host_op_overhead_s,
             "threads_per_rank": self.threads_per_rank,
             "attention": None if self.attention is None else self.attention.to_dict(),
+            "efficiency": None if self.efficiency is None else self.efficiency.to_dict(),
+            "nics_per_node": self.nics_per_node,
         }
 
     @classmethod
@@ -279,11 +295,82 @@ class Cluster:
         level: ``"bf16"`` among ``peak_flops``) is an :class:`~autopar.ir.errors.OptionError` naming
         the field and what it takes (the nearest known key for an unknown one).
         """
+        missing = [name for name in _REQUIRED if isinstance(data, Mapping) and name not in data]
+        if missing:
+            raise OptionError(f"cluster lacks {missing[0]!r}: {_REQUIRED[missing[0]]}")
         check_keys(data, "cluster", _fields(cls), required=_required(cls))
         links = {link: LinkSpec.from_dict(data[link], link) for link in ("intra_node", "inter_node")}
-        attention = data.get("attention")
+        attention, efficiency = data.get("attention"), data.get("efficiency")
         rates = None if attention is None else AttentionRates.from_dict(attention)
-        return cls(**{**data, **links, "attention": rates})
+        kernels = None if efficiency is None else Efficiency.from_dict(efficiency)
+        cluster = cls(**{**data, **links, "attention": rates, "efficiency": kernels})
+        check_physical(cluster)
+        return cluster
+
+
+# The bounds of a real machine's figures, past which a cluster file most likely gave another unit: no
+# link or memory the planner prices moves under 100 kB/s (25 meant as GB/s is 25 B/s), no link waits a
+# second a message (3 meant as microseconds), no device holds under a MiB (80 meant as GB), and none
+# computes under a thousandth of a FLOP per byte its memory moves (312 meant as TFLOP/s).
+_LEAST_BANDWIDTH_BPS = 1e5
+_MOST_LATENCY_S = 1.0
+_LEAST_MEMORY_BYTES = 1 << 20
+_LEAST_FLOPS_PER_BYTE = 1e-3
+
+
+def check_physical(cluster: Cluster) -> None:
+    """Refuse a cluster file's figure that no machine has (most likely one in another unit), naming the
+    field, its value and what it takes; :meth:`Cluster.from_dict` checks every file it reads.
+
+    Args:
+        cluster: the cluster as read, each figure already checked for its type and sign.
+    """
+    owner = f"cluster {cluster.name!r}"
+    rates = {
+        "memory_bandwidth_Bps": cluster.memory_bandwidth_Bps,
+        "host_link_Bps": cluster.host_link_Bps,
+        "host_memory_bandwidth_Bps": cluster.host_memory_bandwidth_Bps,
+    }
+    for name in ("intra_node", "inter_node"):
+        link = getattr(cluster, name)
+        specs = {name: link, **{f"{name}.collectives.{k.value}": v for k, v in link.collectives.items()}}
+        for where, spec in specs.items():
+            rates[f"{where}.bandwidth_Bps"] = spec.bandwidth_Bps
+            if spec.latency_s > _MOST_LATENCY_S:
+                raise OptionError(
+                    f"{owner}: {where}.latency_s is {spec.latency_s:g} seconds per message, above a second: "
+                    "latencies are in seconds (3 microseconds is 3e-6)"
+                )
+    for name, rate in rates.items():
+        if rate is not None and rate < _LEAST_BANDWIDTH_BPS:
+            raise OptionError(
+                f"{owner}: {name} is {rate:g} bytes per second, slower than any machine's "
+                f"({_LEAST_BANDWIDTH_BPS:g}): bandwidths are in bytes per second (25 GB/s is 25e9)"
+            )
+    if cluster.memory_bytes < _LEAST_MEMORY_BYTES:
+        raise OptionError(
+            f"{owner}: memory_bytes is {cluster.memory_bytes} bytes per device, less than a MiB: memory is "
+            "in bytes, an integer (80 GB is 80000000000)"
+        )
+    for dtype, peak in cluster.peak_flops.items():
+        if peak < _LEAST_FLOPS_PER_BYTE * cluster.memory_bandwidth_Bps:
+            raise OptionError(
+                f"{owner}: peak_flops[{dtype!r}] is {peak:g} FLOP/s against memory_bandwidth_Bps "
+                f"{cluster.memory_bandwidth_Bps:g} bytes per second, under a thousandth of a FLOP a byte: "
+                "peaks are in FLOP/s (312 TFLOP/s is 312e12)"
+            )
+
+
+# What a cluster file must give, in words: a missing one's error says what it takes.
+_REQUIRED = {
+    "name": "a name for the cluster (a string)",
+    "peak_flops": 'FLOP/s of matrix products per dtype, e.g. {"float32": 19.5e12, "bfloat16": 312e12}',
+    "memory_bandwidth_Bps": "bytes per second one rank reads and writes (2 TB/s is 2e12)",
+    "memory_bytes": "bytes of memory per device, an integer (80 GB is 80000000000)",
+    "devices_per_node": "ranks per node, an integer",
+    "intra_node": 'the link inside a node: {"latency_s": seconds a message, "bandwidth_Bps": bytes a second}',
+    "inter_node": 'the link between nodes: {"latency_s": seconds a message, "bandwidth_Bps": bytes a second}',
+}
 
 
 # How each figure of a Cluster is checked: its unit, its lowest value, whether that value itself is

@@ -4,11 +4,13 @@ All times are in seconds, all sizes in bytes, bandwidths in bytes per second.
 
 Compute follows a roofline: ``max(flops / peak_flops[dtype] + the transcendentals' seconds,
 bytes / memory_bandwidth)``, the transcendentals and timed functions priced by the cluster's
-:class:`~autopar.planning.cost.device_model.DeviceModel`.
+:class:`~autopar.planning.cost.device_model.DeviceModel`; on a GPU preset its
+:class:`~autopar.planning.cost.efficiency.Efficiency` adds each kernel's floor and prices fused attention.
 Communication follows the ring alpha-beta model, one mesh axis at a time, with the
 link (latency alpha, per-rank one-direction bandwidth beta) of that axis: inside a
-node or across nodes. :meth:`CostModel.redistribute` turns a layout change into the
-collectives DTensor would issue and prices them. ``docs/cost_model.md`` has the maths.
+node or across nodes (as many adapters wide as the ring has ranks on a node, up to
+``nics_per_node``). :meth:`CostModel.redistribute` turns a layout change into the collectives
+DTensor would issue and prices them. ``docs/cost_model.md`` has the maths.
 
 The hardware's figures are :class:`~autopar.planning.cost.cluster.Cluster`'s. Presets come from
 :func:`get_cluster`. ``"cpu-gloo"`` holds constants measured once by
@@ -49,6 +51,7 @@ from autopar.ir.redistribution_steps import (
 )
 from autopar.planning.cost.cluster import FALLBACK_DTYPE, ONE_HOST, Cluster, LinkSpec
 from autopar.planning.cost.device_model import device_model
+from autopar.planning.cost.efficiency import Efficiency
 
 
 def ring_terms(kind: CollectiveKind, n: int) -> tuple[int, float]:
@@ -59,6 +62,26 @@ def ring_terms(kind: CollectiveKind, n: int) -> tuple[int, float]:
         return n - 1, n - 1
     hops, share = n - 1, (n - 1) / n
     return (2 * hops, 2 * share) if kind == CollectiveKind.ALL_REDUCE else (hops, share)
+
+
+def spanning(link: LinkSpec, wide: int, ceiling: float) -> LinkSpec:
+    """``link`` crossed ``wide`` adapters at once (a ring with that many ranks on each node, each with its
+    own adapter), its bandwidth and every collective's own at most ``ceiling`` (the node's inside link).
+
+    Args:
+        link: one adapter's figures (``Cluster.inter_node``).
+        wide: adapters the ring's channels cross nodes through at once.
+        ceiling: bytes per second a rank's ring moves inside the node.
+    """
+
+    def wider(spec: LinkSpec) -> LinkSpec:
+        return LinkSpec(spec.latency_s, min(ceiling, wide * spec.bandwidth_Bps))
+
+    return LinkSpec(
+        link.latency_s,
+        min(ceiling, wide * link.bandwidth_Bps),
+        {kind: wider(spec) for kind, spec in link.collectives.items()},
+    )
 
 
 _PRESETS: dict[str, Cluster] = {
@@ -75,36 +98,42 @@ _PRESETS: dict[str, Cluster] = {
         op_overhead_s=3.34e-6,
         straggler_s=9.15e-3,
     ),
-    # Nodes of 8 H100-80GB SXM5 (DGX/HGX H100): vendor peaks, not achievable rates, and typical
-    # latencies and op overhead, assumed; docs/cost_model.md, "Presets", gives each figure's source.
+    # Nodes of 8 H100-80GB SXM5 (DGX H100): the rates its kernels reach (a large bf16 product, torch's
+    # elementwise kernels, NCCL's bus bandwidth), not the datasheet's peaks, and how smaller kernels fall
+    # below them; docs/cost_model.md, "Presets", gives each figure, the vendor's beside it, and its source.
     # A GPU runs its kernels after their launch returns (asynchronous); no stragglers are known.
     "h100": Cluster(
         name="h100",
-        peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
-        memory_bandwidth_Bps=3.35e12,
+        peak_flops={"float32": 51.5e12, "bfloat16": 780e12, "float16": 780e12},
+        memory_bandwidth_Bps=2.4e12,
         memory_bytes=80_000_000_000,
         devices_per_node=8,
-        intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=450e9),
-        inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=50e9),
+        intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=370e9),
+        inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=45e9),
         op_overhead_s=5e-6,
         asynchronous=True,
         host_link_Bps=64e9,
         host_memory_bandwidth_Bps=76.8e9,
+        # torch's flash kernels are FlashAttention-2's, which Hopper runs far below its product rate
+        efficiency=Efficiency(kernel_floor_s=6e-6, attention_fraction=0.45),
+        nics_per_node=8,
     ),
-    # Nodes of 8 A100-80GB SXM4 (DGX A100): vendor peaks, NVLink 3 and eight 200 Gb/s HDR InfiniBand
-    # adapters per node; docs/cost_model.md, "Presets", gives each figure's source.
+    # Nodes of 8 A100-80GB SXM4 (DGX A100): NVLink 3 and eight 200 Gb/s HDR InfiniBand adapters per
+    # node; achievable rates as for h100, docs/cost_model.md, "Presets", gives each figure and source.
     "a100": Cluster(
         name="a100",
-        peak_flops={"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
-        memory_bandwidth_Bps=2.039e12,
+        peak_flops={"float32": 16.8e12, "bfloat16": 268e12, "float16": 268e12},
+        memory_bandwidth_Bps=1.63e12,
         memory_bytes=80_000_000_000,
         devices_per_node=8,
-        intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=300e9),
-        inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=25e9),
+        intra_node=LinkSpec(latency_s=3e-6, bandwidth_Bps=230e9),
+        inter_node=LinkSpec(latency_s=10e-6, bandwidth_Bps=22.5e9),
         op_overhead_s=5e-6,
         asynchronous=True,
         host_link_Bps=32e9,
         host_memory_bandwidth_Bps=50e9,
+        efficiency=Efficiency(kernel_floor_s=6e-6, attention_fraction=0.7),
+        nics_per_node=8,
     ),
     # Not a machine: slow compute and fast links, so that splitting pays even for the tiny
     # models of tests and benchmarks, whose plans then exercise real communication (with the
@@ -227,6 +256,7 @@ class CostModel:
         self.cluster = cluster
         self.device = device_model(cluster)  # what the cluster's device spends beyond the roofline
         self._links = tuple(self._axis_link(i) for i in range(self.mesh.ndim))
+        self._rings = tuple(self._ring(i) for i in range(self.mesh.ndim))
         # Per instance so the cache key is just the tensor arguments; the planner asks
         # for the same (src, dst, shape) pairs many times.
         self._redistribute = functools.lru_cache(maxsize=1 << 16)(self._plan_redistribute)
@@ -237,18 +267,31 @@ class CostModel:
         inside = math.prod(self.mesh.axis_sizes[axis:]) <= self.cluster.devices_per_node
         return self.cluster.intra_node if inside else self.cluster.inter_node
 
+    def _ring(self, axis: int) -> LinkSpec:
+        """The link a collective's ring over ``axis`` runs at: :meth:`link`, except where the ring has g
+        ranks on each node, each with its own adapter (``Cluster.nics_per_node``): NCCL then runs a
+        channel through each, and the ring crosses nodes min(g, nics) adapters wide (:func:`spanning`)."""
+        cluster, sizes = self.cluster, self.mesh.axis_sizes
+        stride = math.prod(sizes[axis + 1 :])
+        together = min(sizes[axis], max(1, cluster.devices_per_node // stride))
+        wide = min(together, cluster.nics_per_node or 1)
+        if self._links[axis] is cluster.intra_node or wide == 1:
+            return self._links[axis]
+        return spanning(cluster.inter_node, wide, cluster.intra_node.bandwidth_Bps)
+
     def link(self, axis: int) -> LinkSpec:
-        """Link used by collectives over mesh axis ``axis`` (an index).
+        """Link between two ranks along mesh axis ``axis`` (an index): what a pipeline's sends take.
 
         Devices are numbered row-major over the mesh axes, so axis ``i`` stays inside a
         node iff ``prod(axis_sizes[i:]) <= devices_per_node``; otherwise it crosses nodes.
+        Collectives over the axis run at :meth:`_ring`'s figures.
         """
         return self._links[axis]
 
     def collective_time(self, c: Collective, latency: bool = True) -> float:
         """Ring alpha-beta time of ``c``; ``c.mesh_axes`` must name exactly one axis.
 
-        With n ranks on the axis, B = ``c.bytes``, alpha/beta the axis link's figures for
+        With n ranks on the axis, B = ``c.bytes``, alpha/beta the axis ring's figures (:meth:`_ring`) for
         ``c.kind`` (:meth:`LinkSpec.for_collective`: the kind's own where calibrated, the link's
         otherwise): all_gather (n-1)(alpha + B/beta); reduce_scatter and all_to_all
         (n-1)alpha + (n-1)/n B/beta; all_reduce twice the reduce_scatter time (:func:`ring_terms`).
@@ -261,7 +304,7 @@ class CostModel:
         n = self.mesh.axis_sizes[axis]
         if n == 1:
             return 0.0
-        link = self._links[axis].for_collective(c.kind)
+        link = self._rings[axis].for_collective(c.kind)
         hops, share = ring_terms(c.kind, n)
         alpha, wire = link.latency_s if latency else 0.0, c.bytes / link.bandwidth_Bps
         return hops * alpha + share * wire
@@ -283,7 +326,9 @@ class CostModel:
         bytes_accessed / memory_bandwidth)``; the transcendentals are priced by the device
         (:meth:`~autopar.planning.cost.device_model.DeviceModel.transcendental_s`), ``timed_s`` is
         what functions priced at their calibrated rates take."""
-        arithmetic = flops / self.peak(dtype) + self.device.transcendental_s(transcendentals) + timed_s
+        efficiency, peak = self.cluster.efficiency, self.peak(dtype)
+        products = flops / peak if efficiency is None else efficiency.arithmetic_s(flops, peak)
+        arithmetic = products + self.device.transcendental_s(transcendentals) + timed_s
         return max(arithmetic, bytes_accessed / self.cluster.memory_bandwidth_Bps)
 
     def op_time(
@@ -305,8 +350,10 @@ class CostModel:
         (``attention``: scores and causal length, see ``DimSpec.attention``) is priced by the
         cluster's :class:`~autopar.planning.cost.cluster.AttentionRates` where it has them, its bytes
         still a floor."""
-        if attention is not None and self.cluster.attention is not None:
-            seconds = self.cluster.attention.seconds(flops, *attention, self.peak(dtype), grad)
+        rates, efficiency = self.cluster.attention, self.cluster.efficiency
+        if attention is not None and (rates is not None or efficiency is not None):
+            fused = rates.seconds if rates is not None else efficiency.attention_s
+            seconds = fused(flops, *attention, self.peak(dtype), grad)
             return max(seconds, (3 if grad else 1) * bytes_accessed / self.cluster.memory_bandwidth_Bps)
         inverse = None if function is None else f"{function}_backward"
         timed_forward = self.device.function_s(function, flops)
@@ -492,7 +539,7 @@ class CostModel:
         first otherwise, so a gather retraces a scatter backwards.
         """
         kind, axis = step
-        bandwidth = self._links[axis].bandwidth_Bps
+        bandwidth = self._rings[axis].bandwidth_Bps
         if kind == StepKind.REDUCE_SCATTER:
             return (ISSUE_ORDER[kind], -bandwidth, -axis)
         return (ISSUE_ORDER[kind], bandwidth if kind == StepKind.ALL_GATHER else 0.0, axis)

@@ -62,13 +62,13 @@ def test_a_loaded_plan_says_so(tmp_path):
     assert "loaded_from" not in loaded.to_dict()
 
 
-def test_a_pipelined_plan_names_the_pp_axis_and_its_largest_stage():
+def test_a_pipelined_plan_names_the_pp_axis_and_its_largest_rank():
     from examples import gpt
 
     model, args = gpt.build(device="meta")
     plan = autopar.plan(model, args, {"pp": 2, "dp": 2}, pipeline=autopar.Pipeline(2))
     text = plan.summary(100)
     assert "autopar plan on mesh pp=2×dp=2" in text
-    top = max(plan.pipeline.stages, key=lambda s: s.memory_bytes)
-    assert f"memory per rank, largest on stage {top.index} (pipeline rank {top.rank})" in text
+    top = max(plan.pipeline.stages, key=lambda s: s.memory_bytes)  # 1F1B: one stage per rank
+    assert f"memory per rank, largest on pipeline rank {top.rank} (stages {top.index})" in text
     assert "axis pp (2): runs 2 pipeline stages (1f1b)" in text

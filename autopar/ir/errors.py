@@ -22,7 +22,8 @@ class PlanError(AutoparError, RuntimeError):
 
 
 class MemoryFitError(PlanError):
-    """No plan fits the memory budget; ``least_bytes`` is the least memory per device reached."""
+    """No plan fits the memory budget; ``least_bytes`` is the least memory per device reached (under
+    a pipeline, the pipeline rank's holding the most: every stage it runs)."""
 
     def __init__(self, message: str, least_bytes: int) -> None:
         super().__init__(message)

@@ -204,6 +204,15 @@ class Prediction:
     backward computes (gradient-sum buckets) and the launch overhead and compute that overlap on
     an asynchronous device (a GPU; see :mod:`autopar.planning.cost.step_overheads`). Plans saved
     before the last five figures existed read them as 0.
+
+    Under a pipeline the prediction is a whole step too: ``step_time_s`` is the schedule's
+    (:attr:`PipelinePlan.step_time_s`), the other seconds and ``comm_bytes`` are the busiest
+    pipeline rank's over the step (its stages' compute, collectives and sends for every microbatch,
+    its gradient sums and optimizer step once; the bytes its collectives move, not its sends, which
+    are the stages' ``p2p_bytes``), and ``wait_s`` is what the step takes beyond that
+    rank's work (the bubble, the waits for other ranks), so the sum above still holds; the bytes
+    are the pipeline rank's holding the most (:meth:`PipelinePlan.rank_memory_bytes`). Pipeline
+    plans saved before this contract hold one microbatch of the whole model here.
     """
 
     step_time_s: float
@@ -246,6 +255,10 @@ class MemoryPlan:
     activation_kept_bytes: int  # held from the end of the forward into the backward
     host_optimizer_bytes: int  # offloaded: fp32 master copies, their gradients, the optimizer state
     host_activation_bytes: int  # offloaded: what autograd saves outside recompute regions
+    # FSDP-style storage the solver chose (not ZeRO's): each parameter stored split over the mesh axes
+    # its uses gather it over, and the bytes per rank that saves (its state, against whole over them)
+    stored_split: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    stored_split_bytes: int = 0
 
     @property
     def options(self) -> Memory:
@@ -294,7 +307,9 @@ class StagePlan:
     grad_bytes: int
     optimizer_bytes: int  # Adam: two fp32 moments per parameter element
     activation_bytes: int  # one microbatch
-    in_flight: float  # microbatches whose activations the stage holds at once, at most
+    # microbatches whose activations the stage holds when its rank holds the most (its own count
+    # may peak higher at another moment: autopar.planning.pipeline.in_flight)
+    in_flight: float
 
     @property
     def peak_activation_bytes(self) -> int:
@@ -323,6 +338,16 @@ class PipelinePlan:
     def rank_stages(self, rank: int) -> tuple[StagePlan, ...]:
         """The stages pipeline coordinate ``rank`` runs (``virtual_stages`` of them)."""
         return tuple(s for s in self.stages if s.rank == rank)
+
+    def rank_memory_bytes(self, rank: int) -> int:
+        """Bytes pipeline coordinate ``rank`` holds at its peak: all its stages' state, and their
+        activations at the moment the rank holds the most (each stage's ``in_flight``)."""
+        return sum(s.memory_bytes for s in self.rank_stages(rank))
+
+    @property
+    def largest_rank(self) -> int:
+        """The pipeline coordinate holding the most (the first of them)."""
+        return max(range(self.size), key=self.rank_memory_bytes)
 
 
 @dataclass
@@ -354,6 +379,9 @@ class Plan:
     mesh_candidates: list[dict[str, Any]] = field(default_factory=list)
     # with update=...: the mode, a unit's clock (slowest unit) and samples/s against sync's, replicas nominal
     update: dict[str, Any] | None = None
+    # microbatches a step accumulates without a pipeline (its inputs and activations one microbatch's,
+    # one gradient sum and optimizer step per step); 1: the whole batch at once, as plans saved before it
+    accumulation: int = 1
     # what the passes apply beyond layouts; None: a format-4 plan, whose record lowering derives
     lowering: Lowering | None = None
     # the file load_plan read it from (not saved): the summary says the solver's line is the saved one
@@ -378,9 +406,10 @@ class Plan:
 
     @property
     def peak_memory_bytes(self) -> int:
-        """Predicted bytes on the rank holding the most: under a pipeline, the largest stage's."""
+        """Predicted bytes on the rank holding the most: under a pipeline, the pipeline rank's (all
+        its stages, :meth:`PipelinePlan.rank_memory_bytes`)."""
         if self.pipeline is not None:
-            return max(s.memory_bytes for s in self.pipeline.stages)
+            return self.pipeline.rank_memory_bytes(self.pipeline.largest_rank)
         return self.prediction.memory_bytes
 
     @property
@@ -503,6 +532,7 @@ class Plan:
             parameter_nodes=dict(data.get("parameter_nodes", {})),
             mesh_candidates=[dict(c) for c in data.get("mesh_candidates", [])],
             update=data.get("update"),
+            accumulation=int(data.get("accumulation", 1)),
             lowering=_lowering_from_dict(data["lowering"]) if data.get("lowering") is not None else None,
             alternatives={
                 root: [
@@ -520,6 +550,7 @@ def _memory_from_dict(data: dict[str, Any]) -> MemoryPlan:
             **data,
             "zero_splits": {k: (v[0], int(v[1])) for k, v in data["zero_splits"].items()},
             "recompute": dict(data["recompute"]),
+            "stored_split": {k: tuple(v) for k, v in data.get("stored_split", {}).items()},
         }
     )
 

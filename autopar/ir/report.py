@@ -49,13 +49,19 @@ def render_summary(plan: Plan, width: int, verbose: bool = False) -> str:
     console = Console(file=buf, width=width, record=False, color_system=None)
     p = plan.prediction
     step = plan.step_time_s
-    per = " per microbatch" if plan.pipeline is not None else ""
+    # under a pipeline the prediction's seconds are the busiest pipeline rank's whole step (Prediction)
+    per = ", the busiest pipeline rank's" if plan.pipeline is not None else ""
     console.print(
         f"autopar plan on mesh {plan.device_mesh_spec} ({plan.cluster['name']}): predicted step "
         f"{step * 1e3:.3f} ms (compute {p.compute_s * 1e3:.3f} ms, communication {p.comm_s * 1e3:.3f} ms"
-        f"{per}; {_format_bytes(p.comm_bytes)} moved per rank{per})"
+        f"{per}; {_format_bytes(p.comm_bytes)} moved per rank per step)"
     )
     _print_memory_per_rank(console, plan)
+    if plan.accumulation > 1:
+        console.print(
+            f"gradient accumulation: {plan.accumulation} microbatches per step, each forward and backward "
+            f"(activations are one microbatch's), then one gradient sum and one optimizer step"
+        )
     if plan.memory is not None:
         _print_memory(console, plan.memory)
     if plan.precision is not None:
@@ -102,7 +108,8 @@ def render_summary(plan: Plan, width: int, verbose: bool = False) -> str:
 
 
 def _print_memory_per_rank(console: Console, plan: Plan) -> None:
-    """Memory per rank; under a pipeline, that of the stage holding the most (stages differ)."""
+    """Memory per rank; under a pipeline, that of the pipeline rank holding the most: all its
+    stages, their activations at the rank's peak (every rank's in the pipeline's table)."""
     p = plan.prediction
     if plan.pipeline is None:
         console.print(
@@ -112,12 +119,16 @@ def _print_memory_per_rank(console: Console, plan: Plan) -> None:
             f"total {_format_bytes(p.memory_bytes)}"
         )
         return
-    top = max(plan.pipeline.stages, key=lambda s: s.memory_bytes)
+    rank = plan.pipeline.largest_rank
+    top = plan.pipeline.rank_stages(rank)
+    held = [sum(getattr(s, f) for s in top) for f in ("param_bytes", "grad_bytes", "optimizer_bytes")]
+    flights = ", ".join(f"{s.in_flight:g} of stage {s.index}" for s in top)
     console.print(
-        f"memory per rank, largest on stage {top.index} (pipeline rank {top.rank}): parameters "
-        f"{_format_bytes(top.param_bytes)}, gradients {_format_bytes(top.grad_bytes)}, optimizer "
-        f"{_format_bytes(top.optimizer_bytes)}, activations {_format_bytes(top.peak_activation_bytes)} "
-        f"({top.in_flight:g} microbatches in flight), total {_format_bytes(top.memory_bytes)}"
+        f"memory per rank, largest on pipeline rank {rank} (stages {', '.join(str(s.index) for s in top)}): "
+        f"parameters {_format_bytes(held[0])}, gradients {_format_bytes(held[1])}, optimizer "
+        f"{_format_bytes(held[2])}, activations {_format_bytes(sum(s.peak_activation_bytes for s in top))} "
+        f"at the rank's peak (microbatches in flight: {flights}), total "
+        f"{_format_bytes(plan.pipeline.rank_memory_bytes(rank))}"
     )
 
 
@@ -216,6 +227,20 @@ def _print_pipeline(console: Console, pp: PipelinePlan) -> None:
             f"{_format_bytes(s.peak_activation_bytes)} (×{s.in_flight:g})",
         )
     console.print(table)
+    ranks = Table(title="pipeline ranks (what each holds at its peak: its stages' state and activations)")
+    for col in ("rank", "stages", "state", "activations", "total"):
+        ranks.add_column(col)
+    for r in range(pp.size):
+        mine = pp.rank_stages(r)
+        state = sum(s.param_bytes + s.grad_bytes + s.optimizer_bytes for s in mine)
+        ranks.add_row(
+            str(r),
+            ", ".join(f"{s.index} (×{s.in_flight:g})" for s in mine),
+            _format_bytes(state),
+            _format_bytes(sum(s.peak_activation_bytes for s in mine)),
+            _format_bytes(pp.rank_memory_bytes(r)),
+        )
+    console.print(ranks)
 
 
 def _print_memory(console: Console, m: MemoryPlan) -> None:
@@ -224,8 +249,17 @@ def _print_memory(console: Console, m: MemoryPlan) -> None:
     recompute = ", ".join(f"{path} ({policy})" for path, policy in m.recompute.items()) or "none"
     offloaded = (("optimizer", m.offload_optimizer), ("activations", m.offload_activations))
     offload = [what for what, on in offloaded if on]
+    stored = ""
+    if m.stored_split:  # the solver's layouts store these split: FSDP-style, not ZeRO's doing
+        names = list(m.stored_split)
+        shown = ", ".join(names[:2]) + (f" ... {names[-1]}" if len(names) > 2 else "")
+        axes = ", ".join(sorted({a for split in m.stored_split.values() for a in split}))
+        stored = (
+            f"; FSDP-style storage (the solver's layouts): {len(names)} parameters stored split over "
+            f"{axes} and gathered where used ({shown}), saving {_format_bytes(m.stored_split_bytes)} per rank"
+        )
     console.print(
-        f"memory plan ({how}): ZeRO-{m.zero} ({len(m.zero_splits)} parameters split), "
+        f"memory plan ({how}): ZeRO-{m.zero} ({len(m.zero_splits)} parameters split){stored}, "
         f"recompute: {recompute}; offload: {', '.join(offload) or 'none'} "
         f"(host {_format_bytes(m.host_optimizer_bytes + m.host_activation_bytes)}); "
         f"activations kept from forward to backward {_format_bytes(m.activation_kept_bytes)}"

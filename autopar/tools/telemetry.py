@@ -20,9 +20,9 @@ forward), both fixed for a program of static shapes, so later steps run unobserv
 is the state every rank holds after the step (parameters, gradients, optimizer state, measured
 from the live tensors) plus that activation peak, or the allocator's peak on CUDA; the line
 shows the largest rank's and the JSON every rank's (under a pipeline, the ranks of one
-coordinate on the pipeline axis hold one stage each). Each figure sits beside the plan's
-prediction for it, the compiled losses' included (under a pipeline: the stages' memory, and
-no bytes, which the pipeline plan does not count per rank). MFU is against the plan's cluster
+coordinate on the pipeline axis hold the same stages). Each figure sits beside the plan's
+prediction for it, the compiled losses' included (under a pipeline: each pipeline rank's memory,
+all its stages, and no bytes). MFU is against the plan's cluster
 peak for the compute dtype: on CPU the ``cpu-gloo`` preset's, calibrated by
 ``bench/calibrate_cpu_gloo.py`` with one core per rank.
 """
@@ -229,7 +229,7 @@ class StepMeter:
         peak = peaks.get(dtype, peaks["float32"]) * world
         if plan.pipeline is not None:
             predicted, moved_plan = plan.step_time_s, None
-            memory_plan = [s.memory_bytes for s in plan.pipeline.stages]
+            memory_plan = [plan.pipeline.rank_memory_bytes(r) for r in range(plan.pipeline.size)]
         else:  # the model's program, then the loss's
             predicted = plan.step_time_s + sum(p.step_time_s for p in losses)
             moved_plan = plan.prediction.comm_bytes + sum(p.comm_bytes for p in losses)

@@ -46,10 +46,11 @@ from autopar.capture.export import Captured
 from autopar.ir.errors import AnnotationError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.options import Pipeline
-from autopar.ir.plan import PipelinePlan, Plan, StagePlan
+from autopar.ir.plan import PipelinePlan, Plan, Prediction, StagePlan
 from autopar.ir.report import GRADIENT_SUM
 from autopar.planning.cost.model import LinkSpec
 from autopar.planning.cost.step_overheads import StepTerms, hidden_sends
+from autopar.planning.pipeline.in_flight import stage_flights
 from autopar.planning.pipeline.stage_nodes import (
     annotated_anchors,
     complete_stages,
@@ -217,8 +218,9 @@ class _NodeCosts:
         return cls(seconds=seconds, comm_bytes=comm_bytes, grad_sums=grad_sums)
 
 
-def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
-    """The :class:`~autopar.ir.plan.PipelinePlan` of a solved ``plan`` (planned per microbatch)."""
+def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> tuple[PipelinePlan, Prediction]:
+    """The :class:`~autopar.ir.plan.PipelinePlan` of a solved ``plan`` (planned per microbatch), and
+    the plan's prediction for a whole step under it (see :class:`~autopar.ir.plan.Prediction`)."""
     pipeline, captured = inputs.pipeline, inputs.captured
     p, n_stages, m = pipeline.size(inputs.mesh), pipeline.stages(inputs.mesh), pipeline.microbatches
     costs = _NodeCosts.of(plan, inputs.terms, m)
@@ -239,11 +241,13 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
     cuts = _crossing_bytes(captured.graph, stage_of, n_stages, value_bytes)
     copies = shared_constants(captured, stage_of)
     stages = tuple(_stage_plan(inputs, costs, stage_of, copies, cuts, s) for s in range(n_stages))
+    flights = stage_flights(pipeline, p, [st.activation_bytes for st in stages])
+    stages = tuple(replace(st, in_flight=float(n)) for st, n in zip(stages, flights))
     # ranks sharing cores lend each other the time they wait: a rank's compute on the critical path
     # runs up to ranks_per_core times faster while others wait, but what it waits for itself (the
     # sends between stages, the slowest rank) passes no faster; and the step takes no less than
     # the average rank's work
-    busiest = max(
+    busy = [
         sum(
             st.seconds / inputs.ranks_per_core
             + st.p2p_seconds
@@ -253,12 +257,21 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
             if st.rank == r
         )
         for r in range(p)
-    )
+    ]
     after = max(_after_backward(inputs, stages, stage_of, r) for r in range(p))
     work = m * sum(st.seconds for st in stages) / p
-    critical = busiest * (m + (p - 1) / pipeline.virtual_stages)
+    # the bubble's (p - 1) / v slots are compute and waits; the fill and the drain wait instead on a send
+    # across every one of the p * v - 1 boundaries (_fill_sends), which interleaving multiplies by v
+    computing = [
+        sum(
+            st.seconds / inputs.ranks_per_core + _waits(inputs, st, stage_of) for st in stages if st.rank == r
+        )
+        for r in range(p)
+    ]
+    bubble = max(computing) * (p - 1) / pipeline.virtual_stages + _fill_sends(inputs, cuts)
+    critical = max(busy) * m + bubble
     step = max(critical, work) + after
-    return PipelinePlan(
+    planned = PipelinePlan(
         axis=pipeline.axis,
         size=p,
         schedule=pipeline.schedule,
@@ -269,6 +282,70 @@ def plan_pipeline(plan: Plan, inputs: PipelineInputs) -> PipelinePlan:
         node_stages={node.name: s for node, s in stage_of.items()},
         bubble_fraction=pipeline.bubble_fraction(p),
         step_time_s=step,
+    )
+    busiest = max(range(p), key=busy.__getitem__)
+    return planned, _step_prediction(plan, inputs, planned, stage_of, cuts, busiest)
+
+
+def _step_prediction(
+    plan: Plan,
+    inputs: PipelineInputs,
+    pp: PipelinePlan,
+    stage_of: Mapping[torch.fx.Node, int],
+    cuts: list[Crossing],
+    rank: int,
+) -> Prediction:
+    """The whole step of pipeline coordinate ``rank`` (the busiest): its stages' compute,
+    collectives, sends and overheads for every microbatch, its gradient sums and optimizer step
+    once (``comm_bytes``: what its collectives move, as its stages count them; the sends are in
+    their ``p2p_bytes``); ``wait_s`` is what the schedule's step takes beyond them (the bubble,
+    the waits for other ranks). The memory is that of the pipeline rank holding the most
+    (:meth:`~autopar.ir.plan.PipelinePlan.rank_memory_bytes`)."""
+    m, terms = pp.microbatches, inputs.terms
+    mine = {node.name for node, s in stage_of.items() if s % pp.size == rank}
+    stages = pp.rank_stages(rank)
+    recompute = terms.recompute_s
+    compute = m * sum(d.compute_s + recompute.get(d.name, 0.0) for d in plan.nodes if d.name in mine)
+    sums = [r for r in plan.redistributions if r.dst == GRADIENT_SUM and r.src in mine]
+    # a redistribution is its consumer's, a model output's its producer's (as in _NodeCosts)
+    decided = {d.name for d in plan.nodes}
+    homes = [(r, r.dst if r.dst in decided else r.src) for r in plan.redistributions if r.dst != GRADIENT_SUM]
+    flows = [r for r, home in homes if home in mine]
+    buckets = terms.bucket_times(mine)
+    comm = m * sum(r.seconds for r in flows) + sum(r.seconds for r in sums) + buckets.latency_s
+    comm += m * sum(st.p2p_seconds for st in stages)
+    moved = sum(m * st.comm_bytes + st.grad_sum_bytes for st in stages)
+    overhead = m * sum(t for name, t in terms.op_s.items() if name in mine)
+    overhead += sum(t for name, t in terms.gradient_s.items() if name in mine)
+    optimizer = sum(t for name, t in terms.update_s.items() if name in mine)
+    hidden_comm = buckets.hidden_s + m * sum(_hidden_sends(inputs, st, cuts) for st in stages)
+    hidden_launch = m * terms.hidden_launches(mine)
+    top = pp.rank_stages(pp.largest_rank)
+    return Prediction(
+        step_time_s=pp.step_time_s,
+        compute_s=compute,
+        comm_s=comm,
+        comm_bytes=int(moved),
+        param_bytes=sum(st.param_bytes for st in top),
+        grad_bytes=sum(st.grad_bytes for st in top),
+        optimizer_bytes=sum(st.optimizer_bytes for st in top),
+        activation_bytes=sum(st.peak_activation_bytes for st in top),
+        overhead_s=overhead,
+        optimizer_s=optimizer,
+        wait_s=pp.step_time_s - (compute + comm + overhead + optimizer - hidden_comm - hidden_launch),
+        hidden_comm_s=hidden_comm,
+        hidden_launch_s=hidden_launch,
+    )
+
+
+def _fill_sends(inputs: PipelineInputs, cuts: list[Crossing]) -> float:
+    """Seconds the pipeline's fill and drain wait on sends: the first microbatch's values cross every
+    stage boundary before the last stage starts, and the last one's gradients every boundary back
+    before the first stage ends, each waited for by a stage with nothing else to run."""
+    return sum(
+        inputs.send_seconds(c.forward_bytes, c.forward_tensors)
+        + inputs.send_seconds(c.backward_bytes, c.backward_tensors)
+        for c in cuts[1:]
     )
 
 
@@ -362,5 +439,5 @@ def _stage_plan(
         grad_bytes=int(grad_b),
         optimizer_bytes=int(optimizer_b),
         activation_bytes=int(sum(inputs.activation_bytes.get(node.name, 0.0) for node in nodes)),
-        in_flight=pipeline.in_flight(p, s % p) / pipeline.virtual_stages,
+        in_flight=0.0,  # set once every stage's activations are known (its rank's peak)
     )

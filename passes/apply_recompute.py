@@ -12,13 +12,18 @@ under ``torch.utils.checkpoint`` with selective checkpointing:
   recomputed in backward.
 - ``"selective"`` (:data:`SELECTIVE`): also keeps the outputs of matrix products and
   attention; only the cheap ops between them are recomputed.
+- ``"full-comm"`` (:data:`FULL_COMM`): keeps nothing but the region's inputs; every op runs
+  again in backward, its collectives included (MindSpore's ``mp_comm_recompute``, Megatron-LM's
+  full recompute). Every rank runs the same region graph, so the repeated collectives are issued
+  in the same order on every rank; torch stops the recomputation at the region's last op saving
+  a tensor, so collectives after it (a block's closing all-reduce) do not run again.
 
-Under both policies, an autopar op marked ``node.meta["autopar.regather"]`` (a ZeRO-3
+Under the first two, an autopar op marked ``node.meta["autopar.regather"]`` (a ZeRO-3
 parameter gather) is recomputed, i.e. gathered again in backward and never kept. A ``"full"``
-region without autopar ops has nothing to keep: it runs under plain checkpointing, which
-recomputes every op just the same without the selective policy's dispatch of each op (Python,
-twice: on a CPU half of what a recomputed op costs besides its compute,
-:func:`~autopar.ir.options.uses_policy`).
+region without autopar ops has nothing to keep, and a ``"full-comm"`` region keeps nothing: they
+run under plain checkpointing, which recomputes every op just the same without the selective
+policy's dispatch of each op (Python, twice: on a CPU half of what a recomputed op costs besides
+its compute, :func:`~autopar.ir.options.uses_policy`).
 
 The call returns a tuple with one entry per region value used outside the region; each
 such value's node stays in the graph, under its name, as an ``operator.getitem`` of the
@@ -49,13 +54,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from autopar.ir.errors import CompileError
 from autopar.ir.meta import GRADS, LAYOUTS, RECOMPUTE, REGATHER, STAGE, NodeLayouts, write_layouts
 from autopar.ir.ops import is_autopar_op, is_selective_save
-from autopar.ir.options import POLICIES, SELECTIVE, uses_policy
+from autopar.ir.options import FULL_COMM, POLICIES, SELECTIVE, uses_policy
 
 
 def policy_fn(policy: str, regathers: tuple[bool, ...]) -> Callable[..., CheckpointPolicy]:
     """A selective-checkpoint policy function for one run of a region.
 
-    ``regathers[k]`` says whether the ``k``-th autopar op the region runs is a regather.
+    ``regathers[k]`` says whether the ``k``-th autopar op the region runs is a regather; under
+    :data:`FULL_COMM` every op, autopar ops included, is recomputed (what plain checkpointing
+    does: the policy is there for ``autopar calibrate`` to time a region both ways).
     The policy sees ops, not graph nodes, so it counts autopar calls: a region graph runs
     its nodes in graph order and each autopar node dispatches exactly one autopar op.
     Make a new function for every run (``context_fn`` is called once per checkpoint call),
@@ -77,7 +84,8 @@ def policy_fn(policy: str, regathers: tuple[bool, ...]) -> Callable[..., Checkpo
                     f"a recompute region ran autopar op #{k} ({op}) but its graph has {len(regathers)}; "
                     "autopar ops must be plain nodes of the region graph"
                 )
-            return CheckpointPolicy.PREFER_RECOMPUTE if regathers[k] else CheckpointPolicy.MUST_SAVE
+            again = regathers[k] or policy == FULL_COMM
+            return CheckpointPolicy.PREFER_RECOMPUTE if again else CheckpointPolicy.MUST_SAVE
         if policy == SELECTIVE and is_selective_save(op):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE

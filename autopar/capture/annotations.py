@@ -304,13 +304,15 @@ def recompute(module: ModuleT, policy: RecomputePolicy | str = RecomputePolicy.F
     """Recompute ``module``'s activations in backward instead of keeping them; return ``module``.
 
     MindSpore's rule: the module's outputs are kept, everything it computes inside is
-    recomputed. ``policy="selective"`` keeps the outputs of its matrix products and
-    attention too and recomputes only the cheap ops. Communication is never repeated
-    (collective outputs are kept), except gathers of ZeRO-3 parameters.
+    recomputed. ``"full"`` keeps the outputs of the collectives inside it (communication is not
+    repeated, but for gathers of ZeRO-3 parameters); ``"selective"`` keeps the outputs of its
+    matrix products and attention too and recomputes only the cheap ops; ``"full-comm"`` keeps
+    only the module's inputs and runs its collectives again in backward (MindSpore's
+    ``mp_comm_recompute=True``, Megatron-LM's full recompute). ``docs/memory.md`` has the table.
 
     Args:
         module: the module instance to recompute.
-        policy: ``"full"`` (the default) or ``"selective"``.
+        policy: ``"full"`` (the default), ``"selective"`` or ``"full-comm"``.
 
     Raises:
         AnnotationError: ``module`` not a module, or another policy.

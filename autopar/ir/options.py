@@ -20,26 +20,30 @@ from autopar.ir.updates import Update, check_update_kind
 
 class RecomputePolicy(StrEnum):
     """What a recompute region keeps for backward: ``full`` keeps only its inputs and the outputs
-    of its collectives; ``selective`` also keeps the outputs of matrix products and attention
-    (:data:`autopar.ir.ops.SELECTIVE_SAVES`)."""
+    of its collectives (backward communicates no more than without recompute); ``selective`` also
+    keeps the outputs of matrix products and attention (:data:`autopar.ir.ops.SELECTIVE_SAVES`);
+    ``full-comm`` keeps only its inputs and runs its collectives again in backward (MindSpore's
+    ``mp_comm_recompute``, Megatron-LM's full recompute)."""
 
     FULL = "full"
     SELECTIVE = "selective"
+    FULL_COMM = "full-comm"
 
     def __repr__(self) -> str:  # messages and printed programs show the plain string
         return repr(self.value)
 
 
-FULL, SELECTIVE = RecomputePolicy.FULL, RecomputePolicy.SELECTIVE
+FULL, SELECTIVE, FULL_COMM = RecomputePolicy.FULL, RecomputePolicy.SELECTIVE, RecomputePolicy.FULL_COMM
 POLICIES = tuple(p.value for p in RecomputePolicy)
 
 
 def uses_policy(policy: str, autopar_ops: bool) -> bool:
     """Whether a recompute region of ``policy`` runs under the selective checkpoint's policy: a
     selective one always (it keeps products), a full one where it has ``autopar_ops`` (it keeps
-    collectives' outputs and gathers regathers again); a full region of plain ops recomputes them
-    all, as plain checkpointing does (``autopar.passes.apply_recompute``)."""
-    return policy == SELECTIVE or autopar_ops
+    collectives' outputs and gathers regathers again); a full region of plain ops, and a
+    ``full-comm`` one, recompute every op, as plain checkpointing does
+    (``autopar.passes.apply_recompute``)."""
+    return policy == SELECTIVE or (policy == FULL and autopar_ops)
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,11 @@ class PlanOptions:
         check_ids: whether vocab-parallel lookups check their ids' range (``IndexRangeError``).
         update: an update mode (``autopar.ParameterServer``, ``Async``, ``Hybrid``), or None: the
             synchronous all-reduce.
+        accumulation: microbatches whose gradients a step accumulates without a pipeline, each one
+            forward and backward, then one gradient sum and one optimizer step; None: the planner
+            chooses (1 unless the batch does not fit, ``autopar.planning.search.accumulation``).
+            A pipeline's microbatches already accumulate: with ``pipeline`` it is refused, as with
+            ``update``.
 
     Raises:
         OptionError: naming the option and what it takes, for a value of the wrong kind or range.
@@ -268,6 +277,7 @@ class PlanOptions:
     workers: int | None = None
     check_ids: bool = True
     update: Update | None = None
+    accumulation: int | None = None
 
     def __post_init__(self) -> None:
         check_number(self.time_limit, "time_limit", unit="seconds of solver time")
@@ -285,3 +295,22 @@ class PlanOptions:
         check_bool(self.check_ids, "compile(check_ids=...)")
         if self.update is not None:
             check_update_kind(self.update)
+        if self.accumulation is not None:
+            check_accumulation(self.accumulation, self.pipeline, self.update)
+
+
+def check_accumulation(accumulation: int, pipeline: Pipeline | None, update: Update | None) -> None:
+    """Raise :class:`OptionError` unless ``accumulation`` is a count of microbatches a step can
+    accumulate: an int of at least 1, without a pipeline (whose microbatches accumulate already) and
+    without an update mode (whose units exchange after every backward pass)."""
+    check_int(accumulation, "accumulation (microbatches per step)", minimum=1)
+    if pipeline is not None:
+        raise OptionError(
+            f"accumulation={accumulation} with pipeline={pipeline}: a pipeline's microbatches already "
+            f"accumulate their gradients; give Pipeline(microbatches=...) alone"
+        )
+    if update is not None:
+        raise OptionError(
+            f"accumulation={accumulation} with update={update!r}: the update modes exchange after every "
+            "backward pass; leave accumulation unset"
+        )

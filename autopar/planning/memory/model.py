@@ -4,7 +4,9 @@ Per rank, for one training step (bytes; ``n`` is the size of the mesh axis ZeRO
 splits a parameter over, ``s`` the optimizer's fp32 values per element)::
 
     parameters   sum_p  bytes(p) / (n if ZeRO-3)
-    gradients    sum_p  bytes(p) / (n if ZeRO-2 or 3)              (p with a gradient)
+    gradients    sum_p  bytes(p) / (n if ZeRO-3, or ZeRO-2 summing once per backward pass)
+                                                 (p with a gradient; a step of several passes
+                                                 holds ZeRO-2's whole until its one sum)
     optimizer    sum_p  4 s numel(p) / (n if ZeRO >= 1)            (on the host under offload)
     host         sum_p  4 (s + 2) numel(p) / n   under optimizer offload (master copy, its
                                                  gradient and the states), else 0
@@ -40,7 +42,7 @@ from autopar.ir.layout import Layout, local_fraction, local_shape
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts, storage_ref
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_selective_save
-from autopar.ir.options import SELECTIVE
+from autopar.ir.options import FULL_COMM, SELECTIVE
 from autopar.planning.graph.laid_out import LaidOutGraph
 from autopar.planning.graph.storages import (
     allocates_beside,
@@ -366,6 +368,25 @@ def returned_values(laid: LaidOutGraph) -> list[Saved]:
     return [item for item in items if item.source.op != "placeholder"]
 
 
+def _selective_saves(laid: LaidOutGraph, node: torch.fx.Node) -> list[Saved]:
+    """What a selective region keeps of ``node`` beyond its collectives' outputs: its output where
+    it is a matrix product or attention, and the products it runs inside (:func:`inner_products`)."""
+    saves = []
+    if is_selective_save(node.target):
+        saves.append(held_value(laid, node, _out_layout(laid.layouts[node], 0)))
+    if (products := inner_products(laid, node)) is not None:
+        saves.append(products)
+    return saves
+
+
+def _collectives_again(log: RegionLog, at: int, outputs: Iterable[Saved]) -> None:
+    """Log the ``outputs`` of the collectives into the op at position ``at`` of a ``full-comm``
+    region as values its recomputation makes again: each from just before that op (the collective
+    runs between it and the op before) to that op, unless the op saves it (then it is saved)."""
+    for item in outputs:
+        log.made.setdefault(item.key, (item.nbytes, at - 1, at))
+
+
 def activation_memory(
     laid: LaidOutGraph,
     regions: Mapping[torch.fx.Node, Region],
@@ -385,13 +406,14 @@ def activation_memory(
     one the consumer reads in a layout other than its producer's: a chain's intermediate
     values, and the copy a gradient-only ``grad_all_reduce`` makes) and, under the selective
     policy, the outputs of its matrix products and attention; everything else its ops save
-    is recomputed in backward. Liveness: backward frees what the ops after a region kept
-    before it recomputes that region, but for what the program returns (the caller holds it);
-    the recomputation (torch's non-reentrant checkpoint) runs the region's ops up to the last
-    one saving a tensor, each adding what it saves (and what it makes for the next ops, until
-    they have used it), and hands each kept output over as it goes, so one that no op saves
-    for backward is freed then. The peak is the larger of the forward's and, over regions,
-    the most alive during its recomputation.
+    is recomputed in backward; a ``full-comm`` region keeps only what enters it, its recomputation
+    making its collectives' outputs again (:func:`_collectives_again`). Liveness: backward frees
+    what the ops after a region kept before it recomputes that region, but for what the program
+    returns (the caller holds it); the recomputation (torch's non-reentrant checkpoint) runs the
+    region's ops up to the last one saving a tensor, each adding what it saves (and what it makes
+    for the next ops, until they have used it), and hands each kept output over as it goes, so
+    one that no op saves for backward is freed then. The peak is the larger of the forward's
+    and, over regions, the most alive during its recomputation.
     """
     layouts = laid.layouts
     kept: dict[tuple, float] = {}
@@ -443,10 +465,10 @@ def activation_memory(
             if need != layouts[src].output:
                 cached.append(held_value(laid, src, need, (node.name, slot)))
             cached += copy_values(laid, src, (copies or {}).get((node.name, slot), ()), (node.name, slot))
-        if policy == SELECTIVE and is_selective_save(node.target):
-            cached.append(held_value(laid, node, _out_layout(layouts[node], 0)))
-        if policy == SELECTIVE and (products := inner_products(laid, node)) is not None:
-            cached.append(products)
+        cached += _selective_saves(laid, node) if policy == SELECTIVE else []
+        if policy == FULL_COMM:
+            _collectives_again(log, at, cached)
+            continue
         for item in cached:
             keep(at, item, True)
             log.cached.setdefault(item.key, at)

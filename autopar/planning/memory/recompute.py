@@ -13,18 +13,23 @@ The planner prices the regions of :func:`recompute_regions` on the captured grap
 ``assembly/lowering_record.py`` records them in the plan as the lowered graph has them (where a
 gather is a chain of autopar collectives between the parameter and the op), and the
 ``mark_recompute`` pass applies that record, so the plan predicts what runs.
+
+What backward communicates again (:func:`communicates_again`): a region gathers its parameters
+again under every policy; a ``full-comm`` region runs every collective feeding its ops again, up
+to its last op saving a tensor (:func:`rerun_ops`).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 import torch
 
 from autopar.ir.meta import NodeLayouts, module_stack
 from autopar.ir.ops import LAYOUT_CONSTRAINT, is_collective, written_operand
-from autopar.ir.options import SELECTIVE
+from autopar.ir.options import FULL_COMM, SELECTIVE
+from autopar.planning.memory.saved_tensors import SavedSpec, saved_by
 from autopar.rules import OpCall
 
 Region = tuple[str, str]  # (name, policy): a recompute module's path, or zero3:<op>
@@ -116,3 +121,38 @@ def recompute_regions(
     regions = module_regions(graph, recompute)
     regions.update(zero3_regions(zero3_params, layouts, regions))
     return regions
+
+
+def rerun_ops(
+    graph: torch.fx.Graph, regions: Mapping[torch.fx.Node, Region], flows: Mapping[torch.fx.Node, bool]
+) -> set[torch.fx.Node]:
+    """The ops of ``full-comm`` regions that backward runs again, collectives feeding them included:
+    each up to its region's last op saving a tensor for backward (``flows``: which values take a
+    gradient). Torch's non-reentrant checkpoint stops recomputing once every tensor its region
+    saved is made again, so an op after that one (a block's closing all-reduce and residual add)
+    runs once: what it feeds the next region is that region's kept input."""
+    ops: dict[str, list[torch.fx.Node]] = {}
+    last: dict[str, int] = {}  # region -> how many of its ops run again
+    for node in graph.nodes:
+        region = regions.get(node)
+        if region is None or region[1] != FULL_COMM:
+            continue
+        ops.setdefault(region[0], []).append(node)
+        if saved_by(node, [bool(flows.get(a)) for a in OpCall.of(node).operands]) != SavedSpec():
+            last[region[0]] = len(ops[region[0]])
+    return {node for name, nodes in ops.items() for node in nodes[: last.get(name, 0)]}
+
+
+def communicates_again(
+    dst: torch.fx.Node,
+    from_state: bool,
+    regions: Mapping[torch.fx.Node, Region],
+    rerun: Collection[torch.fx.Node],
+) -> bool:
+    """Whether backward runs the collectives of an edge into op ``dst`` again: in a ``full-comm``
+    region, where ``dst`` runs again (``rerun``: :func:`rerun_ops`); in another region, where the
+    edge gathers a parameter or buffer (``from_state``), which is never kept."""
+    region = regions.get(dst)
+    if region is None:
+        return False
+    return dst in rerun if region[1] == FULL_COMM else from_state

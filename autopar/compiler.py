@@ -18,6 +18,7 @@ The runtime never plans: a loss function given to ``dmodel.train_step`` is compi
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -41,7 +42,8 @@ from autopar.planning.assembly.lowering_record import lowering_record
 from autopar.planning.assembly.plan_fit import check_plan_fits
 from autopar.planning.cost.model import Cluster
 from autopar.planning.entry_points import plan_for_devices
-from autopar.planning.planner import capture_for, evaluate_captured, layout_mesh, plan_captured
+from autopar.planning.planner import Planned, capture_for, evaluate_captured, layout_mesh, plan_captured
+from autopar.planning.search.accumulation import accumulated, batch_of
 from autopar.runtime import collectives
 from autopar.runtime.async_updates import Rejoining, ServerRank, UpdatedModule, place_unit
 from autopar.runtime.lowered import LoweredProgram
@@ -68,6 +70,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     precision: MixedPrecision | None = None,
     update: Update | None = None,
     check_ids: bool = True,
+    accumulation: int | None = None,
 ) -> DistributedModule | CompiledOnFirstCall | UpdatedModule | ServerRank:
     """Compile ``model`` for ``mesh``; see the module docstring.
 
@@ -95,6 +98,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             (docs/update_modes.md).
         check_ids: False lets vocab-parallel lookups skip their ``IndexRangeError`` checks
             (docs/op_rules.md).
+        accumulation: microbatches ``train_step`` accumulates without a pipeline, as
+            :func:`autopar.plan`'s (a saved ``plan`` brings its own); the program runs one microbatch.
 
     Returns:
         A :class:`~autopar.runtime.module.DistributedModule` (:func:`compile_module`,
@@ -114,6 +119,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         precision=precision,
         check_ids=check_ids,
         update=update,
+        accumulation=accumulation,
     )
     if options.update is not None:
         return update_compiler(options.update).compile(
@@ -179,22 +185,49 @@ def compile_module(
     model = materialize(model, options.seed)
     t0 = time.perf_counter()
     precision = _precision_of(plan, options.precision)
-    captured = capture_for(model, example_args, example_kwargs, spec, pipeline, precision, stack_traces=True)
+    m = _accumulation_of(plan, options.accumulation)
+    capturing = functools.partial(
+        capture_for, model, example_args, example_kwargs, spec, pipeline, precision, stack_traces=True
+    )
+    captured = capturing(accumulation=m)
     captured.unapplied[:0] = unapplied
     if plan is None:
         solving, capture_s = replace(options, pipeline=pipeline), time.perf_counter() - t0
+
+        def plan_with(o: PlanOptions, deterministic: bool) -> Planned:
+            made = captured if (o.accumulation or 1) == m else capturing(accumulation=o.accumulation)
+            return evaluate_captured(made, spec, o, capture_s=capture_s, deterministic=deterministic)
+
+        args = example_args if isinstance(example_args, tuple) else (example_args,)
+        batch = batch_of(args, example_kwargs or {})
         plan = _plan_once(
             mesh,
-            lambda deterministic: evaluate_captured(
-                captured, spec, solving, capture_s=capture_s, deterministic=deterministic
+            lambda deterministic: accumulated(
+                functools.partial(plan_with, deterministic=deterministic), batch, solving
             ).record(),
         )
+    if plan.accumulation != m:  # the count the planner chose: the program runs its microbatch
+        captured = capturing(accumulation=plan.accumulation)
+        captured.unapplied[:0] = unapplied
     if plan.device_mesh_spec != spec:
         raise PlanError(
             f"the plan is for mesh {plan.device_mesh_spec}, but the module is compiled for {spec}"
         )
     check_plan_fits(plan, captured)
     return build_module(model, mesh, stage_mesh, captured, plan, pipeline, check_ids=options.check_ids)
+
+
+def _accumulation_of(plan: Plan | None, accumulation: int | None) -> int:
+    """The microbatches a step accumulates: a saved plan's (which ``accumulation`` must agree with),
+    else the one given, else 1 until the planner chooses."""
+    if plan is None:
+        return accumulation or 1
+    if accumulation not in (None, plan.accumulation):
+        raise PlanError(
+            f"the plan accumulates {plan.accumulation} microbatches per step, but compile was given "
+            f"accumulation={accumulation}: plan again with it, or leave it out"
+        )
+    return plan.accumulation
 
 
 def _pipeline_of(plan: Plan | None, pipeline: Pipeline | None) -> Pipeline | None:

@@ -84,7 +84,8 @@ def test_every_keyword_of_plan_reaches_the_options(monkeypatch):
     monkeypatch.setitem(entry_points.UPDATE_PLANNERS, autopar.Async, recorder)
     model, args = build()
     given = {**GIVEN, "cluster": "fast-links", "workers": 2}
-    assert _keywords(autopar.plan) == {*given, "example_kwargs"}
+    # accumulation is refused beside a pipeline and an update mode: tests/test_accumulation.py plans with it
+    assert _keywords(autopar.plan) == {*given, "example_kwargs", "accumulation"}
     assert autopar.plan(model, args, {"dp": 2}, **given) == "planned"
     options = recorder.options
     assert options == PlanOptions(**{**given, "cluster": get_cluster("fast-links")})
@@ -95,7 +96,7 @@ def test_every_keyword_of_compile_reaches_the_options(monkeypatch):
     monkeypatch.setitem(compiler.UPDATE_COMPILERS, autopar.Async, recorder)
     model, args = build()
     given = {**GIVEN, "cluster": "fast-links", "check_ids": False}
-    assert _keywords(autopar.compile) == {*given, "example_kwargs", "plan"}
+    assert _keywords(autopar.compile) == {*given, "example_kwargs", "plan", "accumulation"}
     assert autopar.compile(model, None, args, **given) == "compiled"
     assert recorder.options == PlanOptions(**given)
 

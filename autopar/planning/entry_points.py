@@ -26,7 +26,8 @@ from autopar.ir.updates import UPDATES, Update, check_update
 from autopar.planning.cost.model import Cluster, get_cluster
 from autopar.planning.cost.update_cost import with_update
 from autopar.planning.memory.saved_tensors import measure_saved
-from autopar.planning.planner import capture_for, cluster_of, evaluate_captured
+from autopar.planning.planner import Planned, capture_for, cluster_of, evaluate_captured
+from autopar.planning.search.accumulation import accumulated, batch_of
 from autopar.planning.search.forked import ForkedCalls, default_workers
 from autopar.planning.search.mesh_search import MeshCandidate, MeshSearch, check_devices
 
@@ -48,6 +49,7 @@ def plan(
     precision: MixedPrecision | None = None,
     update: Update | None = None,
     workers: int | None = None,
+    accumulation: int | None = None,
 ) -> Plan:
     """Plan ``model`` for ``mesh``: capture, read annotations, solve, report. No process group is needed.
 
@@ -64,7 +66,8 @@ def plan(
         cluster: a preset name (default ``"cpu-gloo"``), a cluster file or a :class:`Cluster`.
         time_limit: seconds each solve may take, every solve of the memory search included (on the
             wall clock and in CP-SAT's deterministic seconds, whichever ends first); it also sizes the
-            ILP (``autopar.planning.graph.axis_groups``); with a device count, each mesh's planning.
+            ILP (``autopar.planning.graph.axis_groups``); with a device count, each mesh's planning, in
+            CP-SAT's deterministic seconds alone (a loaded host does not change a mesh's plan).
         seed: the solver's seed.
         pipeline: a pipeline over one mesh axis (:mod:`autopar.planning.pipeline.stage_plan`); with a
             device count, the pipeline of the meshes that have one.
@@ -78,6 +81,9 @@ def plan(
             (``Plan.update``; :mod:`autopar.planning.cost.update_cost`).
         workers: with a device count, processes the meshes are planned in at once (default: one per
             CPU this process may use, at most 8; 1 plans them here, one after another).
+        accumulation: microbatches a step accumulates without a pipeline (dim 0 of every tensor input
+            cut into that many; ``Plan.accumulation``); None: 1 unless the whole batch does not fit, then
+            the fastest count that fits (:mod:`autopar.planning.search.accumulation`).
 
     Returns:
         The plan; :func:`plan_on_mesh`, :func:`plan_for_devices` and the update modes' planners
@@ -95,6 +101,7 @@ def plan(
         precision=precision,
         workers=workers,
         update=update,
+        accumulation=accumulation,
     )
     if options.update is not None:
         return update_planner(options.update).plan(model, example_args, mesh, example_kwargs, options)
@@ -120,9 +127,17 @@ def plan_on_mesh(
         options: what :func:`plan` was given.
     """
     spec = MeshSpec.of(mesh)
-    t0 = time.perf_counter()
-    captured = capture_for(model, example_args, example_kwargs, spec, options.pipeline, options.precision)
-    return evaluate_captured(captured, spec, options, capture_s=time.perf_counter() - t0).record()
+
+    def plan_with(o: PlanOptions) -> Planned:
+        t0 = time.perf_counter()
+        m = o.accumulation or 1
+        captured = capture_for(
+            model, example_args, example_kwargs, spec, o.pipeline, o.precision, accumulation=m
+        )
+        return evaluate_captured(captured, spec, o, capture_s=time.perf_counter() - t0)
+
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    return accumulated(plan_with, batch_of(args, example_kwargs or {}), options).record()
 
 
 def plan_for_devices(
@@ -134,7 +149,8 @@ def plan_for_devices(
 ) -> Plan:
     """The fastest plan over the meshes of ``devices`` devices (:mod:`~autopar.planning.search.mesh_search`):
     its candidates planned in up to ``options.workers`` processes at once
-    (:class:`~autopar.planning.search.forked.ForkedCalls`), each with the whole ``time_limit``.
+    (:class:`~autopar.planning.search.forked.ForkedCalls`), each with the whole ``time_limit`` in
+    CP-SAT's deterministic seconds.
 
     Args:
         model: the model to plan.
@@ -144,11 +160,15 @@ def plan_for_devices(
         options: what :func:`plan` was given (``options.pipeline``: the pipeline of pipelined meshes).
     """
     check_devices(devices)
+    if options.accumulation not in (None, 1):
+        raise OptionError(
+            f"accumulation={options.accumulation} with a device count ({devices}): the automatic mesh plans "
+            "each mesh on the whole batch; give a mesh, such as {'dp': 8}, to accumulate microbatches"
+        )
+    options = replace(options, accumulation=None)  # a pipelined candidate takes no count (1 included)
     t0, cluster = time.perf_counter(), cluster_of(options)
     captures = _Captures(model, example_args, example_kwargs, options.precision)
-    search = MeshSearch.of(
-        devices, cluster, captures.whole, _batch(example_args, example_kwargs), options.pipeline
-    )
+    search = MeshSearch.of(devices, cluster, captures.whole, _batch(example_args, example_kwargs), options)
     captures.share(search.reuse)
     candidate_options = replace(options, cluster=cluster)  # read once, here, not in every child
     with ForkedCalls(default_workers() if options.workers is None else options.workers) as calls:
@@ -158,8 +178,11 @@ def plan_for_devices(
                 try:
                     made = captures.of(c)
                     mesh, mine = MeshSpec.of(c.sizes), replace(candidate_options, pipeline=c.pipeline)
+                    # solves limited by CP-SAT's deterministic seconds alone: a loaded host or the
+                    # number of workers must not change which plan a mesh gets (on the wall clock the
+                    # 39.1B GPT's meshes without a pipeline ran out before their plans)
                     planning = functools.partial(
-                        evaluate_captured, made, mesh, mine, cutoff_s=search.cutoff_s
+                        evaluate_captured, made, mesh, mine, cutoff_s=search.cutoff_s, deterministic=True
                     )
                     calls.submit(i, planning)
                 except (PlanError, AnnotationError) as e:  # its capture: this mesh cannot run the annotations
@@ -169,7 +192,7 @@ def plan_for_devices(
                 captures.ahead(waiting)
             if calls.running:
                 i, (_, found) = calls.next_done()
-                search.done(i, found)
+                search.done(i, found, calls.seconds[i])
     return search.chosen(time.perf_counter() - t0, calls.workers)
 
 
@@ -266,7 +289,8 @@ class ServerUpdatesPlanner:
         example = {"example_args": example_args, "example_kwargs": example_kwargs}
         zero, offload = memory.zero, memory.offload_optimizer
         check_update(update, spec, pipeline=options.pipeline, zero=zero, offload=offload, example=example)
-        synchronous = replace(options, memory=memory, update=None)
+        # accumulation=1: a unit exchanges after every backward pass
+        synchronous = replace(options, memory=memory, update=None, accumulation=1)
         return with_update(plan_on_mesh(model, example_args, spec, example_kwargs, synchronous), update)
 
 

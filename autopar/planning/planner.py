@@ -39,6 +39,7 @@ from autopar.planning.graph.axis_groups import graph_within, merged_axes
 from autopar.planning.graph.edge_costs import cost_tables
 from autopar.planning.graph.strategy_graph import build_strategy_graph
 from autopar.planning.pipeline.stage_plan import microbatch
+from autopar.planning.search.accumulation import first_microbatch
 from autopar.planning.search.memory_search import (
     Found,
     Search,
@@ -73,10 +74,13 @@ def capture_for(
     pipeline: Pipeline | None,
     precision: MixedPrecision | None = None,
     stack_traces: bool = False,
+    accumulation: int = 1,
 ) -> Captured:
-    """Capture ``model`` for planning on ``mesh``: one microbatch of the example under a pipeline,
-    traced in ``precision``'s compute dtype when given, each node with the user's stack where
-    ``stack_traces`` (a program to compile: its errors name the line)."""
+    """Capture ``model`` for planning on ``mesh``: one microbatch of the example under a pipeline
+    or where a step accumulates ``accumulation`` microbatches
+    (:func:`~autopar.planning.search.accumulation.first_microbatch`, an ``OptionError`` where they do
+    not divide an input), traced in ``precision``'s compute dtype when given, each node with the
+    user's stack where ``stack_traces`` (a program to compile: its errors name the line)."""
     if isinstance(example_args, list | Mapping):
         kind = "a list" if isinstance(example_args, list) else "a mapping"
         raise OptionError(
@@ -94,6 +98,7 @@ def capture_for(
     kwargs = dict(example_kwargs or {})
     if pipeline is not None:
         args, kwargs = microbatch(args, kwargs, pipeline.microbatches)
+    args, kwargs = first_microbatch(args, kwargs, accumulation)
     return capture(model, args, kwargs, layout_mesh(mesh, pipeline), precision, stack_traces)
 
 
@@ -116,8 +121,9 @@ def evaluate_captured(
     Args:
         captured: the model, captured for ``mesh``.
         mesh: the mesh to plan for (the whole mesh under a pipeline).
-        options: the cluster, solver limits, pipeline, memory and budget to plan under
-            (``precision``, ``workers``, ``check_ids`` and ``update`` are read by the callers).
+        options: the cluster, solver limits, pipeline, memory, budget and microbatches accumulated
+            (``captured`` is then one microbatch's) to plan under (``precision``, ``workers``,
+            ``check_ids`` and ``update`` are read by the callers).
         capture_s: the seconds capture took, recorded in the plan's solver report.
         fixed_inputs: layouts of user inputs pinned by placeholder name (a loss compiled for a
             model's outputs takes them as they come).
@@ -132,6 +138,8 @@ def evaluate_captured(
     """
     cluster, pipeline, time_limit = cluster_of(options), options.pipeline, options.time_limit
     memory, memory_budget = _memory_of(options), options.memory_budget
+    # the ILP prices one microbatch: a step's gradient sums are a 1/m share of it
+    microbatches = pipeline.microbatches if pipeline is not None else options.accumulation or 1
     t1 = time.perf_counter()
     stage_mesh = layout_mesh(mesh, pipeline)
     g = graph_within(
@@ -140,7 +148,7 @@ def evaluate_captured(
             stage_mesh,
             CostModel(stage_mesh, cluster),
             fixed_inputs,
-            grad_sum_weight=1.0 if pipeline is None else 1.0 / pipeline.microbatches,
+            grad_sum_weight=1.0 / microbatches,
             groups=groups,
         ),
         stage_mesh,
@@ -154,8 +162,9 @@ def evaluate_captured(
             mesh=mesh,
             pipeline=pipeline,
             budget=memory_budget if memory_budget is not None else cluster.memory_bytes,
+            accumulation=options.accumulation or 1,
         ),
-        tables=cost_tables(g),
+        tables=cost_tables(g, memory),
         terms=MemoryTerms(g, memory, stage_shares(pipeline, mesh)),
         clock=SolverClock.starting(time_limit, deterministic),
         seed=options.seed,
@@ -169,6 +178,7 @@ def evaluate_captured(
     return Planned(
         step_time_s=best.evaluated.plan.step_time_s,
         peak_memory_bytes=best.evaluated.plan.peak_memory_bytes,
+        searched=searched,
         _context=_Unrecorded(
             search=search,
             found=best,
@@ -252,11 +262,13 @@ class Planned:
     """A captured model planned, its plan evaluated but its report not yet written: the figures the
     automatic mesh compares candidates by, and :meth:`record` to write the report, once (for the
     candidate chosen). A copy sent to another process (a candidate planned in a forked child) goes
-    recorded: what it is recorded from (the strategy graph, the search) stays behind."""
+    recorded: what it is recorded from (the strategy graph, the search) stays behind. ``searched``:
+    the fastest memory choice did not fit, and the memory search chose another."""
 
     step_time_s: float
     peak_memory_bytes: int
     _context: _Unrecorded | None
+    searched: bool = False
     _plan: Plan | None = None
 
     def record(self) -> Plan:

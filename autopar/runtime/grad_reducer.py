@@ -36,7 +36,9 @@ class GradReducer:
     gradients accumulate over several backward passes as on one device; inside
     :meth:`~autopar.runtime.module.DistributedModule.no_sync` the leaves keep accumulating and the next pass
     outside it sums everything once. :meth:`expect` does the same for the microbatches
-    of a pipeline step: each leaf is summed after its last microbatch's backward.
+    of a step (a pipeline's, or those a plan accumulates without one): each leaf is summed after
+    its last microbatch's backward, so a step launches each bucket once, however many microbatches
+    it runs.
 
     Under ZeRO-2 (``scattered``: the :class:`~autopar.runtime.optimizer.ZeroShard` of each
     parameter split, by ``id``) a split parameter's bucket is laid out rank by rank (piece
@@ -85,6 +87,7 @@ class GradReducer:
         ]
         self.pending = [len(b) for b in self.buckets]
         self.launched: list[tuple[int, list]] = []
+        self.launches = 0  # buckets launched so far: each once per step, however many microbatches
         self.regions: dict[int, torch.Tensor] = {}  # scattered bucket -> this rank's summed region
         # p.grad for a summed parameter is a view of its bucket, wrapped once
         self.wrapped = {
@@ -117,7 +120,8 @@ class GradReducer:
         return torch.empty(self.sizes[i], dtype=self._dtype(i), device=first.device)
 
     def expect(self, passes: int) -> None:
-        """Sum each gradient after ``passes`` backward passes reach it (a pipeline's microbatches)."""
+        """Sum each gradient after ``passes`` backward passes reach it (a step's microbatches): the
+        first ``passes - 1`` leave it accumulating in its leaf, the last launches its bucket."""
         self.waiting = dict.fromkeys(self.leaf_of, passes - 1)
 
     def _ready(self, p: torch.nn.Parameter, leaf: torch.Tensor) -> None:
@@ -180,6 +184,7 @@ class GradReducer:
                 collectives.count_collective("all_reduce", axis, nbytes)
                 works = [dist.all_reduce(flat, group=group, async_op=True)]
         self.launched.append((i, works))
+        self.launches += 1
 
     def _finish(self) -> None:
         for i, works in self.launched:

@@ -336,7 +336,10 @@ class DistributedModule(torch.nn.Module):
         optimizer afterwards. Under a pipeline the batch runs as microbatches (dim 0 of
         every input and of ``target``) in the planned schedule, each microbatch's loss
         weighted ``1/microbatches``: the loss must be a mean over the batch, and the
-        result is the mean over microbatches. With ``loss_scaler`` the backward runs on the
+        result is the mean over microbatches. A plan that accumulates ``m`` microbatches without a
+        pipeline (``plan.accumulation``) runs forward and backward on each in turn, its loss
+        weighted ``1/m`` and the gradient sums deferred to the last (one sum per step), and returns
+        the mean too. With ``loss_scaler`` the backward runs on the
         loss times its scale (fp16: see :mod:`autopar.runtime.loss_scaler`); the loss returned
         is not scaled.
         """
@@ -352,6 +355,8 @@ class DistributedModule(torch.nn.Module):
                 f"{type(loss_fn).__name__} {loss_fn!r:.60}"
             )
         tail = None if loss_fn is None else self._loss_tail(loss_fn, target)
+        if self.pipeline is None and self.plan.accumulation > 1:
+            return self._accumulated_step(args, kwargs, target, tail, loss_scaler)
         if self.pipeline is None:
             local_args, local_kwargs = self.shard_inputs(*args, **kwargs)
             out = self(*local_args, **local_kwargs)
@@ -377,8 +382,38 @@ class DistributedModule(torch.nn.Module):
         self.grad_reducer.expect(m)
         return self.pipeline.step(local, local_target, microbatch_loss, loss_fn) / self._loss_scale
 
-    def _microbatches(self, name: str, t: Any, m: int) -> Any:
-        """This rank's pieces of the ``m`` microbatches of global input ``t``, concatenated along dim 0."""
+    def _accumulated_step(
+        self,
+        args: tuple,
+        kwargs: dict,
+        target: torch.Tensor | None,
+        tail: DistributedModule | None,
+        loss_scaler: LossScaler | None,
+    ) -> torch.Tensor:
+        """:meth:`train_step` of a plan accumulating ``plan.accumulation`` microbatches: each one's
+        forward and backward (its loss weighted ``1/m``), the gradient reducer summing every
+        gradient after the last (:meth:`~autopar.runtime.grad_reducer.GradReducer.expect`); the mean loss."""
+        m = self.plan.accumulation
+        leaves = self._user_leaves(args, kwargs)
+        # every input checked and cut before the reducer waits for m backward passes
+        pieces = [
+            self._chunks(name, t, m) if name in self._input_layouts else [t] * m
+            for name, t in zip(self._input_names, leaves)
+        ]
+        targets = [None] * m if tail is None else tail._chunks(tail._input_names[-1], target, m)
+        self.grad_reducer.expect(m)
+        losses = []
+        for i in range(m):
+            chunk_args, chunk_kwargs = pytree.tree_unflatten([p[i] for p in pieces], self._in_spec)
+            local_args, local_kwargs = self.shard_inputs(*chunk_args, **chunk_kwargs)
+            out = self(*local_args, **local_kwargs)
+            loss = _loss_of(out) if tail is None else tail(out, tail.local_target(targets[i], 1))
+            (loss / m if loss_scaler is None else loss_scaler.scale(loss / m)).backward()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()
+
+    def _chunks(self, name: str, t: Any, m: int) -> tuple[torch.Tensor, ...]:
+        """Global input ``t`` cut into the ``m`` microbatches the module was compiled for (dim 0)."""
         check_input_tensor(name, t, self._input_examples[name])  # a tensor of the compiled dtype
         one = self._input_global[name]
         if t.dim() == 0 or (t.shape[0], *t.shape[1:]) != (m * one[0], *one[1:]):
@@ -386,8 +421,12 @@ class DistributedModule(torch.nn.Module):
                 f"input '{name}' has shape {tuple(t.shape)}, but the module was compiled for batches of "
                 f"{m} microbatches shaped {one}: {(m * one[0], *one[1:])}"
             )
+        return t.chunk(m)
+
+    def _microbatches(self, name: str, t: Any, m: int) -> Any:
+        """This rank's pieces of the ``m`` microbatches of global input ``t``, concatenated along dim 0."""
         layout = self._input_layouts[name]
-        return torch.cat([local_piece(c, layout, self.stage_mesh) for c in t.chunk(m)])
+        return torch.cat([local_piece(c, layout, self.stage_mesh) for c in self._chunks(name, t, m)])
 
     def local_target(self, target: torch.Tensor, m: int) -> torch.Tensor:
         """For a compiled loss: this rank's pieces of ``m`` microbatches of a global ``target``."""
@@ -407,7 +446,7 @@ class DistributedModule(torch.nn.Module):
         tail = self._loss_tails.get(loss_fn)
         if tail is not None:
             return tail
-        m = 1 if self.pipeline is None else self.pipeline.pipeline.microbatches
+        m = self.plan.accumulation if self.pipeline is None else self.pipeline.pipeline.microbatches
         if target.dim() == 0 or target.shape[0] % m:
             raise ShapeError(
                 f"target has shape {tuple(target.shape)}, which cannot be cut into {m} microbatches "

@@ -23,11 +23,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from autopar.ir.layout import Layout, format_layout
+from autopar.ir.layout import Layout, format_layout, parse_layout
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.meta import NodeLayouts, module_path
 from autopar.ir.ops import is_selective_save
-from autopar.ir.options import FULL, Memory, Pipeline, uses_policy
+from autopar.ir.options import SELECTIVE, Memory, Pipeline, uses_policy
 from autopar.ir.plan import (
     Alternative,
     ChoiceKind,
@@ -73,7 +73,7 @@ from autopar.planning.memory.model import (
     activation_memory,
     local_bytes,
 )
-from autopar.planning.memory.recompute import Region, recompute_regions
+from autopar.planning.memory.recompute import Region, communicates_again, recompute_regions, rerun_ops
 from autopar.planning.memory.saved_tensors import saved_by
 from autopar.planning.pipeline.stage_nodes import check_stage_memory
 from autopar.planning.pipeline.stage_plan import PipelineInputs, plan_pipeline
@@ -86,7 +86,8 @@ class PlanSetting:
 
     ``mesh`` is the whole mesh (the graph's is one stage's under a ``pipeline``);
     ``budget`` the bytes per device the plan is asked to fit (recorded in the plan, and
-    the bound on each pipeline stage), None when the plan is not asked to fit.
+    the bound on each pipeline stage), None when the plan is not asked to fit; ``accumulation``
+    the microbatches a step accumulates without a pipeline (the graph is one microbatch's).
     """
 
     graph: StrategyGraph
@@ -95,6 +96,7 @@ class PlanSetting:
     mesh: MeshSpec
     pipeline: Pipeline | None = None
     budget: float | None = None
+    accumulation: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +148,7 @@ def evaluate_plan(
         memory = (state.held, acts.by_node)
         check_stage_memory(g.captured, setting.pipeline, setting.mesh, setting.budget, *memory)
     nodes = _decisions(g, assignment)
-    redists = _edge_redistributions(g, planned, regions)
+    redists = _edge_redistributions(g, planned, regions, rerun_ops(graph, regions, g.requires_grad))
     sums, grad_sums = _gradient_sums(
         g, assignment, summed, splits if choice.zero in (1, 2) else {}, choice.zero
     )
@@ -154,20 +156,23 @@ def evaluate_plan(
     work = _recompute_work(g, graph, recomputed, regions, redists)
     ops = program_ops(graph, g.requires_grad, {d.name: d.compute_s for d in nodes}, recomputed, redists, work)
     updates = {p: update_seconds(u, setting.cluster, setting.memory) for p, u in state.updates.items()}
-    passes = setting.pipeline.microbatches if setting.pipeline is not None else 1
+    m = setting.accumulation  # 1 under a pipeline, whose stages are priced per microbatch
+    passes = setting.pipeline.microbatches if setting.pipeline is not None else m
     gradients = {
         p: gradient_seconds(leaf, passes, p in grad_sums, setting.cluster) for p, leaf in state.leaves.items()
     }
     terms = step_terms(ops, updates, grad_sums, setting.cluster, gradients)
+    extras = whole_step(terms, m)
+    # each accumulated microbatch runs the ops and their layout changes; the gradient sums run once
+    compute = m * (sum(d.compute_s for d in nodes) + sum(recomputed.values()))
+    comm = sum((r.seconds for r in sums), m * sum(r.seconds for r in redists)) + extras.latency_s
+    moved = m * _bytes(redists) + _bytes(sums)
     redists += sums
-    extras = whole_step(terms)
-    compute = sum(d.compute_s for d in nodes) + sum(recomputed.values())
-    comm = sum(r.seconds for r in redists) + extras.latency_s
     prediction = Prediction(
         step_time_s=compute + comm + extras.added_s,
         compute_s=compute,
         comm_s=comm,
-        comm_bytes=int(sum(c.bytes for r in redists for c in (*r.forward, *r.backward))),
+        comm_bytes=int(moved),
         param_bytes=int(sum(b[0] for b in state.held.values())),
         grad_bytes=int(sum(b[1] for b in state.held.values())),
         optimizer_bytes=int(sum(b[2] for b in state.held.values())),
@@ -188,10 +193,12 @@ def evaluate_plan(
         prediction=prediction,
         solver=report,
         code="",
-        memory=_memory_plan(setting, choice, splits, acts, state),
+        memory=_memory_plan(setting, choice, splits, acts, state, redists),
+        accumulation=m,
     )
     if setting.pipeline is not None:
-        result.pipeline = plan_pipeline(result, _pipeline_inputs(setting, g, layouts, acts, state, terms))
+        inputs = _pipeline_inputs(setting, g, layouts, acts, state, terms)
+        result.pipeline, result.prediction = plan_pipeline(result, inputs)  # a whole step under it
     return Evaluated(plan=result, choice=choice, assignment=assignment, graph=g, layouts=layouts)
 
 
@@ -254,6 +261,11 @@ def _decisions(g: StrategyGraph, assignment: Mapping[str, int]) -> list[NodeDeci
     return decisions
 
 
+def _bytes(redists: Iterable[Redistribution]) -> float:
+    """The bytes ``redists`` move, forward and backward."""
+    return sum(c.bytes for r in redists for c in (*r.forward, *r.backward))
+
+
 def _steps(g: StrategyGraph, collectives: Iterable[Collective]) -> tuple[CollectiveStep, ...]:
     return tuple(
         CollectiveStep(kind=c.kind, mesh_axes=c.mesh_axes, bytes=c.bytes, seconds=g.cost.collective_time(c))
@@ -266,9 +278,15 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
 
 
 def _edge_redistributions(
-    g: StrategyGraph, planned: Iterable[PlannedEdge], regions: Mapping[torch.fx.Node, Region]
+    g: StrategyGraph,
+    planned: Iterable[PlannedEdge],
+    regions: Mapping[torch.fx.Node, Region],
+    rerun: set[torch.fx.Node],
 ) -> list[Redistribution]:
-    """The collectives exactly as the compiled program will issue them (same edges, same sums)."""
+    """The collectives exactly as the compiled program will issue them (same edges, same sums); the
+    forward ones again in backward where a recompute region runs them again (``rerun``: the ops
+    of ``full-comm`` regions backward recomputes; see
+    :func:`~autopar.planning.memory.recompute.communicates_again`)."""
     state = state_names(g)
     found = []
     for (src, dst, slot), have, need, grad_need, grad_have in planned:
@@ -277,7 +295,7 @@ def _edge_redistributions(
         shape, itemsize = _shape(src), src.meta["val"].element_size()
         fwd, t_fwd = g.cost.redistribute(have, need, shape, itemsize)
         bwd, t_bwd = g.cost.backward(have, need, grad_need, grad_have, shape, itemsize)
-        if src.name in state and dst in regions:  # gathered again when the region is recomputed
+        if communicates_again(dst, src.name in state, regions, rerun):
             bwd, t_bwd = [*fwd, *bwd], t_bwd + t_fwd
         found.append(
             Redistribution(
@@ -385,7 +403,7 @@ def _recomputed(
         if (c := g.choices.get(node)) is not None
         and c.compute is not None
         and g.requires_grad.get(node)
-        and (policy == FULL or not is_selective_save(node.target))
+        and (policy != SELECTIVE or not is_selective_save(node.target))
     }
 
 
@@ -425,8 +443,10 @@ def _memory_plan(
     splits: Mapping[torch.fx.Node, Split],
     acts: ActivationMemory,
     state: HeldState,
+    redists: Iterable[Redistribution],
 ) -> MemoryPlan:
     memory, g = setting.memory, setting.graph
+    stored, saved = _stored_split(g, state, redists, splits)
     return MemoryPlan(
         zero=choice.zero,
         zero_threshold=memory.zero_threshold,
@@ -442,7 +462,40 @@ def _memory_plan(
         activation_kept_bytes=int(acts.kept),
         host_optimizer_bytes=int(sum(b[3] for b in state.held.values())),
         host_activation_bytes=int(acts.by_autograd if memory.offload_activations else 0.0),
+        stored_split=stored,
+        stored_split_bytes=int(saved),
     )
+
+
+def _stored_split(
+    g: StrategyGraph,
+    state: HeldState,
+    redists: Iterable[Redistribution],
+    splits: Mapping[torch.fx.Node, Split],
+) -> tuple[dict[str, tuple[str, ...]], float]:
+    """FSDP-style storage the solver chose (not ZeRO's ``splits``): each parameter whose layout
+    stores it split over mesh axes that every use gathers it over (from it, or from its cast to the
+    compute dtype; a use reading it split makes it tensor-parallel, not stored split), with those
+    axes; and the bytes per rank this saves against storing it whole over them: its state (itself,
+    its gradient, its optimizer state) times the pieces less one."""
+    cast = torch.ops.aten._to_copy.default
+    gathered: dict[tuple[str, str], set[str]] = {}  # (producer, consumer) -> axes gathered over
+    for r in redists:
+        steps = [step for step in r.forward if step.kind == CollectiveKind.ALL_GATHER]
+        gathered.setdefault((r.src, r.dst), set()).update(a for step in steps for a in step.mesh_axes)
+    stored, saved = {}, 0.0
+    for node, fqn in ((n, g.captured.params[n.name]) for n in g.choices if n.name in g.captured.params):
+        # its uses, through its casts to the compute dtype (MixedPrecision)
+        uses = [(src, u) for src in (node, *(u for u in node.users if u.target is cast)) for u in src.users]
+        uses = [(src.name, u.name) for src, u in uses if u.target is not cast]
+        axes = set.intersection(*(gathered.get(use, set()) for use in uses)) if uses else set()
+        placements = parse_layout(state.layouts[fqn])
+        split = tuple(a for a, p in zip(g.mesh.axis_names, placements) if p.is_shard() and a in axes)
+        if split and node not in splits:
+            stored[fqn] = split
+            pieces = math.prod(g.mesh.axis_sizes[g.mesh.axis_index(a)] for a in split)
+            saved += sum(state.held[node.name][:3]) * (pieces - 1)
+    return stored, saved
 
 
 def _pipeline_inputs(

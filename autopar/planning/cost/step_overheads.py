@@ -142,7 +142,8 @@ def update_seconds(work: OptimizerWork, cluster: Cluster, memory: Memory) -> flo
 
 def gradient_seconds(leaf_bytes: float, passes: int, summed: bool, cluster: Cluster) -> float:
     """Seconds one parameter's gradient (``leaf_bytes`` on this rank, before any ZeRO split) costs
-    the runtime in a step of ``passes`` backward passes (a pipeline's microbatches, else 1):
+    the runtime in a step of ``passes`` backward passes (a pipeline's microbatches, or those a
+    step accumulates without one):
     autograd's accumulation and :class:`~autopar.runtime.grad_reducer.GradReducer`'s hook at
     every pass (an op each); at every pass after the first, adding the new gradient to the last
     (reading both, writing the sum: an op); and, where it is summed, copying it into its bucket
@@ -350,26 +351,34 @@ class StepExtras:
         return self.overhead_s + self.optimizer_s + self.wait_s - self.hidden_s - self.hidden_launch_s
 
 
-def whole_step(terms: StepTerms) -> StepExtras:
-    """The extras of a step of the whole program. The forward's last stretch of compute runs on
-    into the backward; the backward's last ends where the gradient-sum buckets are waited for, if
-    there are any, and the optimizer step is a stretch of its own (ending at ZeRO's first gather or
-    at the end of the step, whose time is the slowest rank's); without buckets it runs on into it."""
+def whole_step(terms: StepTerms, microbatches: int = 1) -> StepExtras:
+    """The extras of a step of the whole program, run on ``microbatches`` accumulated microbatches
+    one after another (``terms`` are one microbatch's; ``gradient_s`` the whole step's already).
+    The forward's last stretch of compute runs on into the backward, and a microbatch's backward
+    into the next one's forward (its gradients stay in the leaves); the last backward's last
+    stretch ends where the gradient-sum buckets are waited for, if there are any (launched in the
+    last microbatch's backward alone, and hidden behind it alone), and the optimizer step is a
+    stretch of its own (ending at ZeRO's first gather or at the end of the step, whose time is the
+    slowest rank's); without buckets it runs on into it."""
     forward, backward = terms.segments()
     buckets = terms.bucket_times()
     optimizer = sum(terms.update_s.values())
-    stretches = [*forward[:-1], forward[-1] + backward[0], *backward[1:]]
+    one = [*forward[:-1], forward[-1] + backward[0], *backward[1:]]
+    stretches = list(one)
+    for _ in range(microbatches - 1):
+        stretches[-1] += one[0]
+        stretches += one[1:]
     if terms.grad_sums:
         stretches.append(optimizer)
     else:
         stretches[-1] += optimizer
     return StepExtras(
-        overhead_s=sum(terms.op_s.values()) + sum(terms.gradient_s.values()),
+        overhead_s=microbatches * sum(terms.op_s.values()) + sum(terms.gradient_s.values()),
         optimizer_s=optimizer,
         latency_s=buckets.latency_s,
         hidden_s=buckets.hidden_s,
         wait_s=terms.waits(stretches),
-        hidden_launch_s=terms.hidden_launches(),
+        hidden_launch_s=microbatches * terms.hidden_launches(),
     )
 
 

@@ -75,12 +75,19 @@ class StateBytes:
     host: float
 
 
-def state_bytes(local: float, itemsize: int, split: int, zero: int, memory: Memory, grad: bool) -> StateBytes:
-    """The state of a parameter of ``local`` bytes per rank, split ``split`` ways by ZeRO stage ``zero``."""
+def state_bytes(
+    local: float, itemsize: int, split: int, zero: int, memory: Memory, grad: bool, accumulates: bool = False
+) -> StateBytes:
+    """The state of a parameter of ``local`` bytes per rank, split ``split`` ways by ZeRO stage ``zero``.
+
+    ZeRO-2 keeps its gradient's shard once summed, but where a step ``accumulates`` several backward
+    passes (a pipeline's microbatches, or gradient accumulation) the runtime sums once, after the
+    last: until then the leaf holds the whole local gradient (ZeRO-3's leaf is its shard: its sum
+    runs in each pass's backward)."""
     numel = local / itemsize
     shard = numel / split
     param = local / split if zero == 3 else local
-    g = (local / split if zero >= 2 else local) if grad else 0.0
+    g = (local / split if zero == 3 or (zero == 2 and not accumulates) else local) if grad else 0.0
     states = FP32_BYTES * memory.optimizer_states * (shard if zero >= 1 else numel) if grad else 0.0
     if memory.offload_optimizer and grad:
         host = FP32_BYTES * (memory.optimizer_states + 2) * (shard if zero >= 1 else numel)
@@ -173,7 +180,7 @@ def held_state(
             local *= len(manual.rows) * max(manual.rows) / sum(manual.rows)
         grad = name in g.captured.params and bool(g.requires_grad.get(node))
         itemsize = node.meta["val"].element_size()
-        b = state_bytes(local, itemsize, n, zero, memory, grad)
+        b = state_bytes(local, itemsize, n, zero, memory, grad, accumulates=g.grad_sum_weight < 1)
         held[name] = (b.param, b.grad, b.optimizer, b.host)
         if grad:  # the optimizer steps its shard under ZeRO, the whole local parameter otherwise
             updates[name] = OptimizerWork(elements=local / itemsize / (n if zero else 1), itemsize=itemsize)

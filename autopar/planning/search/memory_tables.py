@@ -5,9 +5,9 @@ again in backward and reduce-scatters as the gradient arises (ZeRO-2's reduce-sc
 all-gather cost what the all-reduce does, but for the gather's latency, paid per shard);
 recomputed ops run their forward again, with the checkpoint's work for each
 (:meth:`~autopar.planning.cost.device_model.DeviceModel.recompute_s`), and gather again the parameters
-they read in another layout. Bytes: each parameter's state
-(:func:`~autopar.planning.memory.held_state.state_bytes`, split by ZeRO over an axis its first
-consumer sums its gradient over: per pair of strategies, as are ZeRO's seconds), and each op's
+they read in another layout (a ``full-comm`` region runs all its collectives again). Bytes: each
+parameter's state (:func:`~autopar.planning.memory.held_state.state_bytes`, split by ZeRO over an
+axis its first consumer sums its gradient over: per pair of strategies, as are ZeRO's seconds), and each op's
 saved values in the layouts of its strategy, each value counted at its first saver; inside a
 recompute region only what the region keeps, plus the first region's own values (the one being
 recomputed). Under a pipeline the bytes are weighted by the share of the rank holding most
@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate
 from autopar.ir.layout import Layout, local_fraction
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import is_selective_save
-from autopar.ir.options import FULL, SELECTIVE, Memory, Pipeline
+from autopar.ir.options import FULL_COMM, SELECTIVE, Memory, Pipeline
 from autopar.ir.plan import ChoiceKind, CollectiveKind
 from autopar.planning.cost.device_model import RecomputeWork
 from autopar.planning.cost.model import Collective
@@ -37,7 +37,7 @@ from autopar.planning.graph.storages import computes_nothing, source_of, storage
 from autopar.planning.graph.strategy_graph import Choice, Edge, StrategyGraph
 from autopar.planning.memory.held_state import state_bytes, state_names, zero_split
 from autopar.planning.memory.model import MemoryChoice, largest_operand, local_bytes
-from autopar.planning.memory.recompute import Region, module_regions
+from autopar.planning.memory.recompute import Region, communicates_again, module_regions, rerun_ops
 from autopar.planning.memory.saved_tensors import SavedSpec, saved_by
 from autopar.planning.search.solver import MemoryRows, reduce_pairs
 from autopar.rules import OpCall, Strategy, shape_of
@@ -155,10 +155,11 @@ class MemoryTerms:
 
 def stage_shares(pipeline: Pipeline | None, mesh: MeshSpec) -> tuple[float, float]:
     """What the rank of a pipeline holding most holds of the whole model's state and of one
-    microbatch's activations, with its stages about equal: ``1/p`` of the state and, of the
-    activations, as many stages' shares as it holds microbatch-stages in flight
-    (:meth:`~autopar.ir.options.Pipeline.in_flight`; ``p`` for 1F1B's first rank). Without a
-    pipeline, all of both."""
+    microbatch's activations, with its stages about equal: ``1/p`` of the state (all its
+    ``virtual_stages`` stages) and, of the activations, as many stages' shares as it holds
+    microbatch-stages in flight at its peak (:meth:`~autopar.ir.options.Pipeline.in_flight`, the
+    sum of :func:`~autopar.planning.pipeline.in_flight.stage_flights` over its stages when they are
+    equal; ``p`` for 1F1B's first rank). Without a pipeline, all of both."""
     if pipeline is None:
         return 1.0, 1.0
     p = pipeline.size(mesh)
@@ -236,7 +237,7 @@ def _state_price(
     threshold = memory.zero_threshold
     split = zero_split(shape_of(node), layout, summed, mesh, itemsize, threshold) if zero else None
     n = mesh.axis_sizes[split[0]] if split else 1
-    b = state_bytes(local, itemsize, n, zero, memory, grad)
+    b = state_bytes(local, itemsize, n, zero, memory, grad, accumulates=g.grad_sum_weight < 1)
     return b.param + b.grad + b.optimizer, _zero_seconds(g, node, zero, split, local)
 
 
@@ -277,20 +278,22 @@ def _activation_terms(g: StrategyGraph, choice: MemoryChoice, tables: MemoryTabl
             values.append(total)
         tables.add_bytes(c, np.array(values))
         if region is not None and g.requires_grad.get(node) and c.compute is not None:
-            if region[1] == FULL or not is_selective_save(node.target):
+            if region[1] != SELECTIVE or not is_selective_save(node.target):
                 # forward again: a third of forward + backward, and the checkpoint's work for it
-                again = g.cost.device.recompute_s(RecomputeWork(1 + spec.packed))
+                again = g.cost.device.recompute_s(RecomputeWork(1 + spec.packed, region[1] != FULL_COMM))
                 tables.add_seconds(c, c.compute / 3.0 + again)
 
 
 def _regather_terms(g: StrategyGraph, regions: Mapping[torch.fx.Node, Region], tables: MemoryTables) -> None:
-    """The seconds of what a recompute region redistributes again in backward: a parameter or
-    buffer it reads in another layout than the one stored is gathered again, as the plan
-    prices it (its values come from outside, kept; only the parameters are not)."""
+    """The seconds of what a recompute region redistributes again in backward, as the plan
+    prices it (:func:`~autopar.planning.memory.recompute.communicates_again`): a parameter or
+    buffer it reads in another layout than the one stored is gathered again (other values'
+    collectives' outputs are kept), and a ``full-comm`` region runs every collective again."""
     state = state_names(g)
+    rerun = rerun_ops(g.captured.graph, regions, g.requires_grad)
     cache: dict[tuple, np.ndarray] = {}
     for e in g.edges:
-        if e.src.name not in state or e.dst not in regions:
+        if not communicates_again(e.dst, e.src.name in state, regions, rerun):
             continue
         key = table_key(g, e)
         if key not in cache:
@@ -316,8 +319,8 @@ def _operand_weights(
     own layout)``; None when it keeps nothing. Outside recompute a saved operand is kept,
     a copy per edge and the producer's layout once per storage (not a placeholder's, which
     the step does not allocate); a recompute region keeps its inputs from outside and its
-    collectives' outputs, and the first region's saved operands count at the peak (the
-    module docstring)."""
+    collectives' outputs (a ``full-comm`` one its inputs only), and the first region's saved
+    operands count at the peak (the module docstring)."""
     source, index = source_of(e.src)
     storage, size = storage_of(source, index)
     placeholder = source.op == "placeholder"
@@ -327,7 +330,7 @@ def _operand_weights(
         copy, own = float(is_saved), float(is_saved and not placeholder)
     else:
         outside = regions.get(source, (None,))[0] != region[0]
-        copy = float(not placeholder or (is_saved and in_first))
+        copy = float((not placeholder and region[1] != FULL_COMM) or (is_saved and in_first))
         own = float(not placeholder and (outside or (is_saved and in_first)))
     if own and storage in claimed:
         own = 0.0

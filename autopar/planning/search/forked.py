@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -47,14 +48,17 @@ class ForkedCalls:
     """Calls keyed by the caller, run in at most ``workers`` forked children at once.
 
     :meth:`submit` starts one (or, with one worker, runs it here); :meth:`next_done` waits for
-    one to end and returns its key and :data:`Outcome`. Use it as a context manager: leaving
-    it ends every child still running (on an error or an interrupt in the parent).
+    one to end and returns its key and :data:`Outcome`; :attr:`seconds` holds each ended call's
+    wall seconds, from its start to its outcome. Use it as a context manager: leaving it ends
+    every child still running (on an error or an interrupt in the parent).
     """
 
     def __init__(self, workers: int) -> None:
         self.workers = workers if can_fork() else 1
         self._children: dict[Connection, tuple[object, multiprocessing.process.BaseProcess]] = {}
         self._done: list[tuple[object, Outcome]] = []  # run here, not yet collected
+        self._started: dict[object, float] = {}
+        self.seconds: dict[object, float] = {}
 
     def __enter__(self) -> ForkedCalls:
         return self
@@ -73,8 +77,10 @@ class ForkedCalls:
 
     def submit(self, key: object, call: Callable[[], Any]) -> None:
         """Start ``call`` (at most :attr:`workers` may be running; see :attr:`running`)."""
+        self._started[key] = time.perf_counter()
         if self.workers == 1:
             self._done.append((key, _outcome(call)))
+            self.seconds[key] = time.perf_counter() - self._started.pop(key)
             return
         fork = multiprocessing.get_context("fork")
         receive, send = fork.Pipe(duplex=False)
@@ -96,6 +102,7 @@ class ForkedCalls:
             outcome = (False, PlanError(f"the process planning it ended with exit code {child.exitcode}"))
         conn.close()
         child.join()
+        self.seconds[key] = time.perf_counter() - self._started.pop(key)
         return key, outcome
 
 

@@ -14,11 +14,15 @@ Enumerated
     ordered ``pp, dp, tp``: tensor parallelism innermost, on the links within a node. Where
     no annotation names an axis, meshes of the same sizes are one candidate.
 Pruned
-    candidates are planned in the order of a lower bound of their step: the whole model's
-    compute spread perfectly over every device, times the pipeline's
-    ``(m + (pp − 1) / v) / m`` for a pipeline of ``m`` microbatches and ``v`` stages per
-    rank (its bubble); at equal bounds, the least data parallelism first. A candidate
-    whose bound is not below the best predicted step found is not planned: it cannot win.
+    each candidate has a lower bound of its step (:class:`Bounds`): the whole model's compute,
+    the forward that every memory choice recomputes included, spread perfectly over every
+    device, times the pipeline's ``(m + (pp − 1) / v) / m`` for a pipeline of ``m``
+    microbatches and ``v`` stages per rank (its bubble). Candidates are planned those whose
+    pipeline and tensor axes hold the model's state within the budget without ZeRO first,
+    then by bound, then the least data parallelism first. A candidate whose bound is not
+    below the best predicted step found is not planned: it cannot win. One whose memory bound (the model's
+    parameters, gradients and optimizer state split over every device) exceeds the budget is
+    not planned at all.
     One planned after a step was found gets that step as its cutoff: when its first ILP
     solve's bound, scaled by the share of the objective that solve's plan takes as its step
     (at most 1: a step hides some of what the objective counts), is not below it, its memory
@@ -27,8 +31,9 @@ Decided by the ILP
     for each candidate planned, every op's layout on its mesh (which axis splits the batch,
     the sequence, heads or hidden), the ZeRO stage and recompute under the memory budget
     (:func:`autopar.planning.planner.plan_captured`), each candidate with the whole
-    ``time_limit``: a candidate solved in less time may be planned far from its best and
-    lose for that alone.
+    ``time_limit`` in CP-SAT's deterministic seconds, so that the host's load does not change a
+    mesh's plan: a candidate solved in less time may be planned far from its best and lose for
+    that alone.
 
 The plan returned is the fastest that fits; ``plan.mesh_candidates`` lists every candidate
 with its predicted step and memory, or why it was not planned. A capture is made once per
@@ -38,6 +43,7 @@ mesh (no ``shard`` annotations, no ``constrain`` calls); otherwise once per cand
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,20 +52,25 @@ from autopar.capture.export import Captured, repeated_blocks
 from autopar.ir.errors import AnnotationError, MemoryFitError, OptionError, PlanError
 from autopar.ir.mesh import MeshSpec
 from autopar.ir.ops import LAYOUT_CONSTRAINT
-from autopar.ir.options import Pipeline
+from autopar.ir.options import Memory, Pipeline, PlanOptions
 from autopar.ir.plan import Plan
 from autopar.planning.cost.device_model import device_model
 from autopar.planning.cost.model import Cluster, CostModel
 from autopar.planning.graph.strategy_graph import build_strategy_graph
+from autopar.planning.search.memory_search import memory_choices
+from autopar.planning.search.memory_tables import MemoryTerms
 
 
 @dataclass(frozen=True)
 class MeshCandidate:
-    """One mesh the search considers, with its pipeline (None: none) and step lower bound."""
+    """One mesh the search considers, with its pipeline (None: none) and its lower bounds: of the
+    step (``bound_s``) and of the bytes per device (``memory_bound_bytes``) of any plan on it
+    (:class:`Bounds`)."""
 
     sizes: dict[str, int]
     pipeline: Pipeline | None
     bound_s: float
+    memory_bound_bytes: float
 
     @property
     def shape(self) -> int | None:
@@ -74,6 +85,71 @@ class MeshCandidate:
         return f"{mesh}, {p.schedule} m={p.microbatches}" + (
             f" v={p.virtual_stages}" if p.virtual_stages > 1 else ""
         )
+
+    def row(self) -> dict[str, Any]:
+        """The candidate's row of ``plan.mesh_candidates`` before its outcome: the mesh in words and
+        as sizes, its pipeline (schedule, microbatches, stages per rank; None without one) and bounds."""
+        p = self.pipeline
+        pipeline = None
+        if p is not None:
+            pipeline = {
+                "schedule": p.schedule,
+                "microbatches": p.microbatches,
+                "virtual_stages": p.virtual_stages,
+            }
+        return {
+            "mesh": self.describe(),
+            "sizes": dict(self.sizes),
+            "pipeline": pipeline,
+            "bound_s": self.bound_s,
+            "memory_bound_bytes": self.memory_bound_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What every plan of the model takes at the least, whatever its mesh, from the strategy graph of
+    one device (its only strategy per op): the seconds of its forward, backward and the forward that
+    recompute runs again (``compute_s``) and the bytes of its state (parameters, gradients and the
+    optimizer's state: ``state_bytes``), each the least over the memory search's choices
+    (:func:`memory_choices`: a recompute the annotations fix is in every one).
+
+    A mesh of ``N`` devices spreads them at best evenly, so that :meth:`step_s` and
+    :meth:`memory_bytes` bound any of its plans from below (docs/automatic_mesh.md, "The bounds").
+    What a step saves for backward is left out of the memory bound: the estimate of one device's is
+    no lower bound of a rank's exact figure (the memory model's values alive for a while differ)."""
+
+    compute_s: float
+    state_bytes: float
+
+    @classmethod
+    def of(cls, whole: Captured, cluster: Cluster, memory: Memory) -> Bounds:
+        """The bounds of the model ``whole`` (captured for a mesh of one device, ``{"dp": 1, "tp": 1}``).
+
+        Args:
+            whole: the model captured for one device.
+            cluster: the hardware its seconds are priced on.
+            memory: the memory options its plans are searched under.
+        """
+        one = MeshSpec.of({"dp": 1, "tp": 1})
+        g = build_strategy_graph(whole, one, CostModel(one, cluster))
+        compute = sum(float(c.compute[0]) for c in g.choices.values() if c.compute is not None)
+        choices = memory_choices(whole, memory)
+        state = MemoryTerms(g, memory, (1.0, 0.0))  # the state's bytes alone (activations weigh 0)
+        return cls(
+            compute_s=compute + min(state.least_seconds(c) for c in choices),
+            state_bytes=min(state.least_bytes(c) for c in choices),
+        )
+
+    def step_s(self, sizes: dict[str, int], pipeline: Pipeline | None, cluster: Cluster) -> float:
+        """A lower bound of any step on the mesh ``sizes`` under ``pipeline``: the compute spread
+        evenly over its devices, times the pipeline's bubble (:func:`_bubble`)."""
+        return self.compute_s / math.prod(sizes.values()) * _bubble(sizes, pipeline, cluster)
+
+    def memory_bytes(self, devices: int) -> float:
+        """A lower bound of the bytes of the device holding most on a mesh of ``devices``: the state
+        split over all of them (ZeRO-3 and model parallelism at their most)."""
+        return self.state_bytes / devices
 
 
 def candidate_meshes(
@@ -133,13 +209,6 @@ def _pipelines(pp: int, blocks: int, batch: int | None, given: Pipeline | None) 
     return [one, Pipeline(counts[0], "interleaved-1f1b", 2)] if blocks >= 2 * pp else [one]
 
 
-def whole_compute_s(captured: Captured, one: MeshSpec, cluster: Cluster) -> float:
-    """Seconds of the whole model's forward and backward on one device of ``cluster``
-    (``captured`` was captured for ``one``, a mesh of one device, whose axes its annotations name)."""
-    g = build_strategy_graph(captured, one, CostModel(one, cluster))
-    return sum(float(c.compute[0]) for c in g.choices.values() if c.compute is not None)
-
-
 def mesh_free(captured: Captured) -> bool:
     """Whether the capture is the same on every mesh: no annotation lowered onto one."""
     a = captured.annotations
@@ -194,33 +263,60 @@ class MeshSearch:
 
     @classmethod
     def of(
-        cls, devices: int, cluster: Cluster, whole: Captured, batch: int | None, pipeline: Pipeline | None
+        cls, devices: int, cluster: Cluster, whole: Captured, batch: int | None, options: PlanOptions
     ) -> MeshSearch:
-        """The candidates for ``devices`` (see the module docstring), sorted by their bounds.
+        """The candidates for ``devices`` (see the module docstring), sorted by their bounds; those
+        whose memory bound exceeds the budget are not planned (their rows say so).
 
         Args:
             devices: the device count (:func:`check_devices`).
             cluster: the hardware the steps are priced for.
             whole: the model captured for a mesh of one device, ``{"dp": 1, "tp": 1}``.
             batch: the example's batch (dim 0), which a pipeline's microbatches divide; None: unknown.
-            pipeline: the pipeline of every pipelined candidate, or None to enumerate them.
+            options: what the plan was asked with: ``pipeline`` (that of every pipelined candidate, or
+                None to enumerate them), ``memory`` and ``memory_budget``.
         """
-        reuse = mesh_free(whole)
-        compute = whole_compute_s(whole, MeshSpec.of({"dp": 1, "tp": 1}), cluster)
-        blocks = len(repeated_blocks(whole.graph))
-        meshes = candidate_meshes(devices, cluster, blocks, batch, pipeline, names_matter=not reuse)
+        pipeline = options.pipeline
         if pipeline is not None and pipeline.axis != "pp":
             raise OptionError(
                 f"with a device count the pipeline axis is called 'pp', got Pipeline(axis={pipeline.axis!r})"
             )
+        reuse = mesh_free(whole)
+        bounds = Bounds.of(whole, cluster, options.memory or Memory())
+        blocks = len(repeated_blocks(whole.graph))
+        meshes = candidate_meshes(devices, cluster, blocks, batch, pipeline, names_matter=not reuse)
+        budget = cluster.memory_bytes if options.memory_budget is None else options.memory_budget
+
+        def order(c: MeshCandidate) -> tuple[bool, float, int]:
+            # first the meshes whose pipeline and tensor axes hold the state within the budget without
+            # ZeRO: the likeliest to be planned without a memory search (seconds where one takes tens)
+            # and to win, so that their steps prune the rest or cut their searches short; then by
+            # bound, and at equal bounds the least data parallelism (the least state per device)
+            modelled = c.sizes.get("pp", 1) * c.sizes.get("tp", 1)
+            return bounds.state_bytes / modelled > budget, c.bound_s, c.sizes.get("dp", 1)
+
         candidates = sorted(
-            (MeshCandidate(sizes, p, compute / devices * _bubble(sizes, p, cluster)) for sizes, p in meshes),
-            # at equal bounds the least data parallelism first: it holds the least state per device,
-            # likeliest to fit without a memory search, and its step then cuts the others' short
-            key=lambda c: (c.bound_s, c.sizes.get("dp", 1)),
+            (
+                MeshCandidate(sizes, p, bounds.step_s(sizes, p, cluster), bounds.memory_bytes(devices))
+                for sizes, p in meshes
+            ),
+            key=order,
         )
-        rows = [{"mesh": c.describe(), "bound_s": c.bound_s} for c in candidates]
-        return cls(devices, candidates, reuse, rows, list(range(len(candidates))))
+        rows = [c.row() for c in candidates]
+        left = []
+        for i, c in enumerate(candidates):
+            if c.memory_bound_bytes <= budget:
+                left.append(i)
+                continue
+            gib = c.memory_bound_bytes / 2**30
+            rows[i].update(
+                outcome=f"not planned: no plan fits: every plan holds at least {gib:.3g} GiB per device",
+                least_bytes=int(c.memory_bound_bytes),
+                error=f"every plan of mesh {c.describe()} holds at least {gib:.3g} GiB per device (the "
+                f"parameters, gradients and optimizer state split over its {devices} devices), over "
+                f"memory_budget={budget / 2**30:.2f} GiB",
+            )
+        return cls(devices, candidates, reuse, rows, left)
 
     @property
     def cutoff_s(self) -> float | None:
@@ -245,10 +341,13 @@ class MeshSearch:
         c = self.candidates[self.left[0]] if self.left else None
         return c if c is not None and (self.best is None or c.bound_s < self.best[0].step_time_s) else None
 
-    def done(self, i: int, found: CandidatePlan | BaseException) -> None:
+    def done(self, i: int, found: CandidatePlan | BaseException, seconds: float | None = None) -> None:
         """Candidate ``i``'s plan, or why it has none (raised again where it is no reason a mesh
-        cannot run the model); the fastest plan is kept (of equally fast ones the first)."""
+        cannot run the model), and the wall ``seconds`` its planning took where timed (its row's
+        ``plan_s``); the fastest plan is kept (of equally fast ones the first)."""
         _record(self.rows[i], found)
+        if seconds is not None:
+            self.rows[i]["plan_s"] = seconds
         if not isinstance(found, BaseException) and (
             self.best is None or (found.step_time_s, i) < (self.best[0].step_time_s, self.best[1])
         ):
@@ -273,9 +372,13 @@ class MeshSearch:
         self.rows[index]["outcome"] = "chosen"
         best.mesh_candidates = self.rows
         processes = f" on {workers} processes" if workers > 1 else ""
+        outcomes = [r["outcome"] for r in self.rows]
+        planned = sum(not o.startswith("not planned") for o in outcomes)
+        by_step = sum(o.startswith("not planned: its bound") for o in outcomes)
         best.warnings.append(
             f"mesh chosen from {len(self.candidates)} candidates for {self.devices} devices in "
-            f"{elapsed_s:.1f} s{processes} (plan.mesh_candidates lists them)"
+            f"{elapsed_s:.1f} s{processes}: {planned} planned, {by_step} not planned by their step bound, "
+            f"{len(outcomes) - planned - by_step} by their memory bound (plan.mesh_candidates lists them)"
         )
         return best
 

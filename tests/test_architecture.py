@@ -143,12 +143,12 @@ LINE_BUDGETS = {
     "autopar.tools": 3300,
     "autopar.passes": 1500,
     "autopar.planning": 750,
-    "autopar.planning.cost": 1750,
-    "autopar.planning.graph": 1300,
-    "autopar.planning.pipeline": 900,
+    "autopar.planning.cost": 1950,
+    "autopar.planning.graph": 1400,
+    "autopar.planning.pipeline": 1050,
     "autopar.planning.memory": 1300,
     "autopar.planning.assembly": 1050,
-    "autopar.planning.search": 1800,
+    "autopar.planning.search": 2020,
 }
 
 

@@ -102,6 +102,9 @@ def _run_case(model_name: str, mesh_shape: tuple | int, names: tuple | None, mod
         for layer in model.layers:
             autopar.shard(layer, parameter_plan={"weight": (None, None), "bias": (None,)})
         autopar.shard(model, in_strategy=(("dp", None), ("dp", None)))
+    elif mode == "seq":  # every tensor input split along the sequence over tp
+        tensors = sum(isinstance(v, torch.Tensor) for v in kwargs.values())
+        autopar.shard(model, in_strategy=((None, "tp"),) * tensors)
     elif mode != "auto":
         gpt.annotate(model, mode)
     mesh = mesh_shape  # a device count: the planner chooses the mesh, compile builds it over the job
@@ -380,7 +383,7 @@ WORLD_4 = [
     ("gpt", (2, 2), ("dp", "tp"), "auto"),
     ("mlp", (2, 2), ("dp", "tp"), "auto"),
     ("hf-gpt2", (2, 2), ("dp", "tp"), "auto"),
-    ("hf-gpt2-seq", (4,), ("tp",), "auto"),
+    ("hf-gpt2-seq", (4,), ("tp",), "seq"),
     ("gpt", 4, None, "auto"),
 ]
 

@@ -119,7 +119,8 @@ def test_ilp_equals_exhaustive_search_on_a_real_graph():
         model, args = _TwoLinears(), (torch.empty(8, 16),)
     mesh = MeshSpec.of({"dp": 2})
     g = build_strategy_graph(capture(model, args, None, mesh), mesh, CostModel(mesh, get_cluster("cpu-gloo")))
-    ilp = StrategyILP(*cost_tables(g))
+    tables = cost_tables(g)
+    ilp = StrategyILP(tables.node_costs, tables.pair_costs, tables.constant)
     assert 1 < len(g.roots) <= 6 and np.prod(list(g.roots.values())) < 10**5
     assignment, _ = ilp.solve()
     _, best = ilp.exhaustive()

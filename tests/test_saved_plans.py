@@ -4,8 +4,11 @@
 and ``<case>.program.txt`` the per-rank programs it lowered them to on rank 0 (each pass's graph,
 ``PassContext.snapshots``, by its digest, then the final program; under a pipeline, each stage's). Both were
 written by this file's ``write_saved_plans`` run on that commit's tree. Each case is lowered
-again here from the saved plan, and planned afresh: both must give the same text byte for byte,
-and the fresh plan must decide what the saved one did.
+again here from the saved plan and must give the same text byte for byte. (Planning the cases
+afresh decided what the saved plans did until issue 44 changed the cost model on purpose: each
+parameter's optimizer step priced in its layout, gradient sums of parameters' casts deferred to
+their buckets, launches as a floor; a saved plan is a contract, and lowering it is what must not
+change.)
 """
 
 from __future__ import annotations
@@ -102,20 +105,6 @@ def programs(case: str, plan: Plan) -> str:
     return "\n".join(texts)
 
 
-def decisions(plan: Plan) -> dict[str, Any]:
-    """What a plan decides and predicts: its dict without how long planning took."""
-    data = plan.to_dict()
-    data["solver"] = {k: v for k, v in data["solver"].items() if k not in ("capture_s", "build_s", "solve_s")}
-    data["warnings"] = [w for w in data["warnings"] if " s " not in w and " s)" not in w]
-    return {k: v for k, v in data.items() if k in OLD_FIELDS}
-
-
-OLD_FIELDS = (
-    "mesh cluster nodes redistributions parameters inputs prediction solver code warnings pipeline memory "
-    "alternatives named_layouts manual_rows annotations input_shapes precision axis_roles parameter_nodes"
-).split()
-
-
 def write_saved_plans() -> None:
     """Write every case's plan and programs (run on the tree whose plans the test keeps)."""
     DATA.mkdir(parents=True, exist_ok=True)
@@ -130,14 +119,6 @@ def test_a_saved_plan_lowers_to_the_program_it_lowered_to(case: str):
     saved = load_plan(str(DATA / f"{case}.json"))
     expected = (DATA / f"{case}.program.txt").read_text()
     assert programs(case, saved) == expected
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_planning_again_decides_what_the_saved_plan_did(case: str):
-    saved = load_plan(str(DATA / f"{case}.json"))
-    fresh = _plan(case)
-    assert decisions(fresh) == decisions(saved)
-    assert programs(case, fresh) == (DATA / f"{case}.program.txt").read_text()
 
 
 if __name__ == "__main__":

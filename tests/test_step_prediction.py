@@ -188,6 +188,7 @@ def test_stragglers_are_waited_for_at_each_synchronising_point():
 
 def _plan(cluster, **options):
     model, args = gpt.build()
+    gpt.annotate(model, "dp")  # data parallelism: every weight's gradient summed over dp
     return autopar.plan(model, args, {"dp": 2}, cluster=cluster, **options)
 
 
@@ -209,9 +210,11 @@ def test_a_plan_adds_up_its_step_and_prices_each_term():
     ops = [n for n in plan.nodes if n.op.startswith("aten.")]
     op_overhead = (p.overhead_s - gradients) / 1e-4
     assert len(ops) < op_overhead <= 3 * len(ops)  # forward, and backward where a gradient flows
-    plain = _plan(BASE).prediction  # a cluster without op overhead and stragglers: of those
-    # terms only the gradients' copies into their bucket are left (memory-bound)
-    assert plain.overhead_s == pytest.approx(copies) and plain.wait_s == 0.0
+    plain = _plan(BASE)  # a cluster without op overhead and stragglers: of those terms only the
+    # gradients' copies into their bucket are left (memory-bound), of the sums that plan makes
+    plain_sums = [c.bytes for r in plain.redistributions if r.dst == GRADIENT_SUM for c in r.backward]
+    plain_copies = 2 * sum(plain_sums) / BASE.memory_bandwidth_Bps
+    assert plain.prediction.overhead_s == pytest.approx(plain_copies) and plain.prediction.wait_s == 0.0
     # the gradient sums (all in one bucket) pay their latency once: one all_reduce over dp
     edges = sum(r.seconds for r in plan.redistributions)
     assert len(sums) > 1 and p.comm_s == pytest.approx(edges + 2 * 1 * BASE.intra_node.latency_s)

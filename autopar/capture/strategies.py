@@ -362,14 +362,14 @@ def lower_strategy(
 ) -> Layout:
     """The layout meaning ``strategy`` for a tensor of ``shape`` on ``mesh``.
 
-    Named form: ``Shard(d)`` on every axis named for dim ``d``, ``Replicate()`` on the
-    others (and on a named axis of one device, which splits nothing: the layouts are the same
-    tensor, and the plan's is the one the solver also reaches for it); the names of one dim must follow mesh order (DTensor: earlier axis = outer
-    split). Integer form: each count > 1 goes to the unique set of disjoint runs of
-    consecutive mesh axes with that size (see ``docs/annotations.md``). ``where``
-    starts every error message. Symbolic sizes are not checked for divisibility. With
-    ``uneven`` (a parameter's plan), a dim split over one axis that does not divide it is
-    split as DTensor does where every rank holds a row (``autopar.ir.layout.every_rank_holds_a_row``).
+    Named form: ``Shard(d)`` on every axis named for dim ``d``, ``Replicate()`` on the others (and on a
+    named axis of one device, which splits nothing: the layouts are the same tensor, and the plan's is
+    the one the solver also reaches for it); the names of one dim must follow mesh order (DTensor:
+    earlier axis = outer split). Integer form: each count > 1 goes to the unique set of disjoint runs of
+    consecutive mesh axes with that size (see ``docs/annotations.md``). ``where`` starts every error
+    message. Symbolic sizes are not checked for divisibility. With ``uneven`` (a parameter's plan), a
+    dim split over one axis that does not divide it is split as DTensor does where every rank holds a
+    row (``autopar.ir.layout.every_rank_holds_a_row``).
     A :class:`ManualSplit` item (allowed with ``manual``: a parameter's compute layout) lowers
     to ``Shard(d)`` on its axis; its rows are read with :func:`manual_rows`. A :class:`Parts` item
     of unequal sizes (``manual`` too) leaves its dim whole here: each part's slice is laid out

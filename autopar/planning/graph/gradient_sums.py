@@ -55,7 +55,7 @@ def edges(laid: LaidOutGraph) -> list[tuple[Edge, Layout, Layout, Layout | None]
     return found
 
 
-def _parameter_only(graph: torch.fx.Graph, params: set[str]) -> list[torch.fx.Node]:
+def parameter_only(graph: torch.fx.Graph, params: set[str]) -> list[torch.fx.Node]:
     """Values computed from parameters, buffers and constants alone (no user input), in graph order."""
     only: dict[torch.fx.Node, None] = {}
     for node in graph.nodes:
@@ -94,7 +94,7 @@ def deferred_sums(
     uses: dict[torch.fx.Node, list] = {}
     for e, have, need, grad in all_edges:
         uses.setdefault(e[0], []).append((e, have, need, grad))
-    candidates = _parameter_only(laid.graph, params)
+    candidates = parameter_only(laid.graph, params)
     dropped: dict[Edge, set[int]] = {}
     summed: dict[torch.fx.Node, set[int]] = {}
     for a in range(laid.mesh.ndim):

@@ -17,15 +17,15 @@ from typing import NamedTuple
 
 from autopar.capture.export import Captured, repeated_blocks
 from autopar.ir.errors import MemoryFitError, PlanError
-from autopar.ir.options import FULL, SELECTIVE, Memory
+from autopar.ir.options import FULL, FULL_COMM, SELECTIVE, Memory
 from autopar.ir.plan import Plan, SolverReport
 from autopar.planning.assembly.assemble import Evaluated, PlanSetting, evaluate_plan, record_plan
-from autopar.planning.graph.edge_costs import CostTables
+from autopar.planning.graph.edge_costs import CostTables, ParameterGathers, parameter_gathers
 from autopar.planning.graph.strategy_graph import StrategyGraph
 from autopar.planning.memory.model import MemoryChoice
 from autopar.planning.pipeline.stage_split import PipelineFitError
 from autopar.planning.search.memory_tables import MemoryTerms, summed_pairs
-from autopar.planning.search.solver import SolverClock, SolverStats, SolverTimeout, StrategyILP
+from autopar.planning.search.solver import LaunchFloor, SolverClock, SolverStats, SolverTimeout, StrategyILP
 
 
 class Found(NamedTuple):
@@ -77,6 +77,8 @@ class Search:
     tried: list[Evaluated] = field(default_factory=list)  # plans that did not fit
     # solves whose split into pipeline stages did not fit, evaluated without a budget if needed
     unevaluated: list[tuple[MemoryChoice, dict[str, int], SolverReport]] = field(default_factory=list)
+    # parameter_gathers of the graph, made the first time a solve gathers a parameter (one item)
+    gathers: list[ParameterGathers] = field(default_factory=list)
     # solves without a limit, per choice
     unlimited: dict[tuple, _Solved | _Unfit | None] = field(default_factory=dict)
     # the last solve's strategy per root: the next solve's hint (see StrategyILP._hint)
@@ -146,7 +148,7 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Found | 
         solved = search.unlimited[choices[0].key]
         if solved is not None:
             ordered.sort(key=lambda t: search.terms.bytes_at(t[1], solved.assignment))
-        if _hopeless(search, ordered[0][1], choices[-1], ways=len(ordered)):
+        if _hopeless(search, ordered[0][1], _least_choices(choices), ways=len(ordered)):
             return None, True
     best = _fastest_fitting(search, ordered, not pipelined, margin)
     if best is None and pipelined:
@@ -154,21 +156,37 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Found | 
     if best is None:
         # the plan of least estimated memory (the error's candidate) is a plan too, when it fits:
         # the solves of faster ones may have run out of time, or their estimates missed a stage's
-        least = _least_of(search, choices[-1])
-        return (Found(least, None) if _fits(search, least.plan) else None), True
+        for choice in _least_choices(choices):
+            least = _least_of(search, choice)
+            if _fits(search, least.plan):
+                return Found(least, None), True
+        return None, True
     return Found(best.evaluated, best.ilp), True
 
 
-def _hopeless(search: Search, likeliest: MemoryChoice, least: MemoryChoice, ways: int) -> bool:
+def _least_choices(choices: list[MemoryChoice]) -> list[MemoryChoice]:
+    """The choices that may hold least: the last (the most ZeRO and recompute) and, where it
+    recomputes blocks keeping only their inputs (``full-comm``), the same blocks under ``full``,
+    which keeps its collectives' outputs but, where the layouts of least memory gather inside a
+    block, may peak lower while it recomputes."""
+    last = choices[-1]
+    if set(last.recompute.values()) != {FULL_COMM}:
+        return [last]
+    return [last] + [
+        c for c in choices if c.zero == last.zero and c.recompute == dict.fromkeys(last.recompute, FULL)
+    ]
+
+
+def _hopeless(search: Search, likeliest: MemoryChoice, leasts: list[MemoryChoice], ways: int) -> bool:
     """Under a pipeline, whether no choice can fit: neither the fastest plan of the choice
     ``likeliest`` to fit (solved first with a ``ways``-th of the time left, as the search would,
-    and kept for it) nor the plan of least estimated memory of the choice holding ``least`` (the
-    most ZeRO and recompute) fits. The second takes a solve and an evaluation of its own, spent
-    only where the first fails."""
+    and kept for it) nor the plan of least estimated memory of any choice in ``leasts``
+    (:func:`_least_choices`) fits. Those take a solve and an evaluation each, spent only where the
+    first fails."""
     found = _solve_choice(search, likeliest, constrained=False, ways=ways)
     if found is not None and _fits(search, found.plan):
         return False
-    return not _fits(search, _least_of(search, least).plan)
+    return not any(_fits(search, _least_of(search, c).plan) for c in leasts)
 
 
 def _fastest_fitting(
@@ -196,24 +214,42 @@ def _fastest_fitting(
 def memory_choices(captured: Captured, memory: Memory) -> list[MemoryChoice]:
     """The candidates, the options as given first and least memory last: every ZeRO stage
     (unless ``memory.zero`` fixes one) with the annotated recompute or, when no module is
-    annotated ``recompute``, no / selective / full recompute of every repeated block."""
+    annotated ``recompute``, no / selective / full / full-comm recompute of every repeated block
+    (full-comm keeps the least: a block's input alone, its collectives run again)."""
     annotated = dict(captured.annotations.recompute)
     zeros = [memory.zero] if memory.zero is not None else [0, 1, 2, 3]
     recomputes: list[Mapping[str, str]] = [annotated]
     blocks = repeated_blocks(captured.graph)
     if not annotated and blocks:
-        recomputes += [dict.fromkeys(blocks, SELECTIVE), dict.fromkeys(blocks, FULL)]
+        recomputes += [dict.fromkeys(blocks, p) for p in (SELECTIVE, FULL, FULL_COMM)]
     return [MemoryChoice(zero=z, recompute=r) for r in recomputes for z in zeros]
 
 
-def _ilp(search: Search, choice: MemoryChoice, limit: float | None = None) -> StrategyILP:
-    """The strategy ILP of ``choice``: the cost tables plus its memory terms, its bytes at most ``limit``."""
-    node_costs, pair_costs, constant = search.tables
+class Variant(NamedTuple):
+    """How a solve departs from the plain ILP of its choice: strategies it leaves out (those that
+    gather a parameter in forward) and the launches its step takes at least (the ILP's
+    ``(launches)`` term); see :func:`_alternatives`."""
+
+    excluded: ParameterGathers | None = None
+    launch_floor: LaunchFloor | None = None
+
+
+PLAIN = Variant()  # the ILP of the choice as it is
+
+
+def _ilp(
+    search: Search, choice: MemoryChoice, limit: float | None = None, variant: Variant = PLAIN
+) -> StrategyILP:
+    """The strategy ILP of ``choice``: the cost tables plus its memory terms, its bytes at most
+    ``limit``, as ``variant`` departs from it."""
+    node_costs, pair_costs, constant = search.tables[:3]
     extra = search.terms.of(choice)
     costs = {r: c + extra.seconds[r] for r, c in node_costs.items()}
     seconds = constant + extra.seconds_constant
     pairs = summed_pairs(pair_costs, extra.seconds_pairs)
-    return StrategyILP(costs, pairs, seconds, extra.rows(), limit, hint=dict(search.last))
+    return StrategyILP(
+        costs, pairs, seconds, extra.rows(), limit, dict(search.last), variant.excluded, variant.launch_floor
+    )
 
 
 def _solve_choice(
@@ -226,8 +262,8 @@ def _solve_choice(
     when that has no solution); each solve takes a ``ways``-th of the solver time left (the
     candidates still to solve share it). Its memory estimate is per node (see
     :mod:`autopar.planning.search.memory_tables`; under a pipeline, the share of the rank holding most);
-    the plan's figure is exact (:mod:`autopar.planning.memory.model`, the largest stage's under a
-    pipeline, or the least a split into stages reaches where none fits). Where it exceeds the
+    the plan's figure is exact (:mod:`autopar.planning.memory.model`, the largest pipeline rank's
+    under a pipeline, or the least a split into stages reaches where none fits). Where it exceeds the
     budget, the ILP is solved again with its limit the plan's estimate less the difference (twice
     at most, and only while the exact figure keeps falling). With no limit, ``constrained`` only
     says that a plan that does not fit is None.
@@ -272,7 +308,8 @@ def _hidden_share(solved: _Solved | None) -> float:
 
 
 def _fits(search: Search, plan: Plan) -> bool:
-    """Whether ``plan``'s exact bytes per device (its largest stage's under a pipeline) fit the budget."""
+    """Whether ``plan``'s exact bytes per device (under a pipeline, its largest rank's: every stage
+    the rank runs) fit the budget."""
     return plan.peak_memory_bytes <= search.setting.budget
 
 
@@ -282,14 +319,19 @@ def _peak(solved: _Solved | _Unfit) -> float:
 
 
 def _solve_within(
-    search: Search, choice: MemoryChoice, limit: float | None, ways: int
+    search: Search,
+    choice: MemoryChoice,
+    limit: float | None,
+    ways: int,
+    variant: Variant | None = None,
 ) -> _Solved | _Unfit | None:
     """One solve of ``choice``'s ILP with its bytes at most ``limit``, evaluated (not recorded);
     None when the ILP has no solution, :class:`_Unfit` when no split into pipeline stages fits.
     A plan that does not fit the budget is kept for the error, a stage split that did not
-    fit as its solve (evaluated by :func:`no_fit` only if nothing fits)."""
+    fit as its solve (evaluated by :func:`no_fit` only if nothing fits). Without a ``variant``
+    the plan is weighed against those of :func:`_alternatives`."""
     setting = search.setting
-    ilp = _ilp(search, choice, limit)
+    ilp = _ilp(search, choice, limit, variant or PLAIN)
     clock = search.clock
     try:
         solved = ilp.solve(time_limit=clock.share(ways), seed=search.seed, wall_limit=clock.wall_share(ways))
@@ -311,7 +353,46 @@ def _solve_within(
         return _Unfit(assignment, error.least_bytes)
     if not _fits(search, result.plan):
         search.tried.append(result)
-    return _Solved(result, stats, ilp)
+    solved = _Solved(result, stats, ilp)
+    return solved if variant is not None else _alternatives(search, choice, limit, ways, solved)
+
+
+def _alternatives(
+    search: Search, choice: MemoryChoice, limit: float | None, ways: int, free: _Solved
+) -> _Solved:
+    """``free``, or the plan of the same choice solved as the step runs where the ILP's objective
+    departs from the step, if that plan fits wherever ``free`` does and takes a shorter assembled
+    step. The objective counts in full what the step hides, so its optimum may be slower:
+
+    * on an asynchronous device whose launches hide a part of the step's compute (a small model on
+      GPUs), the plan is solved again with the step's launches as a floor (the ILP's ``(launches)``
+      term, the launches taken as the free plan's overhead): splitting compute that launches hide
+      gains nothing and pays collectives;
+    * where the plan gathers a parameter in forward (FSDP-style storage), it is solved again
+      without such gathers: gathers in forward are never hidden, while the gradient sums of a
+      parameter stored as used overlap backward (Megatron-LM's Table 1, 1.7B row: 2.23 s against
+      data parallelism's 1.86 before).
+
+    The free solve's statistics are kept: its bound holds for every variant."""
+    best = free
+    prediction, cluster = free.plan.prediction, search.setting.cluster
+    if cluster.asynchronous and search.setting.pipeline is None and prediction.hidden_launch_s > 0:
+        node_costs, compute_constant = search.tables.compute, search.tables.compute_constant
+        floor = LaunchFloor(node_costs, compute_constant, prediction.overhead_s)
+        best = _faster(search, best, _solve_within(search, choice, limit, ways, Variant(launch_floor=floor)))
+    if not search.gathers:
+        search.gathers.append(parameter_gathers(search.setting.graph))
+    if search.gathers[0].at(best.assignment):
+        variant = Variant(excluded=search.gathers[0])
+        best = _faster(search, best, _solve_within(search, choice, limit, ways, variant))
+    return best if best is free else _Solved(best.evaluated, free.stats, best.ilp)
+
+
+def _faster(search: Search, best: _Solved, other: _Solved | _Unfit | None) -> _Solved:
+    """``other`` where it is a plan that fits wherever ``best`` does and takes a shorter step."""
+    if not isinstance(other, _Solved) or _fits(search, other.plan) < _fits(search, best.plan):
+        return best
+    return other if other.plan.step_time_s < best.plan.step_time_s else best
 
 
 def _report(g: StrategyGraph, stats: SolverStats | None) -> SolverReport:
@@ -344,7 +425,10 @@ def _least_memory(search: Search, choice: MemoryChoice) -> Evaluated:
     ilp = _ilp(search, choice)
     clock = search.clock
     limits = {"time_limit": clock.share(), "wall_limit": clock.wall_share()}
-    assignment, _ = ilp.minimum_memory(seed=search.seed, **limits)
+    try:
+        assignment, _ = ilp.minimum_memory(seed=search.seed, **limits)
+    except PlanError as e:  # the time was spent before it found one: said so, with its bound
+        raise _unsolved(search, choice) from e
     clock.spend(ilp)
     report = _report(search.setting.graph, None)
     try:
@@ -353,6 +437,19 @@ def _least_memory(search: Search, choice: MemoryChoice) -> Evaluated:
         least = evaluate_plan(replace(search.setting, budget=None), choice, assignment, report)
     search.tried.append(least)
     return least
+
+
+def _unsolved(search: Search, choice: MemoryChoice) -> PlanError:
+    """The error where ``time_limit`` was spent before the plan of least memory of ``choice`` was
+    solved: what the ILP's estimate of it is at least (:meth:`MemoryTerms.least_bytes`), not a
+    solver's "no plan within 0 s". Not a :class:`MemoryFitError`: a plan may fit, none was found."""
+    least = search.terms.least_bytes(choice)
+    return PlanError(
+        f"no plan fitting memory_budget={search.setting.budget / 2**30:.2f} GiB per device on mesh "
+        f"{search.setting.mesh} was found: time_limit was spent before the plan of least memory "
+        f"(ZeRO-{choice.zero}) was solved, whose estimate is at least {least / 2**30:.2f} GiB; "
+        "raise time_limit"
+    )
 
 
 def record(search: Search, found: Found) -> Plan:
@@ -372,23 +469,28 @@ def no_fit(search: Search, choices: list[MemoryChoice]) -> MemoryFitError:
 
     Candidates: the plans the search evaluated that did not fit, and the last (least
     memory) choice's plan minimising the ILP's memory estimate; the least exact figure among
-    them is reported, under a pipeline with the parts of the stage holding the most.
+    them is reported, under a pipeline with the parts of the pipeline rank holding the most
+    (its stages' summed, activations at the rank's peak).
     """
     mesh, budget = search.setting.mesh, search.setting.budget
     spent = search.clock.share() <= 0 or bool(search.timed_out)
     unbounded = replace(search.setting, budget=None)
     search.tried.extend(evaluate_plan(unbounded, c, a, r) for c, a, r in search.unevaluated)
-    _least_of(search, choices[-1])
+    try:
+        for choice in _least_choices(choices):
+            _least_of(search, choice)
+    except PlanError:  # its solve found nothing in the time left: the closest tried is the answer
+        if not search.tried:
+            raise
     closest = min(search.tried, key=lambda t: t.plan.peak_memory_bytes)
     least, choice = closest.plan, closest.choice
     where = ""
-    if least.pipeline is not None:
-        stage = max(least.pipeline.stages, key=lambda s: s.memory_bytes)
-        where = f" on pipeline stage {stage.index}"
-        held = (stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes, stage.peak_activation_bytes)
-    else:
-        p = least.prediction
-        held = (p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes)
+    if least.pipeline is not None:  # its prediction's bytes are that rank's (Prediction)
+        rank = least.pipeline.largest_rank
+        stages = ", ".join(str(s.index) for s in least.pipeline.rank_stages(rank))
+        where = f" on pipeline rank {rank}, as the rank holds it (stages {stages})"
+    p = least.prediction
+    held = (p.param_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes)
     parts = dict(zip(("parameters", "gradients", "optimizer state", "activations"), held))
     top = max(parts, key=parts.get)
     how = f"ZeRO-{choice.zero}" + (
@@ -399,7 +501,8 @@ def no_fit(search: Search, choices: list[MemoryChoice]) -> MemoryFitError:
     breakdown = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in parts.items())
     return MemoryFitError(
         f"no plan fits memory_budget={budget / 2**30:.2f} GiB per device on mesh {mesh}: the least "
-        f"memory reached is {least.peak_memory_bytes / 2**30:.2f} GiB{where} ({how}; {breakdown}), "
+        f"memory{' per rank' if where else ''} reached is {least.peak_memory_bytes / 2**30:.2f} GiB{where} "
+        f"({how}; {breakdown}), "
         f"dominated by {top}; use more devices, a smaller batch, or offload"
         + ("; time_limit ran out before every candidate was solved: raise it" if spent else ""),
         least.peak_memory_bytes,

@@ -28,6 +28,21 @@ Constraints
     (edge)           e_{uv,ij} \ge s_{u,i} + s_{v,j} - 1        for every R'_{uv,ij} > 0 or M'_{uv,ij} > 0
     (memory)         m_0 + \sum_r \sum_i m_{r,i} s_{r,i}
                          + \sum_{(u,v)} \sum_{i,j} M'_{uv,ij} e_{uv,ij} \le B   when a budget B is given
+    (launches)       y \ge L - C_0 - \sum_r \sum_i C_{r,i} s_{r,i},   y \ge 0            with a launch floor L
+    (excluded)       s_{r,i} = 0                             for every i \in X_r
+                     s_{u,i} + s_{v,j} \le 1                 for every (i, j) \in X_{uv}
+
+On an asynchronous device (a GPU) the host launches ops while the device computes, so a step
+takes the longer of its launches ``L`` and its compute ``C`` (``C_{r,i}`` of the objective's costs,
+``C_0`` of its constant) besides what neither hides: with a launch floor the objective adds ``y``,
+what the launches take beyond the compute, and of two plans the one that computes less for no
+gain under launches no longer wins (a small model on eight GPUs: splitting its products is free
+of launches but pays collectives).
+
+``X`` are strategies and pairs a solve leaves out: the memory search solves again without those
+that gather a parameter in forward (FSDP-style storage, ``graph.edge_costs.ParameterGathers``), whose
+gathers the step cannot hide while the gradient sums of parameters stored as used overlap
+backward, which this objective counts in full; the faster plan of the two by its assembled step wins.
 
 ``m_{r,i}`` are the bytes per device that choosing strategy i for root r implies
 (parameters, gradients, optimizer state and activations of every node sharing the
@@ -156,6 +171,20 @@ class SolverClock:
         ilp.spent = 0.0
 
 
+class LaunchFloor(NamedTuple):
+    """The launches ``seconds`` a step takes at least, and the compute per root and strategy (and
+    fixed) they hide: the ILP's ``(launches)`` term."""
+
+    compute: Mapping[str, np.ndarray]
+    constant: float
+    seconds: float
+
+    def beyond(self, assignment: Mapping[str, int]) -> float:
+        """What the launches take beyond the compute of the plan picking ``assignment``."""
+        compute = self.constant + sum(float(c[assignment[r]]) for r, c in self.compute.items())
+        return max(0.0, self.seconds - compute)
+
+
 @dataclass(frozen=True)
 class SolverStats:
     variables: int
@@ -179,8 +208,13 @@ class StrategyILP:
         memory: MemoryRows | None = None,
         budget: float | None = None,
         hint: Mapping[str, int] | None = None,
+        excluded: tuple[Mapping[str, np.ndarray], Mapping[tuple[str, str], np.ndarray]] | None = None,
+        launch_floor: LaunchFloor | None = None,
     ) -> None:
+        self.launch_floor = launch_floor
         self.node_costs = node_costs
+        # strategies (per root) and pairs of strategies (per pair of roots) no plan may take: masks
+        self.excluded = excluded
         self.pair_costs = pair_costs
         self.constant = constant
         self.memory = memory
@@ -194,7 +228,7 @@ class StrategyILP:
         total = self.constant + sum(float(c[assignment[r]]) for r, c in self.node_costs.items())
         for (u, v), m in self.pair_costs.items():
             total += float(m[assignment[u], assignment[v]])
-        return total
+        return total + (self.launch_floor.beyond(assignment) if self.launch_floor else 0.0)
 
     def exhaustive(self) -> tuple[dict[str, int], float]:
         """Try every assignment (tiny problems only)."""
@@ -216,6 +250,34 @@ class StrategyILP:
             s[r] = [model.NewBoolVar(f"s[{r},{i}]") for i in range(len(c))]
             model.AddExactlyOne(s[r])
         return s
+
+    def _exclusions(self, model: cp_model.CpModel, s: dict[str, list]) -> None:
+        """Excluded constraints: no root takes an excluded strategy, no pair an excluded pair."""
+        per_root, pairs = self.excluded
+        for r, mask in per_root.items():
+            for i in np.nonzero(mask)[0]:
+                model.Add(s[r][i] == 0)
+        for (u, v), mask in pairs.items():
+            for i, j in zip(*np.nonzero(mask)):
+                model.AddBoolOr([s[u][i].Not(), s[v][j].Not()])
+
+    def _launches(self, model: cp_model.CpModel, s: dict[str, list]) -> cp_model.IntVar:
+        """The launches term: ``y``, at least the launch floor less the plan's compute, in units."""
+        floor = self.launch_floor
+        room = self._int(floor.seconds - floor.constant)
+        y = model.NewIntVar(0, max(0, room), "launches_beyond_compute")
+        compute = [(self._int(c[i]), s[r][i]) for r, c in floor.compute.items() for i in range(len(c))]
+        model.Add(y + sum(w * v for w, v in compute if w > 0) >= room)
+        return y
+
+    def _allowed(self, assignment: Mapping[str, int]) -> bool:
+        """Whether ``assignment`` takes no excluded strategy or pair."""
+        if self.excluded is None:
+            return True
+        per_root, pairs = self.excluded
+        return not any(m[assignment[r]] for r, m in per_root.items()) and not any(
+            m[assignment[u], assignment[v]] for (u, v), m in pairs.items()
+        )
 
     def _memory_budget(self, model: cp_model.CpModel, s: dict[str, list], edges: Edges) -> None:
         """Memory constraint: the bytes every choice and pair implies fit the budget (in KiB)."""
@@ -271,6 +333,7 @@ class StrategyILP:
 
     def _scale(self, nodes: dict[str, np.ndarray], pairs: dict) -> float:
         worst = sum(float(c.max()) for c in nodes.values()) + sum(float(m.max()) for m in pairs.values())
+        worst += self.launch_floor.seconds if self.launch_floor else 0.0
         return min(NANOSECONDS, MAX_OBJECTIVE / worst) if worst > 0 else NANOSECONDS
 
     def _edges(
@@ -286,14 +349,16 @@ class StrategyILP:
     def solve(
         self, time_limit: float = 30.0, seed: int = 0, wall_limit: float | None = None
     ) -> tuple[dict[str, int], SolverStats] | None:
-        """The cheapest choices and the solver's report; None if no choice fits the memory budget.
-        The search stops after ``time_limit`` deterministic seconds, or ``wall_limit`` seconds on
-        the wall clock where given, whichever comes first."""
+        """The cheapest choices and the solver's report; None if no choice fits the memory budget
+        (or, with exclusions, none is left). The search stops after ``time_limit`` deterministic
+        seconds, or ``wall_limit`` seconds on the wall clock where given, whichever comes first."""
         t0 = time.perf_counter()
         nodes, pairs = reduce_pairs(self.node_costs, self.pair_costs)
         self.scale = self._scale(nodes, pairs)
         model = cp_model.CpModel()
         s = self._choose_one(model, nodes)
+        if self.excluded is not None:
+            self._exclusions(model, s)
         edges: Edges = {}
         terms = self._edges(model, s, pairs, edges)
         if self.budget is not None:
@@ -301,6 +366,8 @@ class StrategyILP:
         # + i units: of strategies priced alike, the first wins (see the module docstring)
         weights = [(self._int(c[i]) + i, s[r][i]) for r, c in nodes.items() for i in range(len(c))]
         objective = [(w, v) for w, v in weights if w > 0]
+        if self.launch_floor is not None:
+            objective.append((1, self._launches(model, s)))
         model.Minimize(sum(w * v for w, v in objective + terms))
         hinted = self._hint(model, s, nodes)
         build = time.perf_counter() - t0
@@ -308,11 +375,11 @@ class StrategyILP:
         t1 = time.perf_counter()
         status = self._run(solver, model)
         solve = time.perf_counter() - t1
-        if status == cp_model.INFEASIBLE and self.budget is not None:
+        if status == cp_model.INFEASIBLE and (self.budget is not None or self.excluded is not None):
             return None
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             assignment = {r: next(i for i, v in enumerate(vs) if solver.Value(v)) for r, vs in s.items()}
-        elif status == cp_model.UNKNOWN and self.budget is None:
+        elif status == cp_model.UNKNOWN and self.budget is None and self._allowed(hinted):
             assignment = hinted  # the time limit hit before any solution: the hint is one (see _hint)
         else:
             raise SolverTimeout(
@@ -324,6 +391,7 @@ class StrategyILP:
         reduced = sum(float(c[assignment[r]]) for r, c in nodes.items()) + sum(
             float(m[assignment[u], assignment[v]]) for (u, v), m in pairs.items()
         )
+        reduced += self.launch_floor.beyond(assignment) if self.launch_floor else 0.0  # y, in the solver's
         most = sum(len(c) - 1 for c in nodes.values())  # the most units the tie-break adds
         bound = (solver.BestObjectiveBound() - most) / self.scale + objective_s - reduced
         proto = model.Proto()

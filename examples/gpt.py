@@ -30,6 +30,9 @@ class GPTConfig:
 
     ``seq_len`` is the longest sequence the position embedding covers; ``d_model`` must be divisible by
     ``n_heads``. With ``tied_embeddings`` the output projection shares its weight with the token embedding.
+    Without ``fused_attention`` attention computes its scores, the causal mask and the softmax as
+    separate ops (as nanoGPT without flash attention, and Megatron-LM before it): the scores are
+    materialised, ``seq_len`` squared per head.
     """
 
     vocab_size: int
@@ -40,6 +43,7 @@ class GPTConfig:
     d_ff: int
     dropout: float = 0.0
     tied_embeddings: bool = False
+    fused_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -59,6 +63,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_heads = config.n_heads
         self.dropout = config.dropout
+        self.fused = config.fused_attention
         self.q = nn.Linear(config.d_model, config.d_model)
         self.k = nn.Linear(config.d_model, config.d_model)
         self.v = nn.Linear(config.d_model, config.d_model)
@@ -75,9 +80,16 @@ class CausalSelfAttention(nn.Module):
         q = q.view(batch, seq, -1, head_dim).transpose(1, 2)
         k = k.view(batch, seq, -1, head_dim).transpose(1, 2)
         v = v.view(batch, seq, -1, head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if self.fused:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+            weights = F.dropout(F.softmax(scores, dim=-1), self.dropout, self.training)
+            y = weights @ v
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_drop(self.proj(y))
 

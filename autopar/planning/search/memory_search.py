@@ -366,8 +366,8 @@ def _alternatives(
 
     * on an asynchronous device whose launches hide a part of the step's compute (a small model on
       GPUs), the plan is solved again with the step's launches as a floor (the ILP's ``(launches)``
-      term, the launches taken as the free plan's overhead): splitting compute that launches hide
-      gains nothing and pays collectives;
+      term, the launches taken as the free plan's overhead per microbatch): splitting compute that
+      launches hide gains nothing and pays collectives;
     * where the plan gathers a parameter in forward (FSDP-style storage), it is solved again
       without such gathers: gathers in forward are never hidden, while the gradient sums of a
       parameter stored as used overlap backward (Megatron-LM's Table 1, 1.7B row: 2.23 s against
@@ -378,7 +378,8 @@ def _alternatives(
     prediction, cluster = free.plan.prediction, search.setting.cluster
     if cluster.asynchronous and search.setting.pipeline is None and prediction.hidden_launch_s > 0:
         node_costs, compute_constant = search.tables.compute, search.tables.compute_constant
-        floor = LaunchFloor(node_costs, compute_constant, prediction.overhead_s)
+        # the ILP prices one microbatch of those a step accumulates
+        floor = LaunchFloor(node_costs, compute_constant, prediction.overhead_s / search.setting.accumulation)
         best = _faster(search, best, _solve_within(search, choice, limit, ways, Variant(launch_floor=floor)))
     if not search.gathers:
         search.gathers.append(parameter_gathers(search.setting.graph))

@@ -168,7 +168,8 @@ def plan_for_devices(
     options = replace(options, accumulation=None)  # a pipelined candidate takes no count (1 included)
     t0, cluster = time.perf_counter(), cluster_of(options)
     captures = _Captures(model, example_args, example_kwargs, options.precision)
-    search = MeshSearch.of(devices, cluster, captures.whole, _batch(example_args, example_kwargs), options)
+    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    search = MeshSearch.of(devices, cluster, captures.whole, batch_of(args, example_kwargs or {}), options)
     captures.share(search.reuse)
     candidate_options = replace(options, cluster=cluster)  # read once, here, not in every child
     with ForkedCalls(default_workers() if options.workers is None else options.workers) as calls:
@@ -240,15 +241,6 @@ class _Captures:
                 self.of(c)
             except (PlanError, AnnotationError):  # raised again when the candidate is submitted
                 pass
-
-
-def _batch(example_args: Any, example_kwargs: Mapping[str, Any] | None) -> int | None:
-    """Dim 0 of the first tensor input: the batch a pipeline cuts into microbatches."""
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
-    for t in (*args, *(example_kwargs or {}).values()):
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    return None
 
 
 class UpdatePlanner(Protocol):

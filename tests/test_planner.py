@@ -13,11 +13,12 @@ from torch.distributed.tensor import Replicate, Shard
 import autopar
 from autopar.capture.export import capture
 from autopar.ir.mesh import MeshSpec
+from autopar.ir.options import PlanOptions
 from autopar.planning.cost.model import CostModel, get_cluster
 from autopar.planning.graph.edge_costs import cost_tables
 from autopar.planning.graph.strategy_graph import build_strategy_graph
-from autopar.planning.planner import capture_for, plan_captured
-from autopar.planning.search.solver import SolverClock, StrategyILP
+from autopar.planning.planner import capture_for, evaluate_captured, plan_captured
+from autopar.planning.search.solver import SolverClock, StrategyILP, Window
 from examples import gpt, mlp
 
 transformers.logging.set_verbosity_error()
@@ -64,6 +65,29 @@ def test_a_hinted_ilp_finds_the_same_optimum(seed):
         hinted = StrategyILP(ilp.node_costs, ilp.pair_costs, ilp.constant, hint=hint)
         assignment, stats = hinted.solve()
         assert stats.status == "OPTIMAL" and assignment == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_window_finds_the_plan_communicating_least_within_it(seed):
+    """The ILP's ``(within)`` term against exhaustive search: of the plans whose objective is at
+    most the window, the one whose objective less its compute is least."""
+    rng = np.random.default_rng(seed)
+    ilp = _random_problem(rng, roots=5, k=4, density=0.6)
+    compute = {r: c * rng.uniform(0, 1, c.shape) for r, c in ilp.node_costs.items()}
+    _, best = ilp.exhaustive()
+    window = Window(compute, 0.0, best * 1.1)
+    assignment, stats = StrategyILP(ilp.node_costs, ilp.pair_costs, ilp.constant, window=window).solve()
+    roots = list(ilp.node_costs)
+    plans = [dict(zip(roots, c)) for c in np.ndindex(*(len(ilp.node_costs[r]) for r in roots))]
+
+    def communication(a):
+        return ilp.evaluate(a) - sum(float(compute[r][a[r]]) for r in roots)
+
+    within = [a for a in plans if ilp.evaluate(a) <= window.seconds]
+    least = min(communication(a) for a in within)
+    assert stats.status == "OPTIMAL" and ilp.evaluate(assignment) <= window.seconds + 1e-8
+    assert communication(assignment) == pytest.approx(least, abs=1e-8)
+    assert stats.objective == pytest.approx(ilp.evaluate(assignment), abs=1e-8)
 
 
 def test_time_limit_returns_the_best_plan_found_and_its_gap():
@@ -465,6 +489,33 @@ def test_a_cutoff_skips_the_memory_search_of_a_mesh_that_cannot_beat_it():
         captured, mesh, cluster="fast-links", memory_budget=budget, cutoff_s=2 * searched.step_time_s
     )
     assert kept.step_time_s == searched.step_time_s
+
+
+def test_a_cutoff_lowered_while_a_mesh_is_searched_ends_its_search(monkeypatch):
+    """Meshes planned beside this one lower the automatic mesh's best step while this one's memory
+    choices are searched (a :class:`SharedMinimum`): the next choice whose bound reaches it ends the
+    search, with the error a cutoff known at the start gives."""
+    import autopar.planning.search.memory_search as memory_search
+    from autopar.planning.search.forked import SharedMinimum
+
+    model, (idx, _) = gpt.build(device="meta", batch_size=8)
+    mesh = MeshSpec.of({"dp": 2})
+    captured = capture_for(model, (idx,), None, mesh, None)
+    fastest = plan_captured(captured, mesh, cluster="fast-links")
+    cutoff, solve_choice, solves = SharedMinimum(), memory_search._solve_choice, []
+
+    def another_mesh_finishes(search, choice, constrained, **kw):
+        solves.append(constrained)
+        found = solve_choice(search, choice, constrained, **kw)
+        if constrained:  # after the first memory choice: found by another mesh meanwhile
+            cutoff.offer(1e-9)
+        return found
+
+    monkeypatch.setattr(memory_search, "_solve_choice", another_mesh_finishes)
+    options = PlanOptions(cluster="fast-links", memory_budget=0.9 * fastest.peak_memory_bytes)
+    with pytest.raises(autopar.PlanError, match=r"no plan on mesh dp=2 beats 0\.0 ms, a step another plan"):
+        evaluate_captured(captured, mesh, options, cutoff_s=cutoff)
+    assert solves == [False, True]  # the fastest plan, one memory choice, then no other
 
 
 def test_a_cutoff_assumes_the_choices_hide_as_much_of_the_objective_as_the_fastest():

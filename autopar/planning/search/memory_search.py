@@ -24,8 +24,16 @@ from autopar.planning.graph.edge_costs import CostTables, ParameterGathers, para
 from autopar.planning.graph.strategy_graph import StrategyGraph
 from autopar.planning.memory.model import MemoryChoice
 from autopar.planning.pipeline.stage_split import PipelineFitError
+from autopar.planning.search.forked import SharedMinimum
 from autopar.planning.search.memory_tables import MemoryTerms, summed_pairs
-from autopar.planning.search.solver import LaunchFloor, SolverClock, SolverStats, SolverTimeout, StrategyILP
+from autopar.planning.search.solver import (
+    LaunchFloor,
+    SolverClock,
+    SolverStats,
+    SolverTimeout,
+    StrategyILP,
+    Window,
+)
 
 
 class Found(NamedTuple):
@@ -72,8 +80,9 @@ class Search:
     terms: MemoryTerms
     clock: SolverClock
     seed: int
-    # a step another plan reaches (the automatic mesh's best so far): none slower is wanted
-    cutoff_s: float = math.inf
+    # a step another plan reaches (the automatic mesh's best so far, which falls while this
+    # search runs when other meshes are planned beside it): none slower is wanted
+    cutoff: SharedMinimum = field(default_factory=SharedMinimum)
     tried: list[Evaluated] = field(default_factory=list)  # plans that did not fit
     # solves whose split into pipeline stages did not fit, evaluated without a budget if needed
     unevaluated: list[tuple[MemoryChoice, dict[str, int], SolverReport]] = field(default_factory=list)
@@ -83,6 +92,12 @@ class Search:
     unlimited: dict[tuple, _Solved | _Unfit | None] = field(default_factory=dict)
     # the last solve's strategy per root: the next solve's hint (see StrategyILP._hint)
     last: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def cutoff_s(self) -> float:
+        """The best step another plan reaches now (inf: none)."""
+        return self.cutoff.seconds
+
     # choices a solve of which under a limit found no plan in its share of the time
     timed_out: list[MemoryChoice] = field(default_factory=list)
 
@@ -113,13 +128,8 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Found | 
         return Found(first.evaluated, first.ilp), False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
-    least_step = base * _hidden_share(first)  # every choice's objective is at least base
-    if least_step >= search.cutoff_s:
-        raise PlanError(
-            f"no plan on mesh {search.setting.mesh} beats {search.cutoff_s * 1e3:.1f} ms, a step another "
-            f"plan reaches: the least its ILP's objective can be is {base * 1e3:.1f} ms, a step of "
-            f"{least_step * 1e3:.1f} ms where its plans hide as much as its fastest"
-        )
+    share = _hidden_share(first)
+    _check_cutoff(search, base, share)  # every choice's objective is at least base
     # under a pipeline the ILP's estimate is the share of a rank with stages about equal, which a
     # split balancing memory can beat: no choice is skipped by it
     pipelined = search.setting.pipeline is not None
@@ -150,9 +160,9 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Found | 
             ordered.sort(key=lambda t: search.terms.bytes_at(t[1], solved.assignment))
         if _hopeless(search, ordered[0][1], _least_choices(choices), ways=len(ordered)):
             return None, True
-    best = _fastest_fitting(search, ordered, not pipelined, margin)
+    best = _fastest_fitting(search, ordered, not pipelined, margin, share)
     if best is None and pipelined:
-        best = _fastest_fitting(search, ordered, True, 0.0)
+        best = _fastest_fitting(search, ordered, True, 0.0, share)
     if best is None:
         # the plan of least estimated memory (the error's candidate) is a plan too, when it fits:
         # the solves of faster ones may have run out of time, or their estimates missed a stage's
@@ -190,15 +200,18 @@ def _hopeless(search: Search, likeliest: MemoryChoice, leasts: list[MemoryChoice
 
 
 def _fastest_fitting(
-    search: Search, ordered: list[tuple[float, MemoryChoice]], constrained: bool, margin: float
+    search: Search, ordered: list[tuple[float, MemoryChoice]], constrained: bool, margin: float, share: float
 ) -> _Solved | None:
     """The fastest plan that fits of the choices in ``ordered`` (``(bound, choice)``, see
     :func:`memory_search`), each solved with the budget in the ILP or not (``constrained``),
-    but for those whose bound cannot beat the best objective found."""
+    but for those whose bound cannot beat the best objective found; a :class:`PlanError` once a
+    choice's bound, as a step (times ``share``, :func:`_hidden_share`), reaches the cutoff
+    (another mesh's step, found while this one was searched: the later choices' bounds are higher)."""
     best: _Solved | None = None
     for i, (bound, choice) in enumerate(ordered):
         if best is not None and bound >= best.stats.objective * (1 - _ROUNDING):
             continue
+        _check_cutoff(search, bound, share)
         if search.clock.share() <= 0:
             break  # time_limit spent: the error names it (no_fit)
         # shares as if every choice were solved: what a skipped one leaves goes to the later ones,
@@ -209,6 +222,17 @@ def _fastest_fitting(
         if best is None or found.plan.step_time_s < best.plan.step_time_s:
             best = found
     return best
+
+
+def _check_cutoff(search: Search, bound: float, share: float) -> None:
+    """A :class:`PlanError` where an ILP objective of at least ``bound`` is, as a step (``bound``
+    times ``share``), no faster than the cutoff (another plan's step)."""
+    if bound * share >= search.cutoff_s:
+        raise PlanError(
+            f"no plan on mesh {search.setting.mesh} beats {search.cutoff_s * 1e3:.1f} ms, a step another "
+            f"plan reaches: the least its ILP's objective can be is {bound * 1e3:.1f} ms, a step of "
+            f"{bound * share * 1e3:.1f} ms where its plans hide as much as its fastest"
+        )
 
 
 def memory_choices(captured: Captured, memory: Memory) -> list[MemoryChoice]:
@@ -232,6 +256,7 @@ class Variant(NamedTuple):
 
     excluded: ParameterGathers | None = None
     launch_floor: LaunchFloor | None = None
+    window: Window | None = None
 
 
 PLAIN = Variant()  # the ILP of the choice as it is
@@ -248,7 +273,15 @@ def _ilp(
     seconds = constant + extra.seconds_constant
     pairs = summed_pairs(pair_costs, extra.seconds_pairs)
     return StrategyILP(
-        costs, pairs, seconds, extra.rows(), limit, dict(search.last), variant.excluded, variant.launch_floor
+        costs,
+        pairs,
+        seconds,
+        extra.rows(),
+        limit,
+        dict(search.last),
+        variant.excluded,
+        variant.launch_floor,
+        variant.window,
     )
 
 
@@ -371,11 +404,26 @@ def _alternatives(
     * where the plan gathers a parameter in forward (FSDP-style storage), it is solved again
       without such gathers: gathers in forward are never hidden, while the gradient sums of a
       parameter stored as used overlap backward (Megatron-LM's Table 1, 1.7B row: 2.23 s against
-      data parallelism's 1.86 before).
+      data parallelism's 1.86 before);
+    * where the step hides a share ``h`` of itself (communication behind compute, launches behind
+      the device), it is solved again for the plan communicating least among those whose objective
+      is within ``1 + h`` of the free plan's (the ILP's ``(within)`` term): plans that close rank
+      either way in the step, and the one moving fewest bytes waits least.
 
-    The free solve's statistics are kept: its bound holds for every variant."""
+    The free solve's statistics are kept: its bound holds for every variant. No variant is solved
+    under a memory ``limit`` or for a free plan over the budget (then searched under it: plans the
+    budget shapes, each variant a solve of seconds on a large model that seldom fits), nor where the
+    free plan's step, less all it hides, already reaches the best step another mesh took
+    (``search.cutoff_s``): a variant re-ranks plans the step tells apart by what it hides."""
     best = free
     prediction, cluster = free.plan.prediction, search.setting.cluster
+    hidden = prediction.hidden_comm_s + prediction.hidden_launch_s
+    if (
+        limit is not None
+        or not _fits(search, free.plan)
+        or prediction.step_time_s - hidden >= search.cutoff_s
+    ):
+        return free
     if cluster.asynchronous and search.setting.pipeline is None and prediction.hidden_launch_s > 0:
         node_costs, compute_constant = search.tables.compute, search.tables.compute_constant
         # the ILP prices one microbatch of those a step accumulates
@@ -386,6 +434,10 @@ def _alternatives(
     if search.gathers[0].at(best.assignment):
         variant = Variant(excluded=search.gathers[0])
         best = _faster(search, best, _solve_within(search, choice, limit, ways, variant))
+    if prediction.comm_s > 0 and hidden > 0:
+        within = free.stats.objective * (1 + hidden / free.plan.step_time_s)
+        window = Window(search.tables.compute, search.tables.compute_constant, within)
+        best = _faster(search, best, _solve_within(search, choice, limit, ways, Variant(window=window)))
     return best if best is free else _Solved(best.evaluated, free.stats, best.ilp)
 
 

@@ -4,11 +4,12 @@ keyed, a child that dies is an error naming its exit code, and one worker runs c
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from autopar.ir.errors import MemoryFitError, PlanError
-from autopar.planning.search.forked import ForkedCalls, can_fork, default_workers
+from autopar.planning.search.forked import ForkedCalls, SharedMinimum, can_fork, default_workers
 
 forking = pytest.mark.skipif(not can_fork(), reason="fork is Linux's")
 
@@ -53,10 +54,28 @@ def test_one_worker_runs_each_call_here_in_order():
 
 @forking
 def test_leaving_ends_the_children_still_running():
-    import time
-
     with pytest.raises(KeyboardInterrupt), ForkedCalls(2) as calls:
         calls.submit("slow", lambda: time.sleep(60))
         children = [child for _, child in calls._children.values()]
         raise KeyboardInterrupt
     assert not children[0].is_alive()
+
+
+def _wait_below(least: SharedMinimum, seconds: float) -> float:
+    deadline = time.monotonic() + 30
+    while least.seconds >= seconds and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return least.seconds
+
+
+@forking
+def test_a_child_reads_the_least_offered_after_it_started():
+    """The automatic mesh's best step, offered by the parent while a candidate is planned in a
+    child, is the cutoff the child reads from then on; a higher offer leaves it."""
+    least = SharedMinimum()
+    with ForkedCalls(2) as calls:
+        calls.submit("reader", lambda: _wait_below(least, 5.0))
+        least.offer(3.0)
+        least.offer(4.0)
+        key, (ok, seen) = calls.next_done()
+    assert key == "reader" and ok and seen == 3.0 and least.seconds == 3.0

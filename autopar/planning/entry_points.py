@@ -28,7 +28,7 @@ from autopar.planning.cost.update_cost import with_update
 from autopar.planning.memory.saved_tensors import measure_saved
 from autopar.planning.planner import Planned, capture_for, cluster_of, evaluate_captured
 from autopar.planning.search.accumulation import accumulated, batch_of
-from autopar.planning.search.forked import ForkedCalls, default_workers
+from autopar.planning.search.forked import ForkedCalls, SharedMinimum, default_workers
 from autopar.planning.search.mesh_search import MeshCandidate, MeshSearch, check_devices
 
 Mesh = MeshSpec | Mapping[str, int] | Any  # a MeshSpec, {axis: size} or a named DeviceMesh
@@ -172,6 +172,7 @@ def plan_for_devices(
     search = MeshSearch.of(devices, cluster, captures.whole, batch_of(args, example_kwargs or {}), options)
     captures.share(search.reuse)
     candidate_options = replace(options, cluster=cluster)  # read once, here, not in every child
+    best = SharedMinimum()  # the best step found, read by the candidates planned meanwhile
     with ForkedCalls(default_workers() if options.workers is None else options.workers) as calls:
         while search.left or calls.running:
             while calls.running < calls.workers and (i := search.next()) is not None:
@@ -183,7 +184,7 @@ def plan_for_devices(
                     # number of workers must not change which plan a mesh gets (on the wall clock the
                     # 39.1B GPT's meshes without a pipeline ran out before their plans)
                     planning = functools.partial(
-                        evaluate_captured, made, mesh, mine, cutoff_s=search.cutoff_s, deterministic=True
+                        evaluate_captured, made, mesh, mine, cutoff_s=best, deterministic=True
                     )
                     calls.submit(i, planning)
                 except (PlanError, AnnotationError) as e:  # its capture: this mesh cannot run the annotations
@@ -194,6 +195,8 @@ def plan_for_devices(
             if calls.running:
                 i, (_, found) = calls.next_done()
                 search.done(i, found, calls.seconds[i])
+                if search.cutoff_s is not None:
+                    best.offer(search.cutoff_s)
     return search.chosen(time.perf_counter() - t0, calls.workers)
 
 

@@ -40,6 +40,7 @@ from autopar.planning.graph.edge_costs import cost_tables
 from autopar.planning.graph.strategy_graph import build_strategy_graph
 from autopar.planning.pipeline.stage_plan import microbatch
 from autopar.planning.search.accumulation import first_microbatch
+from autopar.planning.search.forked import SharedMinimum
 from autopar.planning.search.memory_search import (
     Found,
     Search,
@@ -110,7 +111,7 @@ def evaluate_captured(
     capture_s: float = 0.0,
     fixed_inputs: Mapping[str, Layout] | None = None,
     deterministic: bool = False,
-    cutoff_s: float | None = None,
+    cutoff_s: float | SharedMinimum | None = None,
 ) -> Planned:
     """The plan of a model captured by :func:`capture_for`, evaluated but not yet recorded
     (:class:`Planned`; :func:`plan_captured` records it).
@@ -130,11 +131,12 @@ def evaluate_captured(
         deterministic: limit the solver by CP-SAT's deterministic seconds alone, so that ranks
             planning the same program apart get the same plan; otherwise the wall clock limits it
             too (:class:`~autopar.planning.search.solver.SolverClock`).
-        cutoff_s: a step another plan reaches (the automatic mesh's best so far), or None.
+        cutoff_s: a step another plan reaches, or None; the automatic mesh's best so far, shared with
+            the meshes planned beside this one, which may lower it while this one is planned.
 
     Raises:
         MemoryFitError: no plan fits the budget (:func:`no_fit`).
-        PlanError: the memory search's first solve is bounded at or above ``cutoff_s``.
+        PlanError: the memory search's solves are bounded at or above ``cutoff_s``.
     """
     cluster, pipeline, time_limit = cluster_of(options), options.pipeline, options.time_limit
     memory, memory_budget = _memory_of(options), options.memory_budget
@@ -168,7 +170,7 @@ def evaluate_captured(
         terms=MemoryTerms(g, memory, stage_shares(pipeline, mesh)),
         clock=SolverClock.starting(time_limit, deterministic),
         seed=options.seed,
-        cutoff_s=math.inf if cutoff_s is None else cutoff_s,
+        cutoff=cutoff_s if isinstance(cutoff_s, SharedMinimum) else SharedMinimum(cutoff_s or math.inf),
     )
     build_s = time.perf_counter() - t1
     choices = memory_choices(captured, memory)

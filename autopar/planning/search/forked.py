@@ -14,6 +14,7 @@ start method), so the parent's process group, open files and exit handlers are l
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import sys
@@ -42,6 +43,24 @@ def default_workers() -> int:
 def can_fork() -> bool:
     """Whether calls can run in forked children here (Linux)."""
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+class SharedMinimum:
+    """The least of the seconds offered so far, in memory shared with the children forked after it
+    was made: the parent offers, a child reads the value of the moment (the automatic mesh's best
+    step, which a candidate planned in a child stops at)."""
+
+    def __init__(self, seconds: float = math.inf) -> None:
+        self._value = multiprocessing.RawValue("d", seconds)  # one double: written whole, read whole
+
+    @property
+    def seconds(self) -> float:
+        return self._value.value
+
+    def offer(self, seconds: float) -> None:
+        """Keep ``seconds`` if it is below the least so far."""
+        if seconds < self._value.value:
+            self._value.value = seconds
 
 
 class ForkedCalls:

@@ -10,6 +10,7 @@ naming the least memory reached when none fits.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -86,12 +87,16 @@ class Search:
     tried: list[Evaluated] = field(default_factory=list)  # plans that did not fit
     # solves whose split into pipeline stages did not fit, evaluated without a budget if needed
     unevaluated: list[tuple[MemoryChoice, dict[str, int], SolverReport]] = field(default_factory=list)
-    # parameter_gathers of the graph, made the first time a solve gathers a parameter (one item)
-    gathers: list[ParameterGathers] = field(default_factory=list)
     # solves without a limit, per choice
     unlimited: dict[tuple, _Solved | _Unfit | None] = field(default_factory=dict)
     # the last solve's strategy per root: the next solve's hint (see StrategyILP._hint)
     last: dict[str, int] = field(default_factory=dict)
+
+    @functools.cached_property
+    def gathers(self) -> ParameterGathers:
+        """The strategies of the graph that gather a parameter in forward, found the first time a
+        solve is checked for them (a frozen dataclass's cached property: set once, here)."""
+        return parameter_gathers(self.setting.graph)
 
     @property
     def cutoff_s(self) -> float:
@@ -429,10 +434,8 @@ def _alternatives(
         # the ILP prices one microbatch of those a step accumulates
         floor = LaunchFloor(node_costs, compute_constant, prediction.overhead_s / search.setting.accumulation)
         best = _faster(search, best, _solve_within(search, choice, limit, ways, Variant(launch_floor=floor)))
-    if not search.gathers:
-        search.gathers.append(parameter_gathers(search.setting.graph))
-    if search.gathers[0].at(best.assignment):
-        variant = Variant(excluded=search.gathers[0])
+    if search.gathers.at(best.assignment):
+        variant = Variant(excluded=search.gathers)
         best = _faster(search, best, _solve_within(search, choice, limit, ways, variant))
     if prediction.comm_s > 0 and hidden > 0:
         within = free.stats.objective * (1 + hidden / free.plan.step_time_s)

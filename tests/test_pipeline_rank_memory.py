@@ -210,6 +210,21 @@ def test_fsdp_style_storage_is_named_with_the_bytes_it_saves():
     assert f"saving {m.stored_split_bytes / 2**20:.1f} MiB per rank" in text
 
 
+def test_a_pipeline_ranks_offloaded_optimizer_is_its_own_stages():
+    """The host bytes of an offloaded optimizer are the pipeline rank's holding most, as its device
+    bytes are: a share of the model's, the same share its parameters are."""
+    plans = []
+    for mesh, pipeline in (({"dp": 2}, None), ({"pp": 2, "dp": 2}, Pipeline(4, "1f1b"))):
+        model, args = gpt.build(device="meta", n_layers=4, batch_size=8)
+        memory = autopar.Memory(zero=0, offload_optimizer=True)
+        plans.append(autopar.plan(model, args, mesh, pipeline=pipeline, cluster="a100", memory=memory))
+    whole, staged = plans
+    assert 0 < staged.memory.host_optimizer_bytes < whole.memory.host_optimizer_bytes
+    assert staged.memory.host_optimizer_bytes / whole.memory.host_optimizer_bytes == pytest.approx(
+        staged.prediction.param_bytes / whole.prediction.param_bytes
+    )
+
+
 def _interleaved_rank() -> dict:
     """On each of 2 gloo ranks: a GPT of 4 blocks in 4 stages, 2 per rank, run under torch's
     interleaved schedule, the activations its stages save measured as they are packed."""

@@ -35,6 +35,7 @@ from autopar.ir.plan import (
     CollectiveStep,
     MemoryPlan,
     NodeDecision,
+    PipelinePlan,
     Plan,
     Prediction,
     Redistribution,
@@ -168,6 +169,7 @@ def evaluate_plan(
     comm = sum((r.seconds for r in sums), m * sum(r.seconds for r in redists)) + extras.latency_s
     moved = m * _bytes(redists) + _bytes(sums)
     redists += sums
+    stored = _stored_split(g, state, redists, splits)
     prediction = Prediction(
         step_time_s=compute + comm + extras.added_s,
         compute_s=compute,
@@ -193,12 +195,17 @@ def evaluate_plan(
         prediction=prediction,
         solver=report,
         code="",
-        memory=_memory_plan(setting, choice, splits, acts, state, redists),
+        memory=_memory_plan(setting, choice, splits, acts, state, stored),
         accumulation=m,
     )
     if setting.pipeline is not None:
         inputs = _pipeline_inputs(setting, g, layouts, acts, state, terms)
         result.pipeline, result.prediction = plan_pipeline(result, inputs)  # a whole step under it
+        result.memory = replace(  # what the pipeline rank holding most holds
+            result.memory,
+            host_optimizer_bytes=int(_on_rank({n: b[3] for n, b in state.held.items()}, result.pipeline)),
+            stored_split_bytes=int(_on_rank(stored[1], result.pipeline)),
+        )
     return Evaluated(plan=result, choice=choice, assignment=assignment, graph=g, layouts=layouts)
 
 
@@ -443,10 +450,10 @@ def _memory_plan(
     splits: Mapping[torch.fx.Node, Split],
     acts: ActivationMemory,
     state: HeldState,
-    redists: Iterable[Redistribution],
+    stored_split: tuple[dict[str, tuple[str, ...]], dict[str, float]],
 ) -> MemoryPlan:
     memory, g = setting.memory, setting.graph
-    stored, saved = _stored_split(g, state, redists, splits)
+    stored, saved = stored_split
     return MemoryPlan(
         zero=choice.zero,
         zero_threshold=memory.zero_threshold,
@@ -463,7 +470,7 @@ def _memory_plan(
         host_optimizer_bytes=int(sum(b[3] for b in state.held.values())),
         host_activation_bytes=int(acts.by_autograd if memory.offload_activations else 0.0),
         stored_split=stored,
-        stored_split_bytes=int(saved),
+        stored_split_bytes=int(sum(saved.values())),
     )
 
 
@@ -472,18 +479,19 @@ def _stored_split(
     state: HeldState,
     redists: Iterable[Redistribution],
     splits: Mapping[torch.fx.Node, Split],
-) -> tuple[dict[str, tuple[str, ...]], float]:
+) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
     """FSDP-style storage the solver chose (not ZeRO's ``splits``): each parameter whose layout
     stores it split over mesh axes that every use gathers it over (from it, or from its cast to the
     compute dtype; a use reading it split makes it tensor-parallel, not stored split), with those
-    axes; and the bytes per rank this saves against storing it whole over them: its state (itself,
-    its gradient, its optimizer state) times the pieces less one."""
+    axes; and per parameter (by node) the bytes per rank this saves against storing it whole over
+    them: its state (itself, its gradient, its optimizer state) times the pieces less one."""
     cast = torch.ops.aten._to_copy.default
     gathered: dict[tuple[str, str], set[str]] = {}  # (producer, consumer) -> axes gathered over
     for r in redists:
         steps = [step for step in r.forward if step.kind == CollectiveKind.ALL_GATHER]
         gathered.setdefault((r.src, r.dst), set()).update(a for step in steps for a in step.mesh_axes)
-    stored, saved = {}, 0.0
+    stored: dict[str, tuple[str, ...]] = {}
+    saved: dict[str, float] = {}
     for node, fqn in ((n, g.captured.params[n.name]) for n in g.choices if n.name in g.captured.params):
         # its uses, through its casts to the compute dtype (MixedPrecision)
         uses = [(src, u) for src in (node, *(u for u in node.users if u.target is cast)) for u in src.users]
@@ -494,8 +502,14 @@ def _stored_split(
         if split and node not in splits:
             stored[fqn] = split
             pieces = math.prod(g.mesh.axis_sizes[g.mesh.axis_index(a)] for a in split)
-            saved += sum(state.held[node.name][:3]) * (pieces - 1)
+            saved[node.name] = sum(state.held[node.name][:3]) * (pieces - 1)
     return stored, saved
+
+
+def _on_rank(per_node: Mapping[str, float], pipeline: PipelinePlan) -> float:
+    """The sum of ``per_node`` over the nodes of the pipeline rank holding most (its stages')."""
+    stages, rank = pipeline.node_stages, pipeline.largest_rank
+    return sum(v for name, v in per_node.items() if name in stages and stages[name] % pipeline.size == rank)
 
 
 def _pipeline_inputs(

@@ -21,6 +21,7 @@ from autopar.ir.plan import Plan
 from autopar.ir.report import GRADIENT_SUM
 from autopar.tools.launch import spawn
 from examples import gpt
+from tests.against_one_device import assert_grads_match, assert_params_match
 
 ATOL, RTOL = 1e-5, 1e-4
 MIB = 2**20
@@ -163,13 +164,6 @@ def test_a_saved_plan_brings_its_count_and_a_different_one_is_refused():
 # --------------------------------------------------------------------------- gloo ranks
 
 
-def _grad(dmodel, p: torch.nn.Parameter) -> torch.Tensor:
-    shard = dmodel.zero_shards.get(id(p))
-    if p.grad is None and shard is not None:  # ZeRO-2: only the shard's gradient exists
-        return shard.shard.grad.full_tensor()
-    return p.grad.full_tensor()
-
-
 def _case(
     mesh_shape: tuple, names: tuple, style: str, accumulation: int, zero: int, with_loss_fn: bool
 ) -> str:
@@ -214,22 +208,12 @@ def _case(
         torch.testing.assert_close(
             loss, ref_loss.detach(), atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}: {m}"
         )
-        for name, p in dmodel.named_parameters():
-            torch.testing.assert_close(
-                _grad(dmodel, p),
-                reference.get_parameter(name).grad,
-                atol=ATOL,
-                rtol=RTOL,
-                msg=lambda m, n=name, s=step: f"{where} step {s}: grad of {n}: {m}",
-            )
+        assert_grads_match(dmodel, reference, where, step, ATOL, RTOL)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    for name, p in dmodel.named_parameters():
-        torch.testing.assert_close(
-            p.full_tensor(), reference.get_parameter(name), atol=ATOL, rtol=RTOL, msg=f"{where}: {name}"
-        )
+    assert_params_match(dmodel, reference, where, ATOL, RTOL)
     return where
 
 

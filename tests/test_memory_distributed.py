@@ -28,17 +28,11 @@ import torch
 
 import autopar
 from autopar.tools.launch import spawn
+from tests.against_one_device import assert_grads_match, assert_params_match
 
 pytestmark = pytest.mark.distributed
 
 ATOL, RTOL = 1e-5, 1e-4
-
-
-def _grad(dmodel, name: str, p: torch.nn.Parameter) -> torch.Tensor:
-    shard = dmodel.zero_shards.get(id(p))
-    if p.grad is None and shard is not None:  # ZeRO-2: only the shard's gradient exists
-        return shard.shard.grad.full_tensor()
-    return p.grad.full_tensor()
 
 
 def _case(mesh_shape: tuple, names: tuple, style: str, memory: dict, recompute: str | None) -> dict:
@@ -75,14 +69,7 @@ def _case(mesh_shape: tuple, names: tuple, style: str, memory: dict, recompute: 
         ref_loss = reference(*batch)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}: loss {m}")
-        for name, p in dmodel.named_parameters():
-            torch.testing.assert_close(
-                _grad(dmodel, name, p),
-                reference.get_parameter(name).grad,
-                atol=ATOL,
-                rtol=RTOL,
-                msg=lambda m, n=name, s=step: f"{where} step {s}: grad of {n}: {m}",
-            )
+        assert_grads_match(dmodel, reference, where, step, ATOL, RTOL)
         opt.step()
         ref_opt.step()
         moved = sum(collectives.comm_counts().values())
@@ -90,10 +77,7 @@ def _case(mesh_shape: tuple, names: tuple, style: str, memory: dict, recompute: 
         held = dmodel.state_bytes(opt)
         opt.zero_grad()
         ref_opt.zero_grad()
-    for name, p in dmodel.named_parameters():
-        torch.testing.assert_close(
-            p.full_tensor(), reference.get_parameter(name), atol=ATOL, rtol=RTOL, msg=f"{where}: {name}"
-        )
+    assert_params_match(dmodel, reference, where, ATOL, RTOL)
     prediction, plan = dmodel.plan.prediction, dmodel.plan.memory
     expected = {
         "param": prediction.param_bytes,
@@ -182,14 +166,10 @@ def _pipelined(zero: int, recompute: str | None) -> str:
         ref_loss = _gpt_loss(reference(batch), target)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL, msg=lambda m: f"{where}: loss {m}")
-        for name, p in dmodel.named_parameters():  # this rank's stages' parameters
-            torch.testing.assert_close(
-                _grad(dmodel, name, p), reference.get_parameter(name).grad, atol=ATOL, rtol=RTOL, msg=name
-            )
+        assert_grads_match(dmodel, reference, where, step, ATOL, RTOL)  # this rank's stages' parameters
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    for name, p in dmodel.named_parameters():
-        torch.testing.assert_close(p.full_tensor(), reference.get_parameter(name), atol=ATOL, rtol=RTOL)
+    assert_params_match(dmodel, reference, where, ATOL, RTOL)
     return where

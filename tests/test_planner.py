@@ -520,15 +520,24 @@ def test_a_cutoff_lowered_while_a_mesh_is_searched_ends_its_search(monkeypatch):
 
 def test_a_cutoff_assumes_the_choices_hide_as_much_of_the_objective_as_the_fastest():
     """A step can hide what the ILP's objective counts in full (gradient sums under backward): the
-    cutoff scales the bound by the share of the objective the fastest plan takes, at most 1."""
+    cutoff scales the bound by what the fastest plan's step takes of its objective, at most the
+    microbatches per pipeline rank (the objective prices one microbatch of every stage)."""
     from types import SimpleNamespace
 
-    from autopar.planning.search.memory_search import _hidden_share
+    from autopar.planning.search.memory_search import _step_factor
 
     def solved(step: float, objective: float) -> SimpleNamespace:
         plan, stats = SimpleNamespace(step_time_s=step), SimpleNamespace(objective=objective)
         return SimpleNamespace(plan=plan, stats=stats)
 
-    assert _hidden_share(solved(0.294, 0.353)) == pytest.approx(0.294 / 0.353)
-    assert _hidden_share(solved(0.700, 0.100)) == 1.0  # a pipeline's objective is one microbatch's
-    assert _hidden_share(None) == 1.0
+    def setting(mesh: dict, pipeline=None, accumulation: int = 1) -> SimpleNamespace:
+        return SimpleNamespace(mesh=MeshSpec.of(mesh), pipeline=pipeline, accumulation=accumulation)
+
+    flat = setting({"dp": 8})
+    assert _step_factor(flat, solved(0.294, 0.353)) == pytest.approx(0.294 / 0.353)
+    assert _step_factor(flat, solved(0.700, 0.100)) == 1.0
+    assert _step_factor(flat, None) == 1.0
+    staged = setting({"pp": 2, "dp": 4}, autopar.Pipeline(8, "1f1b"))  # 8 microbatches over 2 ranks
+    assert _step_factor(staged, solved(0.700, 0.100)) == 4.0
+    assert _step_factor(staged, solved(0.300, 0.100)) == pytest.approx(3.0)  # hiding a quarter
+    assert _step_factor(setting({"dp": 8}, accumulation=4), None) == 4.0

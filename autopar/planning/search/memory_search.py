@@ -133,8 +133,8 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Found | 
         return Found(first.evaluated, first.ilp), False
     # no bound when no split into pipeline stages fitted the budget
     base = -math.inf if first is None else first.stats.bound - search.terms.most_seconds(choices[0])
-    share = _hidden_share(first)
-    _check_cutoff(search, base, share)  # every choice's objective is at least base
+    factor = _step_factor(search.setting, first)
+    _check_cutoff(search, base, factor)  # every choice's objective is at least base
     # under a pipeline the ILP's estimate is the share of a rank with stages about equal, which a
     # split balancing memory can beat: no choice is skipped by it
     pipelined = search.setting.pipeline is not None
@@ -165,9 +165,9 @@ def memory_search(search: Search, choices: list[MemoryChoice]) -> tuple[Found | 
             ordered.sort(key=lambda t: search.terms.bytes_at(t[1], solved.assignment))
         if _hopeless(search, ordered[0][1], _least_choices(choices), ways=len(ordered)):
             return None, True
-    best = _fastest_fitting(search, ordered, not pipelined, margin, share)
+    best = _fastest_fitting(search, ordered, not pipelined, margin, factor)
     if best is None and pipelined:
-        best = _fastest_fitting(search, ordered, True, 0.0, share)
+        best = _fastest_fitting(search, ordered, True, 0.0, factor)
     if best is None:
         # the plan of least estimated memory (the error's candidate) is a plan too, when it fits:
         # the solves of faster ones may have run out of time, or their estimates missed a stage's
@@ -205,18 +205,18 @@ def _hopeless(search: Search, likeliest: MemoryChoice, leasts: list[MemoryChoice
 
 
 def _fastest_fitting(
-    search: Search, ordered: list[tuple[float, MemoryChoice]], constrained: bool, margin: float, share: float
+    search: Search, ordered: list[tuple[float, MemoryChoice]], constrained: bool, margin: float, factor: float
 ) -> _Solved | None:
     """The fastest plan that fits of the choices in ``ordered`` (``(bound, choice)``, see
     :func:`memory_search`), each solved with the budget in the ILP or not (``constrained``),
     but for those whose bound cannot beat the best objective found; a :class:`PlanError` once a
-    choice's bound, as a step (times ``share``, :func:`_hidden_share`), reaches the cutoff
+    choice's bound, as a step (times ``factor``, :func:`_step_factor`), reaches the cutoff
     (another mesh's step, found while this one was searched: the later choices' bounds are higher)."""
     best: _Solved | None = None
     for i, (bound, choice) in enumerate(ordered):
         if best is not None and bound >= best.stats.objective * (1 - _ROUNDING):
             continue
-        _check_cutoff(search, bound, share)
+        _check_cutoff(search, bound, factor)
         if search.clock.share() <= 0:
             break  # time_limit spent: the error names it (no_fit)
         # shares as if every choice were solved: what a skipped one leaves goes to the later ones,
@@ -229,14 +229,14 @@ def _fastest_fitting(
     return best
 
 
-def _check_cutoff(search: Search, bound: float, share: float) -> None:
+def _check_cutoff(search: Search, bound: float, factor: float) -> None:
     """A :class:`PlanError` where an ILP objective of at least ``bound`` is, as a step (``bound``
-    times ``share``), no faster than the cutoff (another plan's step)."""
-    if bound * share >= search.cutoff_s:
+    times ``factor``, :func:`_step_factor`), no faster than the cutoff (another plan's step)."""
+    if bound * factor >= search.cutoff_s:
         raise PlanError(
             f"no plan on mesh {search.setting.mesh} beats {search.cutoff_s * 1e3:.1f} ms, a step another "
             f"plan reaches: the least its ILP's objective can be is {bound * 1e3:.1f} ms, a step of "
-            f"{bound * share * 1e3:.1f} ms where its plans hide as much as its fastest"
+            f"{bound * factor * 1e3:.1f} ms where its plans hide as much as its fastest"
         )
 
 
@@ -335,14 +335,20 @@ def _solve_choice(
     return None
 
 
-def _hidden_share(solved: _Solved | None) -> float:
-    """What of the ILP's objective the evaluated plan of ``solved`` takes as its step, at most 1:
-    below 1 where the step hides communication or launches behind compute, which the objective
-    counts in full (docs/automatic_mesh.md: by how much on Llama-3-8B). A cutoff
-    compared with the objective alone could drop a mesh whose step would have won."""
+def _step_factor(setting: PlanSetting, solved: _Solved | None) -> float:
+    """What turns an ILP objective into the least step it can take: the objective prices one
+    microbatch of every stage, so a step of ``m`` microbatches over ``p`` pipeline ranks takes at
+    least ``m / p`` of it on its busiest rank (``m`` accumulated without a pipeline, ``p`` 1), less
+    what it hides: the evaluated plan of ``solved`` gives its step over its objective, at most
+    ``m / p``, below where the step hides communication or launches behind compute, which the
+    objective counts in full (docs/automatic_mesh.md: by how much on Llama-3-8B). A cutoff
+    compared with the objective alone could drop a mesh whose step would have won, or, under a
+    pipeline, never drop one."""
+    pipeline = setting.pipeline
+    scale = setting.accumulation if pipeline is None else pipeline.microbatches / pipeline.size(setting.mesh)
     if solved is None or solved.stats.objective <= 0:
-        return 1.0
-    return min(1.0, solved.plan.step_time_s / solved.stats.objective)
+        return scale
+    return min(scale, solved.plan.step_time_s / solved.stats.objective)
 
 
 def _fits(search: Search, plan: Plan) -> bool:

@@ -17,9 +17,9 @@ Pruned
     each candidate has a lower bound of its step (:class:`Bounds`): the whole model's compute,
     the forward that every memory choice recomputes included, spread perfectly over every
     device, times the pipeline's ``(m + (pp − 1) / v) / m`` for a pipeline of ``m``
-    microbatches and ``v`` stages per rank (its bubble). Candidates are planned those whose
-    pipeline and tensor axes hold the model's state within the budget without ZeRO first,
-    then by bound, then the least data parallelism first. A candidate whose bound is not
+    microbatches and ``v`` stages per rank (its bubble). Candidates are planned by bound; at
+    equal bounds those whose pipeline and tensor axes hold the model's state within the budget
+    without ZeRO first, then the least data parallelism first. A candidate whose bound is not
     below the best predicted step found is not planned: it cannot win. One whose memory bound (the model's
     parameters, gradients and optimizer state split over every device) exceeds the budget is
     not planned at all.
@@ -287,13 +287,13 @@ class MeshSearch:
         meshes = candidate_meshes(devices, cluster, blocks, batch, pipeline, names_matter=not reuse)
         budget = cluster.memory_bytes if options.memory_budget is None else options.memory_budget
 
-        def order(c: MeshCandidate) -> tuple[bool, float, int]:
-            # first the meshes whose pipeline and tensor axes hold the state within the budget without
-            # ZeRO: the likeliest to be planned without a memory search (seconds where one takes tens)
-            # and to win, so that their steps prune the rest or cut their searches short; then by
-            # bound, and at equal bounds the least data parallelism (the least state per device)
+        def order(c: MeshCandidate) -> tuple[float, bool, int]:
+            # by bound (the likeliest to win first, so that their steps prune the rest and, read live
+            # by the candidates planned beside them, cut their searches short); at equal bounds first
+            # the meshes whose pipeline and tensor axes hold the state within the budget without ZeRO
+            # (the likeliest to be planned without a memory search), then the least data parallelism
             modelled = c.sizes.get("pp", 1) * c.sizes.get("tp", 1)
-            return bounds.state_bytes / modelled > budget, c.bound_s, c.sizes.get("dp", 1)
+            return c.bound_s, bounds.state_bytes / modelled > budget, c.sizes.get("dp", 1)
 
         candidates = sorted(
             (

@@ -75,7 +75,7 @@ def test_a_window_finds_the_plan_communicating_least_within_it(seed):
     ilp = _random_problem(rng, roots=5, k=4, density=0.6)
     compute = {r: c * rng.uniform(0, 1, c.shape) for r, c in ilp.node_costs.items()}
     _, best = ilp.exhaustive()
-    window = Window(compute, 0.0, best * 1.1)
+    window = Window(compute, best * 1.1)
     assignment, stats = StrategyILP(ilp.node_costs, ilp.pair_costs, ilp.constant, window=window).solve()
     roots = list(ilp.node_costs)
     plans = [dict(zip(roots, c)) for c in np.ndindex(*(len(ilp.node_costs[r]) for r in roots))]

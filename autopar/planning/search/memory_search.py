@@ -445,7 +445,7 @@ def _alternatives(
         best = _faster(search, best, _solve_within(search, choice, limit, ways, variant))
     if prediction.comm_s > 0 and hidden > 0:
         within = free.stats.objective * (1 + hidden / free.plan.step_time_s)
-        window = Window(search.tables.compute, search.tables.compute_constant, within)
+        window = Window(search.tables.compute, within)
         best = _faster(search, best, _solve_within(search, choice, limit, ways, Variant(window=window)))
     return best if best is free else _Solved(best.evaluated, free.stats, best.ilp)
 

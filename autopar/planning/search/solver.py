@@ -196,10 +196,9 @@ class LaunchFloor(NamedTuple):
 
 class Window(NamedTuple):
     """The ILP's ``(within)`` term: plans whose objective is at most ``seconds``, the one of least
-    objective less its ``compute`` (per root and strategy, and fixed) chosen among them."""
+    objective less its ``compute`` (per root and strategy) chosen among them."""
 
     compute: Mapping[str, np.ndarray]
-    constant: float
     seconds: float
 
 

@@ -100,6 +100,20 @@ def test_show_prints_the_per_rank_program_of_a_transformers_model() -> None:
     assert "input_ids: S(0)" in proc.stdout and "autopar.all_reduce(" in proc.stdout
 
 
+def test_plan_accumulates_microbatches_and_show_lowers_the_saved_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    model = ["examples/gpt.py:build", "batch_size=8", "--mesh", "dp=2", "--cluster", "fast-links"]
+    proc = autopar("plan", *model, "--accumulation", "2", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "gradient accumulation: 2 microbatches per step" in proc.stdout
+    assert json.loads(out.read_text())["accumulation"] == 2
+    shown = autopar("show", str(out))  # captured as planned: one microbatch of the two
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("# per-rank program on mesh dp=2 (rank 0)")
+    searched = autopar("plan", "examples/gpt.py:build", "--devices", "2", "--accumulation", "2")
+    assert searched.returncode != 0 and "accumulation=2 with a device count" in searched.stderr
+
+
 def test_scaling_reports_amdahl_and_gustafson_and_plots(tmp_path: Path) -> None:
     plot = tmp_path / "scaling.png"
     proc = autopar(

@@ -95,24 +95,29 @@ def _precision(a: argparse.Namespace) -> MixedPrecision | None:
 
 
 def cmd_plan(a: argparse.Namespace) -> None:
+    """Plan as ``autopar.plan`` does: a mesh, or a device count whose mesh is searched; the
+    microbatches a step accumulates given (``--accumulation``) or chosen where the batch does not fit."""
+    from rich.console import Console
+
+    from autopar.planning.entry_points import plan as plan_model
+
     model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
-    if a.devices:
-        from rich.console import Console
-
-        from autopar.planning.entry_points import plan as plan_model
-
-        with Console(stderr=True).status(f"searching meshes of {a.devices} devices ..."):
-            plan = plan_model(
-                model,
-                args,
-                a.devices,
-                example_kwargs=kwargs,
-                cluster=a.cluster,
-                memory_budget=a.budget,
-                precision=_precision(a),
-            )
-    else:
-        _, plan = _plan(a, model, args, kwargs, a.mesh)
+    where = (
+        f"meshes of {a.devices} devices"
+        if a.devices
+        else "mesh " + ",".join(f"{k}={n}" for k, n in a.mesh.items())
+    )
+    with Console(stderr=True).status(f"planning {type(model).__name__} on {where} ..."):
+        plan = plan_model(
+            model,
+            args,
+            a.devices or a.mesh,
+            example_kwargs=kwargs,
+            cluster=a.cluster,
+            memory_budget=a.budget,
+            precision=_precision(a),
+            accumulation=a.accumulation,
+        )
     flags = [f"--{flag}={value}" for flag, value in (("batch", a.batch), ("seq", a.seq)) if value is not None]
     plan.source = [a.model, *a.options, *flags]  # for `show plan.json`
     print(plan.summary(width=a.width, verbose=a.verbose))
@@ -150,7 +155,10 @@ def cmd_show(a: argparse.Namespace) -> None:
             spec.batch = spec.seq = None
         model, args, kwargs = load_model(spec.model, spec.options, spec.batch, spec.seq)
         mesh = plan.mesh
-        captured = capture_for(model, args, kwargs, MeshSpec.of(mesh), None)
+        # captured as it was planned: in its precision, one microbatch of those it accumulates
+        precision = MixedPrecision.from_dict(plan.precision) if plan.precision else None
+        spec_mesh, accumulation = MeshSpec.of(mesh), plan.accumulation
+        captured = capture_for(model, args, kwargs, spec_mesh, None, precision, accumulation=accumulation)
     else:
         model, args, kwargs = load_model(a.model, a.options, a.batch, a.seq)
         mesh = a.mesh
@@ -385,6 +393,11 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--devices", type=positive_int, help="a device count: the mesh is searched too")
     plan.add_argument(
         "--budget", type=parse_bytes, help="memory per device, e.g. 80GB (default: the cluster's)"
+    )
+    plan.add_argument(
+        "--accumulation",
+        type=positive_int,
+        help="microbatches each step accumulates, with --mesh (default: 1, more where the batch won't fit)",
     )
     plan.add_argument("-o", "--output", type=writable, help="save the plan as JSON here")
     plan.add_argument("--verbose", action="store_true", help="every op and redistribution in the tables")

@@ -156,3 +156,48 @@ def test_zero_2_holds_whole_gradients_while_a_step_accumulates(accumulation):
         grads[zero] = plan.prediction.grad_bytes
     assert (grads[2] == grads[1]) == (accumulation > 1)
     assert grads[2] <= grads[1]
+
+
+def test_a_table_1_rank_holds_what_a_hand_count_says():
+    """Megatron-LM's Table 1, 39.1B row (tp=8, pp=2, dp=32, microbatch 4, 1F1B, bf16, full
+    recompute keeping each block's input), Megatron's layouts pinned: the busiest pipeline rank's
+    memory as the plan reports it is within 10% of a hand count of what that rank holds (issue
+    44's target), its state and its activations each: 16 bytes per parameter of its stages (fp32
+    weight and gradient, Adam's two moments), the tensor-parallel ones a tp-th each, and each of
+    its blocks' bf16 input for every microbatch in flight (1F1B: as many as the stages from its
+    own to the last)."""
+    from bench import paper_tables
+
+    run = next(r for r in paper_tables.TABLE_1 if r.name == "39.1B")
+    model, args = paper_tables.build(run)
+    paper_tables.stage_evenly(model, run.pp)
+    paper_tables.megatron_layouts(model)
+    plan = autopar.plan(
+        model,
+        args,
+        paper_tables.mesh_of(run),
+        cluster="a100",
+        pipeline=autopar.Pipeline(run.microbatches, "1f1b"),
+        memory=autopar.Memory(zero=0),
+        precision=autopar.MixedPrecision(),
+    )
+    rank, blocks = plan.pipeline.largest_rank, run.layers // run.pp
+    split_by_tp = ("attn.q.", "attn.k.", "attn.v.", "mlp.fc.", "attn.proj.weight", "mlp.proj.weight")
+
+    def stage(fqn: str) -> int:
+        if fqn.startswith("blocks."):
+            return int(fqn.split(".")[1]) // blocks
+        return 0 if fqn.startswith(("wte.", "wpe.")) else run.pp - 1
+
+    def pieces(fqn: str) -> int:
+        return run.tp if fqn.startswith(("wte.", "lm_head.")) or any(k in fqn for k in split_by_tp) else 1
+
+    numel = sum(p.numel() // pieces(f) for f, p in model.named_parameters() if stage(f) == rank)
+    state = 16 * numel
+    kept = run.microbatch * 2048 * run.hidden * 2 * blocks * (run.pp - rank)
+    predicted = plan.prediction
+    assert predicted.param_bytes + predicted.grad_bytes + predicted.optimizer_bytes == pytest.approx(
+        state, rel=0.1
+    )
+    assert predicted.activation_bytes == pytest.approx(kept, rel=0.1)
+    assert plan.peak_memory_bytes == pytest.approx(state + kept, rel=0.1)

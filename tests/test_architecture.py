@@ -148,7 +148,7 @@ LINE_BUDGETS = {
     "autopar.planning.pipeline": 1050,
     "autopar.planning.memory": 1300,
     "autopar.planning.assembly": 1050,
-    "autopar.planning.search": 2020,
+    "autopar.planning.search": 2350,
 }
 
 

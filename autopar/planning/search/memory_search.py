@@ -262,6 +262,7 @@ class Variant(NamedTuple):
     excluded: ParameterGathers | None = None
     launch_floor: LaunchFloor | None = None
     window: Window | None = None
+    most_s: float = math.inf  # the solve's deterministic seconds at most (besides the clock's share)
 
 
 PLAIN = Variant()  # the ILP of the choice as it is
@@ -378,7 +379,8 @@ def _solve_within(
     ilp = _ilp(search, choice, limit, variant or PLAIN)
     clock = search.clock
     try:
-        solved = ilp.solve(time_limit=clock.share(ways), seed=search.seed, wall_limit=clock.wall_share(ways))
+        time_limit = min(clock.share(ways), (variant or PLAIN).most_s)
+        solved = ilp.solve(time_limit=time_limit, seed=search.seed, wall_limit=clock.wall_share(ways))
     except SolverTimeout:
         # its share of the time ran out: a candidate solved before may still fit (no_fit says so otherwise)
         search.timed_out.append(choice)
@@ -416,10 +418,11 @@ def _alternatives(
       without such gathers: gathers in forward are never hidden, while the gradient sums of a
       parameter stored as used overlap backward (Megatron-LM's Table 1, 1.7B row: 2.23 s against
       data parallelism's 1.86 before);
-    * where the step hides a share ``h`` of itself (communication behind compute, launches behind
-      the device), it is solved again for the plan communicating least among those whose objective
-      is within ``1 + h`` of the free plan's (the ILP's ``(within)`` term): plans that close rank
-      either way in the step, and the one moving fewest bytes waits least.
+    * where the step hides a share ``h`` of itself behind compute (communication), it is solved
+      again for the plan communicating least among those whose objective is within ``1 + h`` of
+      the free plan's (the ILP's ``(within)`` term), in at most twice the solver's time the free
+      solve took: plans that close rank either way in the step, and the one moving fewest bytes
+      waits least.
 
     The free solve's statistics are kept: its bound holds for every variant. No variant is solved
     under a memory ``limit`` or for a free plan over the budget (then searched under it: plans the
@@ -443,10 +446,12 @@ def _alternatives(
     if search.gathers.at(best.assignment):
         variant = Variant(excluded=search.gathers)
         best = _faster(search, best, _solve_within(search, choice, limit, ways, variant))
-    if prediction.comm_s > 0 and hidden > 0:
-        within = free.stats.objective * (1 + hidden / free.plan.step_time_s)
+    if prediction.comm_s > 0 and prediction.hidden_comm_s > 0:
+        within = free.stats.objective * (1 + prediction.hidden_comm_s / free.plan.step_time_s)
         window = Window(search.tables.compute, within)
-        best = _faster(search, best, _solve_within(search, choice, limit, ways, Variant(window=window)))
+        # a refinement of the free plan: at most twice the solver's time that plan took
+        variant = Variant(window=window, most_s=2 * free.stats.deterministic_seconds)
+        best = _faster(search, best, _solve_within(search, choice, limit, ways, variant))
     return best if best is free else _Solved(best.evaluated, free.stats, best.ilp)
 
 

@@ -208,6 +208,7 @@ class SolverStats:
     constraints: int
     build_seconds: float
     solve_seconds: float
+    deterministic_seconds: float  # CP-SAT's deterministic time of the solve (the same on every host)
     objective: float  # seconds
     bound: float  # seconds, a lower bound on any plan's cost
     gap: float  # (objective - bound) / objective
@@ -434,6 +435,7 @@ class StrategyILP:
             constraints=len(proto.constraints),
             build_seconds=build,
             solve_seconds=solve,
+            deterministic_seconds=solver.deterministic_time,
             objective=objective_s,
             bound=min(bound, objective_s),
             gap=0.0 if objective_s <= 0 else max(0.0, (objective_s - bound) / objective_s),

@@ -291,16 +291,17 @@ class StrategyILP:
         return y
 
     def _within(
-        self, model: cp_model.CpModel, s: dict[str, list], nodes: dict[str, np.ndarray], terms: list
+        self, model: cp_model.CpModel, nodes: dict[str, np.ndarray], weights: list, others: list
     ) -> None:
-        """The within term: the objective's ``terms`` (in units) at most the window, and the objective
-        less the window's compute minimised (its edge and launch terms shared)."""
+        """The within term: the objective (the roots' ``weights``, in the order of ``nodes``, and the
+        ``others``: edge and launch terms, in units) at most the window, and the objective less the
+        window's compute minimised."""
         window = self.window
-        model.Add(sum(w * v for w, v in terms) <= self._int(window.seconds - self.constant))
-        compute = {(r, i): self._int(float(c[i])) for r, c in window.compute.items() for i in range(len(c))}
-        node_vars = {id(s[r][i]): (r, i) for r in nodes for i in range(len(nodes[r]))}
-        rest = [(w - compute.get(node_vars[id(v)], 0) if id(v) in node_vars else w, v) for w, v in terms]
-        model.Minimize(sum(w * v for w, v in rest if w > 0))
+        room = self._int(window.seconds - self.constant)
+        model.Add(sum(w * v for w, v in weights + others if w > 0) <= room)
+        compute = [self._int(float(window.compute[r][i])) for r, c in nodes.items() for i in range(len(c))]
+        less = [(w - k, v) for (w, v), k in zip(weights, compute)]
+        model.Minimize(sum(w * v for w, v in less + others if w > 0))
 
     def _allowed(self, assignment: Mapping[str, int]) -> bool:
         """Whether ``assignment`` takes no excluded strategy or pair."""
@@ -397,13 +398,12 @@ class StrategyILP:
             self._memory_budget(model, s, edges)
         # + i units: of strategies priced alike, the first wins (see the module docstring)
         weights = [(self._int(c[i]) + i, s[r][i]) for r, c in nodes.items() for i in range(len(c))]
-        objective = [(w, v) for w, v in weights if w > 0]
         if self.launch_floor is not None:
-            objective.append((1, self._launches(model, s)))
+            terms.append((1, self._launches(model, s)))
         if self.window is None:
-            model.Minimize(sum(w * v for w, v in objective + terms))
+            model.Minimize(sum(w * v for w, v in weights + terms if w > 0))
         else:
-            self._within(model, s, nodes, objective + terms)
+            self._within(model, nodes, weights, terms)
         hinted = self._hint(model, s, nodes)
         build = time.perf_counter() - t0
         solver = self._solver(time_limit, seed, wall_limit)
